@@ -1,0 +1,250 @@
+"""ServiceClient and TrainingClient: the Tinker training API over a tinkerq fleet.
+
+Every call encodes its request once (msgpack), claim-checks it if large, and posts it as a Celery task
+to the queue of the worker that holds the training session. Requests of one training client carry
+increasing ``seq_id``s; the worker applies them strictly in that order, so callers may submit many
+forward_backward / optim_step pairs without waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tinkerq import keys, types
+from tinkerq.celery_app import TASK_NAMES
+from tinkerq.connection import Connection
+from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
+from tinkerq.settings import Settings
+from tinkerq.validation import Limits, validate_adam, validate_loss_request
+from tinkerq.wire import codec, messages
+
+from producer.futures import APIFuture
+
+log = logging.getLogger("tinkerq.producer")
+
+
+class ServiceClient:
+    """Entry point: connects to a fleet and opens training clients on the models it serves.
+
+    ``broker_url`` (or ``TINKERQ_BROKER_URL``) names the fleet's Redis; ``"memory://"`` talks to an
+    embedded fleet in this process (see ``worker.embedded``).
+    """
+
+    def __init__(self, broker_url: str | None = None, *, settings: Settings | None = None) -> None:
+        settings = settings or Settings.from_env(broker_url=broker_url)
+        if settings.broker_url is None:
+            raise UserError(
+                "no broker configured: pass ServiceClient(broker_url='redis://host:6379/0') or set "
+                "TINKERQ_BROKER_URL (use 'memory://' with an embedded fleet in this process)"
+            )
+        self.settings = settings
+        self.connection = Connection.open(settings)
+        self._backend_lock = threading.Lock()
+
+    def get_server_capabilities(self) -> list[str]:
+        """Base models some live worker currently serves."""
+        return sorted({w["base_model"] for w in self.connection.workers_serving()})
+
+    def create_training_client(self, base_model: str, *, timeout: float | None = None) -> TrainingClient:
+        """Open a new full-parameter training session on a fresh copy of ``base_model``'s weights.
+
+        ``base_model`` is the model a worker serves: the local Hugging Face directory it was started with.
+        """
+        base_model = normalize_model_name(base_model)
+        if not self.connection.workers_serving(base_model):
+            served = self.get_server_capabilities()
+            raise UnknownModelError(
+                f"no worker serves {base_model!r}; served now: {served or 'none'}. "
+                f"Start one with: tinkerq worker --model {base_model}"
+            )
+        model_id = uuid.uuid4().hex
+        timeout = self.settings.create_timeout_s if timeout is None else timeout
+        future = self._send(
+            "create_model",
+            {"base_model": base_model},
+            model_id=model_id,
+            seq_id=0,
+            queue=keys.model_queue(base_model),
+            decode=messages.decode_model_info,
+            argsrepr=f"base_model={base_model}",
+        )
+        try:
+            info = future.result(timeout=timeout)
+        except RequestTimeoutError:
+            raise RequestTimeoutError(
+                f"no worker opened a session on {base_model!r} within {timeout:g} s "
+                f"(registered workers may be busy or gone); check `tinkerq fleet status`"
+            ) from None
+        return TrainingClient(self, info)
+
+    def _send(
+        self,
+        op: str,
+        body: dict[str, Any],
+        *,
+        model_id: str,
+        seq_id: int,
+        queue: str,
+        decode: Callable[[Any], Any],
+        argsrepr: str,
+    ) -> APIFuture[Any]:
+        claim_check = self.connection.claim_check()
+        try:
+            ref = claim_check.wrap(codec.packb(body))
+        except TinkerqError as exc:
+            return APIFuture.failed(exc)
+        envelope = messages.make_envelope(op, model_id, seq_id, ref)
+        async_result = self.connection.app.send_task(
+            TASK_NAMES[op],
+            args=(envelope,),
+            queue=queue,
+            # What Flower shows: never tensors.
+            argsrepr=f"model_id={model_id[:8]} seq={seq_id} {argsrepr}".strip(),
+            kwargsrepr="{}",
+        )
+        return APIFuture(
+            async_result,
+            decode,
+            claim_check=claim_check,
+            backend_lock=self._backend_lock,
+            poll_interval=0.002 if self.settings.is_embedded else 0.05,
+            describe=f"{op} seq={seq_id}",
+        )
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TrainingClient:
+    """One training session: a model's weights, pending gradients and optimizer state on one worker."""
+
+    def __init__(self, service: ServiceClient, info: types.ModelInfo) -> None:
+        self.service = service
+        self.info = info
+        self.model_id = info.model_id
+        self._seq = itertools.count(1)
+        self._seq_lock = threading.Lock()
+        self._queue = keys.worker_queue(info.worker)
+        s = service.settings
+        self._limits = Limits(max_datums=s.max_datums, max_batch_tokens=s.max_batch_tokens)
+
+    # -- the training API ---------------------------------------------------------------------------------
+
+    def forward_backward(
+        self, data: Sequence[types.Datum], loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, Any] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Compute the loss and per-token outputs; gradients ADD to the session's pending gradients."""
+        return self._loss_call("forward_backward", data, loss_fn, loss_fn_config)
+
+    def forward(
+        self, data: Sequence[types.Datum], loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, Any] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Like forward_backward, without gradients."""
+        return self._loss_call("forward", data, loss_fn, loss_fn_config)
+
+    def optim_step(self, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
+        """Apply AdamW to the gradients of every forward_backward submitted before this call, then zero them."""
+        adam_params = adam_params or types.AdamParams()
+        try:
+            validate_adam(adam_params)
+        except TinkerqError as exc:
+            return APIFuture.failed(exc)
+        return self._submit(
+            "optim_step", messages.encode_adam(adam_params), messages.decode_optim_step_response,
+            argsrepr=f"lr={adam_params.learning_rate:g}",
+        )
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[types.SaveWeightsResponse]:
+        """Write the current weights as a plain Hugging Face model directory; the future holds its path."""
+        return self._submit(
+            "save_weights_for_sampler", {"name": name},
+            lambda body: types.SaveWeightsResponse(path=str(body["path"])), argsrepr=f"name={name}",
+        )
+
+    def echo(self, body: dict[str, Any]) -> APIFuture[dict[str, Any]]:
+        """Send ``body`` through the fleet and back, untouched (latency probes, benchmarks)."""
+        return self._submit("echo", body, lambda b: b, argsrepr="")
+
+    def get_info(self) -> types.ModelInfo:
+        return self.info
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Release the session's memory on the worker (after every earlier request has been applied)."""
+        self._submit("close_model", {}, lambda b: b, argsrepr="").result(timeout=timeout)
+
+    # Tinker's async spellings: `await tc.forward_backward_async(...)` gives the future to await again.
+    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward(*args, **kwargs)
+
+    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward(*args, **kwargs)
+
+    async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture[types.OptimStepResponse]:
+        return self.optim_step(*args, **kwargs)
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _loss_call(
+        self, op: str, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        data = list(data) if isinstance(data, (list, tuple)) else data
+        try:
+            validate_loss_request(
+                data, loss_fn, loss_fn_config, limits=self._limits,
+                vocab_size=self.info.vocab_size, max_seq_len=self.info.max_seq_len,
+            )
+        except TinkerqError as exc:
+            return APIFuture.failed(exc)  # refused here: no sequence number used, the model is untouched
+        tokens = sum(d.model_input.length for d in data)
+        return self._submit(
+            op, messages.encode_loss_request(data, loss_fn, loss_fn_config),
+            messages.decode_forward_backward_output,
+            argsrepr=f"loss_fn={loss_fn} datums={len(data)} tokens={tokens}",
+        )
+
+    def _submit(self, op: str, body: dict[str, Any], decode: Callable[[Any], Any], *, argsrepr: str,
+                seq_id: int | None = None) -> APIFuture[Any]:
+        """Post one ordered request. ``seq_id`` is given only by tests that replay or reorder requests."""
+        if seq_id is None:
+            seq_id = self.next_seq_id()
+        return self.service._send(
+            op, body, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode, argsrepr=argsrepr
+        )
+
+    def next_seq_id(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+
+def normalize_model_name(base_model: str) -> str:
+    """Local model directories are named by their absolute path, so relative paths match the worker's."""
+    if not isinstance(base_model, str) or not base_model:
+        raise UserError(f"base_model must be a non-empty string, got {base_model!r}")
+    if os.path.isdir(base_model):
+        return os.path.abspath(base_model)
+    return base_model
+
+
+def wait_all(futures: Sequence[APIFuture[Any]], timeout: float | None = None) -> list[Any]:
+    """Results of several futures, in order, with one overall deadline."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for f in futures:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        out.append(f.result(timeout=remaining))
+    return out

@@ -1,0 +1,59 @@
+"""The Celery app both sides share: task names, the only accepted serializer, queue behaviour."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from tinkerq.settings import Settings
+from tinkerq.wire.codec import CONTENT_TYPE, SERIALIZER_NAME, register_kombu_serializer
+
+# Every operation a training client can ask of a worker. The task name reads as what it does (Flower).
+OPS = (
+    "create_model",
+    "close_model",
+    "forward_backward",
+    "forward",
+    "optim_step",
+    "save_weights_for_sampler",
+    "echo",
+)
+TASK_NAMES: dict[str, str] = {op: f"tinkerq.{op}" for op in OPS}
+
+
+def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
+    """A Celery app configured for tinkerq; workers register task bodies on it, producers send by name."""
+    register_kombu_serializer()
+    embedded = settings.is_embedded
+    broker = "memory://" if embedded else settings.broker_url
+    backend = "cache+memory://" if embedded else settings.backend_url
+    app = Celery(main, broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        # Only our msgpack: a pickle (or JSON) message is rejected before its body is decoded.
+        task_serializer=SERIALIZER_NAME,
+        result_serializer=SERIALIZER_NAME,
+        event_serializer="json",  # events are metadata for Flower; they never carry tensors
+        accept_content=[CONTENT_TYPE],
+        result_accept_content=[CONTENT_TYPE],
+        # A request is acknowledged only once it has been answered, and requeued if the worker dies.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        # Long forward_backward calls must not be redelivered while they run.
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            **({"polling_interval": 0.002} if embedded else {}),
+        },
+        result_expires=settings.result_ttl_s,
+        result_backend_transport_options={"retry_policy": {"timeout": settings.connect_timeout_s}},
+        broker_connection_timeout=settings.connect_timeout_s,
+        broker_connection_retry_on_startup=False,
+        redis_socket_connect_timeout=settings.connect_timeout_s,
+        task_default_queue="tinkerq.default",
+        task_create_missing_queues=True,
+        # Operators see what each worker does (Flower needs task events).
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        enable_utc=True,
+    )
+    return app

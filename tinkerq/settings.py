@@ -1,0 +1,115 @@
+"""Settings: one typed object, built in one place from arguments and ``TINKERQ_*`` environment.
+
+Every other module takes a :class:`Settings`; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tinkerq.errors import UserError
+
+ENV_PREFIX = "TINKERQ_"
+MEMORY_BROKER = "memory://"
+
+
+class SettingsError(UserError):
+    """A setting has a value that cannot work; the message names the variable and the fix."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where messages travel. None means "not configured": commands that can, run an embedded fleet.
+    broker_url: str | None = None
+    # Celery result backend; defaults to the broker's Redis.
+    result_backend: str | None = None
+    # Payloads larger than this travel as separate Redis values referenced from the message
+    # (claim check) instead of inside kombu's base64 JSON envelope.
+    claim_check_bytes: int = 16 * 1024
+    # Time to live of claim-checked payloads and of results in the backend.
+    blob_ttl_s: int = 3600
+    result_ttl_s: int = 3600
+    # Hard limits on a single request; larger ones are refused with a user error.
+    max_message_bytes: int = 256 * 1024 * 1024
+    max_datums: int = 8192
+    max_batch_tokens: int = 4 * 1024 * 1024
+    # Seconds a producer waits for the broker to answer before failing.
+    connect_timeout_s: float = 5.0
+    # Seconds to wait for a worker to open a training session (the model must be served).
+    create_timeout_s: float = 120.0
+    # How often workers refresh their "I serve model X" registration, and how long it lives.
+    heartbeat_s: float = 5.0
+    # Long tasks must not be redelivered while they run (field-notes: visibility_timeout).
+    visibility_timeout_s: int = 12 * 3600
+    # -- worker options ----------------------------------------------------------------------------------
+    # torch device and dtype a worker holds its model in.
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Training sessions (each a full copy of weights + AdamW state) one worker holds at once.
+    max_sessions: int = 4
+    # Sessions idle this long may be closed to make room for a new one.
+    session_idle_ttl_s: float = 1800.0
+    # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
+    microbatch_tokens: int = 16384
+    # Where workers write weights (save_weights_for_sampler); must be shared by workers and users.
+    checkpoint_dir: str = str(Path.home() / ".cache" / "tinkerq" / "checkpoints")
+
+    @property
+    def backend_url(self) -> str | None:
+        return self.result_backend or self.broker_url
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.broker_url is None or self.broker_url.startswith("memory://")
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then ``TINKERQ_<FIELD>`` variables, then explicit non-None ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f.name, raw, f.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SettingsError(f"unknown settings: {sorted(unknown)}")
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
+                     "max_batch_tokens", "max_sessions", "microbatch_tokens"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise SettingsError(f"TINKERQ_DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for url in (self.broker_url, self.result_backend):
+            if url and not url.startswith(("redis://", "rediss://", "unix://", "memory://")):
+                raise SettingsError(
+                    f"broker/result URL {url!r} is not supported: use redis://[:password@]host:port/db "
+                    f"(or rediss:// for TLS)"
+                )
+
+
+def _parse(name: str, raw: str, type_: Any) -> Any:
+    kind = str(type_)
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None
+    return raw

@@ -1,0 +1,198 @@
+"""Tinker-compatible data types: the same names and fields as the public ``tinker`` SDK.
+
+These are plain classes over numpy arrays (no torch, no pydantic). ``TensorData`` keeps its values as a
+numpy array internally, so a 16x4096 batch is never turned into Python lists on the hot path; the
+Tinker-style ``data`` / ``tolist()`` views are computed on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+# dtypes the Tinker API speaks for TensorData.
+TensorDtype = Literal["int64", "float32"]
+_TENSOR_DTYPES: dict[str, np.dtype] = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32)}
+
+# Plain lists / arrays given as loss_fn_inputs are coerced by key (Tinker does the same).
+LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {
+    "target_tokens": "int64",
+    "weights": "float32",
+    "advantages": "float32",
+    "logprobs": "float32",
+}
+
+
+class TensorData:
+    """A flat tensor with a dtype ("int64" | "float32") and an optional shape."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, data: Any, dtype: str | None = None, shape: Sequence[int] | None = None) -> None:
+        array = np.asarray(data)
+        if dtype is not None:
+            if dtype not in _TENSOR_DTYPES:
+                raise ValueError(f"TensorData dtype must be one of {sorted(_TENSOR_DTYPES)}, got {dtype!r}")
+            array = array.astype(_TENSOR_DTYPES[dtype], copy=False)
+        if shape is not None:
+            array = array.reshape(tuple(shape))
+        self._array = array
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        return cls(array)
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> TensorData:
+        return cls(tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        return self._array
+
+    def to_torch(self) -> Any:
+        import torch  # lazy: the core never imports torch at module level
+
+        return torch.from_numpy(np.array(self._array))  # a writable copy
+
+    def tolist(self) -> list[Any]:
+        return self._array.reshape(-1).tolist()
+
+    @property
+    def data(self) -> list[Any]:
+        return self.tolist()
+
+    @property
+    def dtype(self) -> str:
+        return self._array.dtype.name
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def __len__(self) -> int:
+        return int(self._array.shape[0]) if self._array.ndim else 1
+
+    def __repr__(self) -> str:
+        return f"TensorData(dtype={self.dtype}, shape={self.shape})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TensorData)
+            and self.dtype == other.dtype
+            and np.array_equal(self._array, other._array)
+        )
+
+
+@dataclass
+class EncodedTextChunk:
+    tokens: Sequence[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ModelInput:
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int] | np.ndarray) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=tokens)])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def append_int(self, token: int) -> ModelInput:
+        return ModelInput(chunks=[*self.chunks, EncodedTextChunk(tokens=[token])])
+
+    def to_ints(self) -> list[int]:
+        return [int(t) for chunk in self.chunks for t in chunk.tokens]
+
+    def to_numpy(self) -> np.ndarray:
+        """All tokens as one array, int64 when they are integers.
+
+        Non-integer tokens are passed through unchanged (not truncated) so validation can name them.
+        """
+        parts = [np.asarray(c.tokens) for c in self.chunks]
+        parts = [p.astype(np.int64, copy=False) if p.dtype.kind in "iu" or p.size == 0 else p for p in parts]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts)
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+def _coerce_loss_input(key: str, value: Any) -> TensorData:
+    if isinstance(value, TensorData):
+        return value  # explicit TensorData keeps its dtype; the validator checks it
+    dtype = LOSS_INPUT_DTYPES.get(key)
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return TensorData(value, dtype=dtype)
+
+
+@dataclass
+class Datum:
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.loss_fn_inputs = {k: _coerce_loss_input(k, v) for k, v in dict(self.loss_fn_inputs).items()}
+
+
+@dataclass
+class AdamParams:
+    """AdamW hyper-parameters with Tinker's defaults (decoupled weight decay, as torch.optim.AdamW)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping; otherwise the global L2 norm
+
+
+LossFnOutput = dict[str, TensorData]
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_output_type: str
+    loss_fn_outputs: list[LossFnOutput]
+    metrics: dict[str, float]
+
+
+@dataclass
+class OptimStepResponse:
+    metrics: dict[str, float] | None = None
+
+
+@dataclass
+class ModelInfo:
+    """What a worker tells a new training client about the model it serves."""
+
+    model_id: str
+    base_model: str
+    vocab_size: int
+    max_seq_len: int
+    num_parameters: int
+    worker: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SaveWeightsResponse:
+    path: str
+
+
+LOSS_FNS: tuple[str, ...] = ("cross_entropy",)

@@ -1,0 +1,164 @@
+"""Validation of whole requests, before anything touches a model.
+
+The same functions run in the producer (so most mistakes fail fast, without using a sequence number)
+and in the worker (which trusts nothing on the wire). Every error names the datum and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from tinkerq import types
+from tinkerq.errors import ValidationError
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()
+
+
+# loss_fn -> which loss_fn_inputs it needs. RL inputs are accepted (and ignored) by cross_entropy so an RL
+# batch can be scored with it; they are never required for SFT.
+LOSS_SPECS: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(required=("target_tokens", "weights"), optional=("logprobs", "advantages")),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_datums: int
+    max_batch_tokens: int
+
+
+def validate_loss_request(
+    data: Any,
+    loss_fn: Any,
+    loss_fn_config: Any,
+    *,
+    limits: Limits,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> None:
+    """Raise ValidationError for the first problem found in a forward/forward_backward request."""
+    spec = LOSS_SPECS.get(loss_fn) if isinstance(loss_fn, str) else None
+    if spec is None:
+        raise ValidationError(f"unknown loss_fn {loss_fn!r}; this fleet serves {sorted(LOSS_SPECS)}")
+    config = loss_fn_config or {}
+    if not isinstance(config, dict):
+        raise ValidationError(f"loss_fn_config must be a dict or None, got {type(loss_fn_config).__name__}")
+    unknown_config = set(config) - set(spec.config_keys)
+    if unknown_config:
+        raise ValidationError(
+            f"loss_fn_config keys {sorted(unknown_config)} are not understood by {loss_fn!r} "
+            f"(it takes {list(spec.config_keys) or 'none'})"
+        )
+    if not isinstance(data, (list, tuple)):
+        raise ValidationError(f"data must be a list of Datum, got {type(data).__name__}")
+    if not data:
+        raise ValidationError("data is empty: forward_backward needs at least one Datum")
+    if len(data) > limits.max_datums:
+        raise ValidationError(
+            f"batch has {len(data)} datums, more than the limit of {limits.max_datums} "
+            f"(TINKERQ_MAX_DATUMS); split it into several forward_backward calls (gradients add up)"
+        )
+    total = 0
+    allowed = set(spec.required) | set(spec.optional)
+    for i, datum in enumerate(data):
+        if not isinstance(datum, types.Datum):
+            raise ValidationError(f"datum {i}: expected a types.Datum, got {type(datum).__name__}")
+        n = _validate_tokens(i, datum.model_input.to_numpy(), vocab_size, max_seq_len)
+        total += n
+        inputs = datum.loss_fn_inputs
+        for key in spec.required:
+            if key not in inputs:
+                raise ValidationError(
+                    f"datum {i}: loss_fn_inputs is missing {key!r}, required by {loss_fn!r} "
+                    f"(it needs {list(spec.required)})"
+                )
+        for key, tensor in inputs.items():
+            if key not in allowed:
+                raise ValidationError(
+                    f"datum {i}: loss_fn_inputs[{key!r}] is not an input of {loss_fn!r} "
+                    f"(it takes {sorted(allowed)})"
+                )
+            _validate_input(i, key, tensor.to_numpy(), n, vocab_size)
+    if total > limits.max_batch_tokens:
+        raise ValidationError(
+            f"batch has {total} tokens, more than the limit of {limits.max_batch_tokens} "
+            f"(TINKERQ_MAX_BATCH_TOKENS); split it into several forward_backward calls"
+        )
+
+
+def _validate_tokens(i: int, tokens: np.ndarray, vocab_size: int | None, max_seq_len: int | None) -> int:
+    if tokens.ndim != 1:
+        raise ValidationError(f"datum {i}: model_input must be a flat token list, got shape {tokens.shape}")
+    n = int(tokens.shape[0])
+    if n == 0:
+        raise ValidationError(f"datum {i}: model_input is empty")
+    if tokens.dtype.kind not in "iu":
+        raise ValidationError(f"datum {i}: model_input tokens must be integers, got dtype {tokens.dtype}")
+    if max_seq_len is not None and n > max_seq_len:
+        raise ValidationError(
+            f"datum {i}: model_input has {n} tokens, longer than the model's maximum of {max_seq_len}"
+        )
+    _check_ids(i, "model_input", tokens, vocab_size)
+    return n
+
+
+def _check_ids(i: int, field: str, ids: np.ndarray, vocab_size: int | None) -> None:
+    low = int(ids.min())
+    if low < 0:
+        raise ValidationError(f"datum {i}: {field} has a negative token id {low} at position {int(ids.argmin())}")
+    if vocab_size is not None:
+        high = int(ids.max())
+        if high >= vocab_size:
+            raise ValidationError(
+                f"datum {i}: {field} has token id {high} at position {int(ids.argmax())}, "
+                f"outside the model's vocabulary of {vocab_size}"
+            )
+
+
+def _validate_input(i: int, key: str, values: np.ndarray, n: int, vocab_size: int | None) -> None:
+    field = f"loss_fn_inputs[{key!r}]"
+    expected = types.LOSS_INPUT_DTYPES[key]
+    if values.dtype.name != expected:
+        raise ValidationError(
+            f"datum {i}: {field} has dtype {values.dtype.name}, expected {expected} "
+            f"(pass a plain list or cast the array)"
+        )
+    if values.shape != (n,):
+        raise ValidationError(
+            f"datum {i}: {field} has shape {tuple(values.shape)} but model_input has {n} tokens; "
+            f"it must have shape ({n},), one value per input position"
+        )
+    if expected == "int64":
+        _check_ids(i, field, values, vocab_size)
+    elif not np.isfinite(values).all():
+        bad = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise ValidationError(f"datum {i}: {field} has a non-finite value {values[bad]} at position {bad}")
+
+
+def validate_adam(params: Any) -> None:
+    if not isinstance(params, types.AdamParams):
+        raise ValidationError(f"optim_step takes types.AdamParams, got {type(params).__name__}")
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValidationError(f"AdamParams.{f.name} must be a finite number, got {value!r}")
+    if params.learning_rate < 0:
+        raise ValidationError(f"AdamParams.learning_rate must be >= 0, got {params.learning_rate}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(params, name) < 1.0:
+            raise ValidationError(f"AdamParams.{name} must be in [0, 1), got {getattr(params, name)}")
+    if params.eps <= 0:
+        raise ValidationError(f"AdamParams.eps must be > 0, got {params.eps}")
+    if params.weight_decay < 0:
+        raise ValidationError(f"AdamParams.weight_decay must be >= 0, got {params.weight_decay}")
+    if params.grad_clip_norm < 0:
+        raise ValidationError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {params.grad_clip_norm}")

@@ -1,0 +1,164 @@
+"""Requests and results as msgpack maps, and their conversion to and from :mod:`tinkerq.types`.
+
+A Celery task of tinkerq takes exactly one argument, the *envelope*::
+
+    {"v": 1, "op": "forward_backward", "model_id": "...", "seq_id": 7, "payload": <payload ref>}
+
+and returns a *reply*: ``{"ok": True, "payload": <payload ref>}`` or ``{"ok": False, "error": {...}}``.
+A payload ref is a claim check (:mod:`tinkerq.wire.claimcheck`) on msgpack bytes of the op's body.
+Keeping the body as separately encoded bytes lets the worker decode it inside the task, so a malformed
+body becomes an error on the caller's future instead of a message Celery drops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any
+
+import numpy as np
+
+from tinkerq import types
+from tinkerq.errors import MalformedMessageError, TinkerqError, error_from_wire
+
+WIRE_VERSION = 1
+
+
+# -- envelope -----------------------------------------------------------------------------------------
+
+def make_envelope(op: str, model_id: str, seq_id: int, payload_ref: dict[str, Any]) -> dict[str, Any]:
+    return {"v": WIRE_VERSION, "op": op, "model_id": model_id, "seq_id": seq_id, "payload": payload_ref}
+
+
+def check_envelope(envelope: Any, expected_op: str) -> tuple[str, int, dict[str, Any]]:
+    """Return (model_id, seq_id, payload_ref) or raise MalformedMessageError naming the defect."""
+    if not isinstance(envelope, dict):
+        raise MalformedMessageError(f"request envelope must be a map, got {type(envelope).__name__}")
+    if envelope.get("v") != WIRE_VERSION:
+        raise MalformedMessageError(
+            f"request envelope version {envelope.get('v')!r} is not supported (this worker speaks "
+            f"{WIRE_VERSION}); upgrade the producer and worker to the same tinkerq release"
+        )
+    if envelope.get("op") != expected_op:
+        raise MalformedMessageError(f"envelope op {envelope.get('op')!r} sent to the {expected_op} task")
+    model_id, seq_id = envelope.get("model_id"), envelope.get("seq_id")
+    if not isinstance(model_id, str) or not model_id or len(model_id) > 200:
+        raise MalformedMessageError("envelope model_id must be a non-empty string")
+    if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
+        raise MalformedMessageError(f"envelope seq_id must be a non-negative integer, got {seq_id!r}")
+    return model_id, seq_id, envelope.get("payload")
+
+
+def ok_reply(payload_ref: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "payload": payload_ref}
+
+
+def error_reply(error: TinkerqError) -> dict[str, Any]:
+    return {"ok": False, "error": error.to_wire()}
+
+
+def reply_error(reply: Any) -> TinkerqError | None:
+    """The error a reply carries, or None if it succeeded."""
+    if isinstance(reply, dict) and reply.get("ok") is True:
+        return None
+    if isinstance(reply, dict) and reply.get("ok") is False:
+        return error_from_wire(reply.get("error"))
+    return error_from_wire(None)
+
+
+# -- datums ---------------------------------------------------------------------------------------------
+
+def encode_datum(datum: types.Datum) -> dict[str, Any]:
+    return {
+        "tokens": datum.model_input.to_numpy(),
+        "inputs": {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()},
+    }
+
+
+def decode_datum(obj: Any, index: int) -> types.Datum:
+    if not isinstance(obj, dict):
+        raise MalformedMessageError(f"datum {index}: must be a map, got {type(obj).__name__}")
+    tokens, inputs = obj.get("tokens"), obj.get("inputs")
+    if not isinstance(tokens, np.ndarray):
+        raise MalformedMessageError(f"datum {index}: model_input tokens must be an array")
+    if not isinstance(inputs, dict):
+        raise MalformedMessageError(f"datum {index}: loss_fn_inputs must be a map")
+    loss_fn_inputs: dict[str, types.TensorData] = {}
+    for key, value in inputs.items():
+        if not isinstance(value, np.ndarray):
+            raise MalformedMessageError(f"datum {index}: loss_fn_inputs[{key!r}] must be an array")
+        loss_fn_inputs[key] = types.TensorData.from_numpy(value)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens))
+    datum.loss_fn_inputs = loss_fn_inputs  # already TensorData: skip coercion, the validator checks dtypes
+    return datum
+
+
+# -- request bodies ---------------------------------------------------------------------------------------
+
+def encode_loss_request(data: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None) -> dict:
+    return {"loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "data": [encode_datum(d) for d in data]}
+
+
+def decode_loss_request(body: Any) -> tuple[list[types.Datum], str, dict[str, Any] | None]:
+    if not isinstance(body, dict):
+        raise MalformedMessageError("forward/forward_backward body must be a map")
+    data, loss_fn, config = body.get("data"), body.get("loss_fn"), body.get("loss_fn_config")
+    if not isinstance(data, list):
+        raise MalformedMessageError("forward/forward_backward body needs a list 'data'")
+    if not isinstance(loss_fn, str):
+        raise MalformedMessageError("forward/forward_backward body needs a string 'loss_fn'")
+    if config is not None and not isinstance(config, dict):
+        raise MalformedMessageError("loss_fn_config must be a map or None")
+    return [decode_datum(d, i) for i, d in enumerate(data)], loss_fn, config
+
+
+def encode_adam(params: types.AdamParams) -> dict[str, Any]:
+    return {"adam": asdict(params)}
+
+
+def decode_adam(body: Any) -> types.AdamParams:
+    adam = body.get("adam") if isinstance(body, dict) else None
+    if not isinstance(adam, dict):
+        raise MalformedMessageError("optim_step body needs a map 'adam'")
+    known = {f.name for f in fields(types.AdamParams)}
+    unknown = set(adam) - known
+    if unknown:
+        raise MalformedMessageError(f"unknown AdamParams fields: {sorted(unknown)}")
+    for key, value in adam.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise MalformedMessageError(f"AdamParams.{key} must be a number, got {value!r}")
+    return types.AdamParams(**{k: float(v) for k, v in adam.items()})
+
+
+# -- results ------------------------------------------------------------------------------------------------
+
+def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "outputs": [{k: v.to_numpy() for k, v in o.items()} for o in out.loss_fn_outputs],
+        "metrics": {k: float(v) for k, v in out.metrics.items()},
+    }
+
+
+def decode_forward_backward_output(body: Any) -> types.ForwardBackwardOutput:
+    try:
+        return types.ForwardBackwardOutput(
+            loss_fn_output_type=str(body["loss_fn_output_type"]),
+            loss_fn_outputs=[{k: types.TensorData.from_numpy(v) for k, v in o.items()} for o in body["outputs"]],
+            metrics={str(k): float(v) for k, v in body["metrics"].items()},
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise MalformedMessageError(f"forward_backward result is malformed: {exc}") from exc
+
+
+def decode_optim_step_response(body: Any) -> types.OptimStepResponse:
+    metrics = body.get("metrics") if isinstance(body, dict) else None
+    if not isinstance(metrics, dict):
+        raise MalformedMessageError("optim_step result is malformed")
+    return types.OptimStepResponse(metrics={str(k): float(v) for k, v in metrics.items()})
+
+
+def decode_model_info(body: Any) -> types.ModelInfo:
+    try:
+        return types.ModelInfo(**body)
+    except TypeError as exc:
+        raise MalformedMessageError(f"create_model result is malformed: {exc}") from exc

@@ -1,0 +1,49 @@
+"""A whole fleet in one process: Celery's in-memory transport, the same serializer and worker code.
+
+    with EmbeddedFleet("/path/to/model") as fleet:
+        sc = ServiceClient(settings=fleet.settings)
+        ...
+
+Used by ``tinkerq sft`` when no broker is configured. Messages still go through msgpack encoding,
+claim checks, Celery routing and the worker's ordering; only the transport is a Python queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.contrib.testing.worker import start_worker
+
+from tinkerq.settings import Settings
+from worker.runtime import AssembledWorker, assemble
+
+
+class EmbeddedFleet:
+    def __init__(self, model_path: str, settings: Settings | None = None, *, name: str | None = None) -> None:
+        base = settings or Settings.from_env()
+        self.settings = base.replace(broker_url="memory://", result_backend=None)
+        self.model_path = model_path
+        self.name = name
+        self.worker: AssembledWorker | None = None
+        self._ctx: Any = None
+
+    def __enter__(self) -> EmbeddedFleet:
+        self.worker = assemble(self.model_path, self.settings, name=self.name)
+        app = self.worker.connection.app
+        self._ctx = start_worker(
+            app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
+            queues=self.worker.queues, shutdown_timeout=30.0,
+        )
+        self._ctx.__enter__()
+        self.worker.registration.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.worker is not None
+        self.worker.registration.stop()
+        self._ctx.__exit__(None, None, None)
+
+    @property
+    def base_model(self) -> str:
+        assert self.worker is not None
+        return self.worker.service.base_model

@@ -1,0 +1,54 @@
+"""Loading the model a worker serves, through the normal Hugging Face path."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from tinkerq.errors import UserError
+
+log = logging.getLogger("tinkerq.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(UserError):
+    """The model directory cannot be served (missing, not a causal LM, unreadable)."""
+
+
+def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` on a local directory, with errors that say what to do."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    try:
+        AutoConfig.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
+    model.to(device)
+    # Dropout off: the same request must give the same gradients on every worker and on every retry.
+    model.eval()
+    return model
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """Ids valid both as inputs and as targets."""
+    n_in = model.get_input_embeddings().weight.shape[0]
+    out = model.get_output_embeddings()
+    n_out = out.weight.shape[0] if out is not None else n_in
+    return int(min(n_in, n_out))
+
+
+def max_seq_len(model: PreTrainedModel) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 20

@@ -1,0 +1,82 @@
+"""Assembling a worker: load the model, connect, register tasks, announce the model; then run it.
+
+The same assembly serves the ``tinkerq worker`` process (:func:`run_worker`) and the embedded fleet
+(:mod:`worker.embedded`), so both run identical serialisation and request-handling code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import torch
+from celery import signals
+
+from tinkerq import keys
+from tinkerq.connection import Connection
+from tinkerq.settings import Settings
+from worker.model_loading import load_causal_lm
+from worker.registry import Registration
+from worker.service import WorkerService
+from worker.tasks import register_tasks
+
+log = logging.getLogger("tinkerq.worker")
+
+
+@dataclass
+class AssembledWorker:
+    connection: Connection
+    service: WorkerService
+    registration: Registration
+    worker_id: str
+
+    @property
+    def queues(self) -> list[str]:
+        return [keys.model_queue(self.service.base_model), keys.worker_queue(self.worker_id)]
+
+
+def served_name(model_path: str, name: str | None = None) -> str:
+    """The name producers use for this model: ``--name``, or the directory's absolute path."""
+    return name or os.path.abspath(model_path)
+
+
+def assemble(model_path: str, settings: Settings, *, name: str | None = None) -> AssembledWorker:
+    """Load and connect everything; raises UserError / BrokerUnavailableError with a clear message."""
+    model = load_causal_lm(model_path, device=settings.device, dtype=settings.dtype)
+    connection = Connection.open(settings)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    base_model = served_name(model_path, name)
+    service = WorkerService(connection, base_model, os.path.abspath(model_path), model, worker_id)
+    register_tasks(connection.app, service)
+    registration = Registration(
+        connection.store, base_model, worker_id, settings.heartbeat_s,
+        info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype},
+    )
+    log.info("serving %s (%.1fM parameters) as worker %s", base_model, service.num_parameters / 1e6, worker_id)
+    return AssembledWorker(connection, service, registration, worker_id)
+
+
+def run_worker(model_path: str, settings: Settings, *, name: str | None = None, loglevel: str = "INFO",
+               threads: int | None = None) -> None:
+    """Run a Celery worker process serving ``model_path`` until it is stopped (blocks)."""
+    if threads:
+        torch.set_num_threads(threads)
+    w = assemble(model_path, settings, name=name)
+    app = w.connection.app
+    # Announce the model only once the worker consumes its queues; withdraw it when it stops.
+    signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
+    signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
+    app.worker_main([
+        "worker",
+        # One request at a time, in a thread: the model is not shared across processes, CUDA is never
+        # initialised before a fork, and remote control (Flower, inspect) still answers during a task.
+        "--pool", "threads", "--concurrency", "1",
+        "--queues", ",".join(w.queues),
+        "--hostname", f"tinkerq-{w.worker_id}@%h",
+        "--task-events",
+        "--without-mingle", "--without-gossip",
+        "--loglevel", loglevel,
+    ])

@@ -1,0 +1,225 @@
+"""What a worker does with a request: decode, order, validate, apply, answer.
+
+Transport-independent: the Celery tasks in :mod:`worker.tasks` hand envelopes to :meth:`WorkerService.handle`
+and return what it gives back. Nothing here raises to Celery; every failure becomes an error reply in
+our own wire format, and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from tinkerq import types
+from tinkerq.connection import Connection
+from tinkerq.errors import (
+    MalformedMessageError,
+    ServerError,
+    TinkerqError,
+    UnknownModelError,
+    WorkerError,
+)
+from tinkerq.validation import Limits, validate_adam, validate_loss_request
+from tinkerq.wire import codec, messages
+from worker.model_loading import max_seq_len, vocab_size
+from worker.ordering import Ordering
+from worker.session import TrainingSession
+
+log = logging.getLogger("tinkerq.worker")
+
+# An answer as kept by the worker: ("ok", msgpack body bytes) or ("error", wire error map). It is
+# wrapped into a reply (claim check) each time it is sent, so a repeated request gets a fresh copy.
+Outcome = tuple[str, Any]
+
+
+@dataclass
+class _Slot:
+    session: TrainingSession
+    ordering: Ordering
+    broken: str | None = None
+
+
+class WorkerService:
+    def __init__(self, connection: Connection, base_model: str, model_dir: str, model: PreTrainedModel,
+                 worker_id: str) -> None:
+        self.connection = connection
+        self.settings = connection.settings
+        self.claim_check = connection.claim_check()
+        self.base_model = base_model
+        self.model_dir = model_dir
+        self.model = model
+        self.worker_id = worker_id
+        self.vocab_size = vocab_size(model)
+        self.max_seq_len = max_seq_len(model)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
+        self.slots: dict[str, _Slot] = {}
+        self._lock = threading.RLock()
+        self._ops: dict[str, Callable[[TrainingSession, Any], bytes]] = {
+            "forward_backward": lambda s, body: self._loss(s, body, backward=True),
+            "forward": lambda s, body: self._loss(s, body, backward=False),
+            "optim_step": self._optim_step,
+            "save_weights_for_sampler": self._save_weights,
+            "echo": lambda s, body: codec.packb(body),
+            "close_model": lambda s, body: codec.packb({}),
+        }
+
+    # -- entry point -----------------------------------------------------------------------------------------
+
+    def handle(self, op: str, envelope: Any, task_id: str) -> dict[str, Any] | None:
+        """The reply to send now, or None when the request was buffered (it is answered when it runs)."""
+        started = time.perf_counter()
+        with self._lock:
+            try:
+                if op == "create_model":
+                    outcome = self._create_model(envelope)
+                else:
+                    outcome = self._sequenced(op, envelope, task_id)
+            except TinkerqError as exc:
+                outcome = ("error", exc.to_wire())
+            except Exception as exc:  # a bug: answer it, log it, keep serving
+                log.exception("unexpected failure in %s", op)
+                outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire())
+        if outcome is None:
+            return None
+        log.info("%s %s in %.1f ms", op, outcome[0], 1000 * (time.perf_counter() - started))
+        return self._reply(outcome)
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+
+    def _create_model(self, envelope: Any) -> Outcome:
+        model_id, _, ref = messages.check_envelope(envelope, "create_model")
+        body = self._decode(ref)
+        requested = body.get("base_model") if isinstance(body, dict) else None
+        if requested != self.base_model:
+            raise UnknownModelError(f"this worker serves {self.base_model!r}, not {requested!r}")
+        if model_id not in self.slots:
+            self._make_room()
+            model = copy.deepcopy(self.model)
+            session = TrainingSession(model_id, model, base_dir=self.model_dir,
+                                      microbatch_tokens=self.settings.microbatch_tokens)
+            self.slots[model_id] = _Slot(session, Ordering())
+            log.info("opened session %s (%d open)", model_id, len(self.slots))
+        info = types.ModelInfo(
+            model_id=model_id, base_model=self.base_model, vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id,
+            extra={"device": self.settings.device, "dtype": self.settings.dtype},
+        )
+        return ("ok", codec.packb(info.__dict__))
+
+    def _make_room(self) -> None:
+        if len(self.slots) < self.settings.max_sessions:
+            return
+        now = time.monotonic()
+        idle = [mid for mid, s in self.slots.items() if now - s.session.last_used > self.settings.session_idle_ttl_s]
+        if idle:
+            oldest = min(idle, key=lambda mid: self.slots[mid].session.last_used)
+            log.warning("closing idle session %s to make room", oldest)
+            self._close(oldest)
+            return
+        raise ServerError(
+            f"worker {self.worker_id} already holds {len(self.slots)} training sessions (TINKERQ_MAX_SESSIONS); "
+            f"close unused training clients (tc.close()) or start another worker for this model"
+        )
+
+    def _close(self, model_id: str) -> None:
+        slot = self.slots.pop(model_id)
+        gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire())
+        for pending in slot.ordering.buffered.values():
+            self._store_late(pending.task_ids, gone)
+
+    # -- ordered requests --------------------------------------------------------------------------------------------
+
+    def _sequenced(self, op: str, envelope: Any, task_id: str) -> Outcome | None:
+        model_id, seq_id, ref = messages.check_envelope(envelope, op)
+        slot = self.slots.get(model_id)
+        if slot is None:
+            raise UnknownModelError(
+                f"training session {model_id} is not open on worker {self.worker_id} (closed, evicted, or "
+                f"the worker restarted); create a new training client"
+            )
+        ordering = slot.ordering
+        kind = ordering.classify(seq_id)
+        if kind == "repeat":
+            kept = ordering.reply_for(seq_id)
+            if kept is None:
+                raise MalformedMessageError(
+                    f"request seq {seq_id} of session {model_id} was already applied and its answer is no "
+                    f"longer kept; it was not applied again"
+                )
+            return kept
+        if kind == "buffer":
+            if not ordering.buffer(seq_id, op, envelope, task_id):
+                raise ServerError(f"session {model_id} has too many out-of-order requests waiting for seq "
+                                  f"{ordering.next_seq}")
+            return None
+        outcome = self._apply(slot, op, ref, seq_id)
+        # Requests that arrived early can run now; their callers get their answers through the backend.
+        while model_id in self.slots and (ready := ordering.pop_ready()) is not None:
+            seq, pending = ready
+            late = self._apply(slot, pending.op, pending.envelope.get("payload"), seq)
+            self._store_late(pending.task_ids, late)
+        return outcome
+
+    def _apply(self, slot: _Slot, op: str, ref: Any, seq_id: int) -> Outcome:
+        model_id = slot.session.model_id
+        if slot.broken is not None:
+            outcome: Outcome = ("error", ServerError(slot.broken).to_wire())
+        elif op not in self._ops:
+            outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire())
+        else:
+            try:
+                outcome = ("ok", self._ops[op](slot.session, self._decode(ref)))
+                self.claim_check.discard(ref)
+            except TinkerqError as exc:
+                outcome = ("error", exc.to_wire())
+            except Exception as exc:  # state may be half-changed: refuse everything after it
+                log.exception("%s seq %d of session %s failed", op, seq_id, model_id)
+                slot.broken = (f"session {model_id} is unusable since {op} seq {seq_id} failed in the worker "
+                               f"({type(exc).__name__}: {exc}); create a new training client")
+                outcome = ("error", WorkerError(slot.broken).to_wire())
+        slot.ordering.applied(seq_id, outcome)
+        if op == "close_model" and outcome[0] == "ok":
+            self._close(model_id)
+        return outcome
+
+    # -- operations ----------------------------------------------------------------------------------------------------
+
+    def _loss(self, session: TrainingSession, body: Any, *, backward: bool) -> bytes:
+        data, loss_fn, config = messages.decode_loss_request(body)
+        # Validate the whole batch before anything touches the model.
+        validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
+                              max_seq_len=self.max_seq_len)
+        out = session.run_loss(data, loss_fn, config, backward=backward)
+        return codec.packb(messages.encode_forward_backward_output(out))
+
+    def _optim_step(self, session: TrainingSession, body: Any) -> bytes:
+        adam = messages.decode_adam(body)
+        validate_adam(adam)
+        return codec.packb({"metrics": session.optim_step(adam).metrics})
+
+    def _save_weights(self, session: TrainingSession, body: Any) -> bytes:
+        name = body.get("name") if isinstance(body, dict) else None
+        return codec.packb({"path": session.save_weights(self.settings.checkpoint_dir, name)})
+
+    # -- wire -------------------------------------------------------------------------------------------------------
+
+    def _decode(self, ref: Any) -> Any:
+        return codec.unpackb(self.claim_check.unwrap(ref), max_bytes=self.settings.max_message_bytes)
+
+    def _reply(self, outcome: Outcome) -> dict[str, Any]:
+        status, value = outcome
+        if status == "ok":
+            return messages.ok_reply(self.claim_check.wrap(value))
+        return {"ok": False, "error": value}
+
+    def _store_late(self, task_ids: list[str], outcome: Outcome) -> None:
+        for task_id in task_ids:
+            self.connection.app.backend.store_result(task_id, self._reply(outcome), "SUCCESS")

@@ -1,0 +1,190 @@
+"""A training session: one copy of the weights, its pending gradients and its AdamW state.
+
+Every operation either completes or leaves the session exactly as it was: a forward_backward computes
+all of its gradients into fresh buffers, checks them, and only then adds them to the pending gradients;
+an optim_step checks the gradient norm before touching a weight.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from tinkerq import types
+from tinkerq.errors import NonFiniteError, ValidationError
+from worker.logprobs import target_logprobs
+from worker.losses import LOSSES
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# Files that make a saved directory a complete model for from_pretrained (weights come from the session).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+class TrainingSession:
+    def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int) -> None:
+        self.model_id = model_id
+        self.model = model
+        self.base_dir = base_dir
+        self.microbatch_tokens = microbatch_tokens
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Pending gradients start at zero so every optim_step updates every parameter, as torch.optim.AdamW
+        # does after a backward pass that reached all of them.
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer = torch.optim.AdamW(self.params, lr=0.0, weight_decay=0.0)
+        self.steps = 0
+        self.last_used = time.monotonic()
+        self.device = next(model.parameters()).device
+
+    # -- forward / forward_backward --------------------------------------------------------------------
+
+    def run_loss(
+        self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *, backward: bool
+    ) -> types.ForwardBackwardOutput:
+        loss_impl = LOSSES[loss_fn]
+        config = config or {}
+        outputs: list[dict[str, types.TensorData]] = [{} for _ in data]
+        loss_sum = 0.0
+        grads = [torch.zeros_like(p) for p in self.params] if backward else None
+        metric_sums: dict[str, float] = {}
+        for start, stop in self._microbatches(data):
+            chunk = data[start:stop]
+            batch = _pad_batch(chunk, self.device)
+            with torch.set_grad_enabled(backward):
+                logprobs = target_logprobs(
+                    self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"]
+                )  # (B, T)
+                logprobs = logprobs * batch["mask"]  # padding positions carry exact zeros
+                elementwise, metrics = loss_impl(logprobs, batch, config)
+                elementwise = elementwise * batch["mask"]
+                loss = elementwise.sum()
+            if not torch.isfinite(loss):
+                raise NonFiniteError(
+                    f"{loss_fn} loss is {loss.item()} on datums {start}..{stop - 1}; nothing was applied. "
+                    f"The weights may have diverged (lower the learning rate) or the inputs are extreme"
+                )
+            if backward:
+                assert grads is not None
+                for g, new in zip(grads, torch.autograd.grad(loss, self.params, allow_unused=True), strict=True):
+                    if new is not None:
+                        g.add_(new)
+            loss_sum += float(loss.detach())
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
+            lp = logprobs.detach().float().cpu().numpy()
+            el = elementwise.detach().float().cpu().numpy()
+            for row, n in enumerate(batch["lengths"]):
+                outputs[start + row] = {
+                    "logprobs": types.TensorData.from_numpy(lp[row, :n].copy()),
+                    "elementwise_loss": types.TensorData.from_numpy(el[row, :n].copy()),
+                }
+        if grads is not None:
+            bad = next((i for i, g in enumerate(grads) if not torch.isfinite(g).all()), None)
+            if bad is not None:
+                raise NonFiniteError(
+                    f"the gradient of {loss_fn} is not finite (parameter #{bad}); nothing was applied"
+                )
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad.add_(g)
+        self.last_used = time.monotonic()
+        return types.ForwardBackwardOutput(
+            loss_fn_output_type=loss_fn,
+            loss_fn_outputs=outputs,
+            metrics={"loss:sum": loss_sum, **metric_sums},
+        )
+
+    def _microbatches(self, data: list[types.Datum]) -> Iterator[tuple[int, int]]:
+        """Consecutive [start, stop) ranges whose padded size stays within ``microbatch_tokens``."""
+        start, longest = 0, 0
+        for i, d in enumerate(data):
+            n = d.model_input.length
+            grown = max(longest, n)
+            if i > start and grown * (i + 1 - start) > self.microbatch_tokens:
+                yield start, i
+                start, grown = i, n
+            longest = grown
+        yield start, len(data)
+
+    # -- optim_step --------------------------------------------------------------------------------------------
+
+    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
+        grads = [p.grad for p in self.params]
+        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        if not math.isfinite(norm):
+            for g in grads:
+                g.zero_()
+            raise NonFiniteError(
+                f"gradient norm is {norm} at step {self.steps + 1}: the step was refused, the weights are "
+                f"unchanged and the pending gradients were discarded"
+            )
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, adam.grad_clip_norm, torch.tensor(norm))
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        self.optimizer.step()
+        for g in grads:
+            g.zero_()
+        self.steps += 1
+        self.last_used = time.monotonic()
+        return types.OptimStepResponse(
+            metrics={"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": self.steps}
+        )
+
+    # -- weights out -------------------------------------------------------------------------------------------
+
+    def save_weights(self, checkpoint_dir: str, name: str) -> str:
+        """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
+        if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+            raise ValidationError(f"checkpoint name {name!r} must be 1-128 characters of [A-Za-z0-9_.-]")
+        final = Path(checkpoint_dir) / self.model_id / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Write beside the target, then rename: a crash never leaves a directory that looks complete.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
+        try:
+            self.model.save_pretrained(tmp)
+            for fname in _TOKENIZER_FILES:
+                src = Path(self.base_dir) / fname
+                if src.is_file():
+                    shutil.copy2(src, tmp / fname)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.last_used = time.monotonic()
+        return str(final)
+
+
+def _pad_batch(data: list[types.Datum], device: torch.device) -> dict[str, Any]:
+    """Right-pad a batch to (B, T): tokens, mask, and every loss input (zeros at padding)."""
+    lengths = [d.model_input.length for d in data]
+    B, T = len(data), max(lengths)
+    tokens = np.zeros((B, T), dtype=np.int64)
+    mask = np.zeros((B, T), dtype=np.float32)
+    inputs: dict[str, np.ndarray] = {}
+    for row, (d, n) in enumerate(zip(data, lengths, strict=True)):
+        tokens[row, :n] = d.model_input.to_numpy()
+        mask[row, :n] = 1.0
+        for key, tensor in d.loss_fn_inputs.items():
+            values = tensor.to_numpy()
+            if key not in inputs:
+                inputs[key] = np.zeros((B, T), dtype=values.dtype)
+            inputs[key][row, :n] = values
+    batch: dict[str, Any] = {k: torch.from_numpy(v).to(device) for k, v in inputs.items()}
+    batch["tokens"] = torch.from_numpy(tokens).to(device)
+    batch["mask"] = torch.from_numpy(mask).to(device)
+    batch["lengths"] = lengths
+    return batch
