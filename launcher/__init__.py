@@ -1,0 +1,1 @@
+"""The ``tinkerq`` command: starts workers and runs jobs. Sits on top of every other package."""

@@ -1,0 +1,83 @@
+"""Shared test helpers: tiny models, batches, and the plain-PyTorch reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from tinkerq import types
+
+VOCAB = 97
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """A ~30k-parameter Llama saved with save_pretrained (tests load it back with from_pretrained)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def load_reference(model_dir: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def make_batch(rng: np.random.Generator, n: int, min_len: int = 3, max_len: int = 40) -> list[types.Datum]:
+    """Datums of different lengths with prompt positions weighted 0 and random completion weights."""
+    data = []
+    for _ in range(n):
+        length = int(rng.integers(min_len, max_len + 1))
+        seq = rng.integers(0, VOCAB, size=length + 1)
+        prompt = int(rng.integers(1, length))  # at least one zero-weight position
+        weights = np.where(np.arange(length) < prompt, 0.0, rng.uniform(0.5, 1.5, size=length)).astype(np.float32)
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": seq[1:].tolist(), "weights": weights},
+        ))
+    return data
+
+
+def reference_logprobs(model: torch.nn.Module, datum: types.Datum) -> torch.Tensor:
+    """log p(target_i | input_<=i) for one datum, unpadded, full logits: the plain definition."""
+    tokens = torch.tensor(datum.model_input.to_ints()).unsqueeze(0)
+    targets = torch.from_numpy(np.array(datum.loss_fn_inputs["target_tokens"].to_numpy()))
+    logits = model(input_ids=tokens).logits[0].float()  # (N, V)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N,)
+
+
+def reference_loss(model: torch.nn.Module, data: list[types.Datum]) -> torch.Tensor:
+    total = torch.zeros(())
+    for d in data:
+        weights = torch.from_numpy(np.array(d.loss_fn_inputs["weights"].to_numpy()))
+        total = total + (-reference_logprobs(model, d) * weights).sum()
+    return total
+
+
+def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[list[types.Datum]],
+                   adam: types.AdamParams) -> float:
+    """forward_backward over ``batches`` then optim_step, in process; returns the pre-clip grad norm."""
+    for batch in batches:
+        reference_loss(model, batch).backward()
+    params = [p for p in model.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"))
+    for group in opt.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    opt.step()
+    opt.zero_grad()
+    return float(norm)
+
+
+def max_weight_diff(model: torch.nn.Module, other_dir: str) -> float:
+    other = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32)
+    ref = dict(model.named_parameters())
+    with torch.no_grad():
+        return max(float((ref[name] - p).abs().max()) for name, p in other.named_parameters())

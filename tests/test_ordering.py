@@ -1,0 +1,86 @@
+"""Requests of one session apply in the client's order, whatever order the broker delivers them in."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step
+from tinkerq import types
+from tinkerq.celery_app import TASK_NAMES
+from tinkerq.wire import codec, messages
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _send_raw(tc, op: str, body: dict, seq_id: int, task_id: str | None = None):
+    """Post one request exactly as the producer does, with a chosen seq_id (and task id, for redelivery)."""
+    service = tc.service
+    claim_check = service.connection.claim_check()
+    envelope = messages.make_envelope(op, tc.model_id, seq_id, claim_check.wrap(codec.packb(body)))
+    return service.connection.app.send_task(TASK_NAMES[op], args=(envelope,), queue=tc._queue, task_id=task_id)
+
+
+def _reply_body(async_result, tc):
+    reply = async_result.get(timeout=60, interval=0.01)
+    assert messages.reply_error(reply) is None, reply
+    return codec.unpackb(tc.service.connection.claim_check().unwrap(reply["payload"]))
+
+
+def test_reordered_and_redelivered_requests_apply_once_in_order(training_client, model_dir):
+    tc = training_client
+    rng = np.random.default_rng(5)
+    batches = [make_batch(rng, 2, max_len=20) for _ in range(10)]
+    adam = types.AdamParams(learning_rate=5e-3)
+    requests = []
+    for batch in batches:
+        requests.append(("forward_backward", messages.encode_loss_request(batch, "cross_entropy", None),
+                         tc.next_seq_id()))
+        requests.append(("optim_step", messages.encode_adam(adam), tc.next_seq_id()))
+
+    order = list(range(len(requests)))
+    random.Random(0).shuffle(order)
+    assert order != sorted(order)
+    sent = {}
+    for i in order:
+        op, body, seq = requests[i]
+        sent[seq] = _send_raw(tc, op, body, seq)
+    # Redeliveries: the same task (same id) again, and a client retry (new id) of an early request.
+    redelivered = _send_raw(tc, *requests[3][:2], requests[3][2], task_id=sent[requests[3][2]].id)
+    retried = _send_raw(tc, *requests[0][:2], requests[0][2])
+    retried_step = _send_raw(tc, *requests[1][:2], requests[1][2])  # re-applying it would move the weights
+
+    bodies = {seq: _reply_body(r, tc) for seq, r in sent.items()}
+    again, first = _reply_body(retried, tc), bodies[requests[0][2]]
+    assert again["metrics"] == first["metrics"]
+    for x, y in zip(again["outputs"], first["outputs"], strict=True):
+        np.testing.assert_array_equal(x["logprobs"], y["logprobs"])
+    assert _reply_body(retried_step, tc)["metrics"] == bodies[requests[1][2]]["metrics"]
+    assert _reply_body(redelivered, tc)["metrics"] == bodies[requests[3][2]]["metrics"]
+
+    ref = load_reference(model_dir)
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for k, batch in enumerate(batches):
+        norm = reference_step(ref, ref_opt, [batch], adam)
+        assert bodies[requests[2 * k + 1][2]]["metrics"]["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
+    # The normal API continues after the hand-made sequence numbers.
+    saved = tc.save_weights_for_sampler("reordered").result(timeout=60).path
+    assert max_weight_diff(ref, saved) < 1e-6
+
+
+def test_sessions_are_isolated(service, model_dir):
+    a = service.create_training_client(str(model_dir))
+    b = service.create_training_client(str(model_dir))
+    try:
+        data = make_batch(np.random.default_rng(6), 3)
+        before = b.forward(data).result(timeout=60).metrics["loss:sum"]
+        a.forward_backward(data)
+        a.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+        assert a.forward(data).result(timeout=60).metrics["loss:sum"] < before
+        assert b.forward(data).result(timeout=60).metrics["loss:sum"] == before
+    finally:
+        a.close()
+        b.close()
