@@ -20,7 +20,7 @@ from typing import Any
 from tinkerq import keys, types
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
-from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
+from tinkerq.errors import BrokerUnavailableError, RequestTimeoutError, TinkerqError, UnknownModelError, UserError
 from tinkerq.settings import Settings
 from tinkerq.validation import Limits, validate_adam, validate_loss_request
 from tinkerq.wire import codec, messages
@@ -95,11 +95,27 @@ class ServiceClient:
         decode: Callable[[Any], Any],
         argsrepr: str,
     ) -> APIFuture[Any]:
-        claim_check = self.connection.claim_check()
         try:
-            ref = claim_check.wrap(codec.packb(body))
+            ref = self._encode(body)
         except TinkerqError as exc:
             return APIFuture.failed(exc)
+        return self._post(op, ref, model_id=model_id, seq_id=seq_id, queue=queue, decode=decode, argsrepr=argsrepr)
+
+    def _encode(self, body: dict[str, Any]) -> dict[str, Any]:
+        """msgpack-encode a request body and claim-check it if large (raises on oversized bodies)."""
+        return self.connection.claim_check().wrap(codec.packb(body))
+
+    def _post(
+        self,
+        op: str,
+        ref: dict[str, Any],
+        *,
+        model_id: str,
+        seq_id: int,
+        queue: str,
+        decode: Callable[[Any], Any],
+        argsrepr: str,
+    ) -> APIFuture[Any]:
         envelope = messages.make_envelope(op, model_id, seq_id, ref)
         async_result = self.connection.app.send_task(
             TASK_NAMES[op],
@@ -112,7 +128,7 @@ class ServiceClient:
         return APIFuture(
             async_result,
             decode,
-            claim_check=claim_check,
+            claim_check=self.connection.claim_check(),
             backend_lock=self._backend_lock,
             poll_interval=0.002 if self.settings.is_embedded else 0.05,
             describe=f"{op} seq={seq_id}",
@@ -138,6 +154,9 @@ class TrainingClient:
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
         self._queue = keys.worker_queue(info.worker)
+        # Set when a request could not be posted: its sequence number is lost, so every later request of
+        # this session would wait for it forever. Tinker's rule: a failed request poisons the client.
+        self._broken: TinkerqError | None = None
         s = service.settings
         self._limits = Limits(max_datums=s.max_datums, max_batch_tokens=s.max_batch_tokens)
 
@@ -220,11 +239,27 @@ class TrainingClient:
     def _submit(self, op: str, body: dict[str, Any], decode: Callable[[Any], Any], *, argsrepr: str,
                 seq_id: int | None = None) -> APIFuture[Any]:
         """Post one ordered request. ``seq_id`` is given only by tests that replay or reorder requests."""
+        if self._broken is not None:
+            return APIFuture.failed(self._broken)
+        try:  # encode first: a body that cannot be sent must not use up a sequence number
+            ref = self.service._encode(body)
+        except TinkerqError as exc:
+            return APIFuture.failed(exc)
+        except Exception as exc:  # the claim-check write reached no Redis
+            return APIFuture.failed(BrokerUnavailableError(f"{op} could not be posted: {exc}"))
         if seq_id is None:
             seq_id = self.next_seq_id()
-        return self.service._send(
-            op, body, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode, argsrepr=argsrepr
-        )
+        try:
+            return self.service._post(
+                op, ref, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode,
+                argsrepr=argsrepr,
+            )
+        except Exception as exc:  # the broker failed mid-send (kombu already retried)
+            self._broken = BrokerUnavailableError(
+                f"{op} seq {seq_id} could not be posted ({type(exc).__name__}: {exc}); this training client "
+                f"can no longer keep its order. Create a new one (or resume from a checkpoint)"
+            )
+            return APIFuture.failed(self._broken)
 
     def next_seq_id(self) -> int:
         with self._seq_lock:
