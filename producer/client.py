@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from producer.futures import APIFuture
 from tinkerq import keys, types
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
@@ -24,8 +25,6 @@ from tinkerq.errors import BrokerUnavailableError, RequestTimeoutError, TinkerqE
 from tinkerq.settings import Settings
 from tinkerq.validation import Limits, validate_adam, validate_loss_request
 from tinkerq.wire import codec, messages
-
-from producer.futures import APIFuture
 
 log = logging.getLogger("tinkerq.producer")
 

@@ -41,7 +41,8 @@ GOOD = (np.array([1, 2, 3]), np.array([2, 3, 4]), np.array([0.0, 1.0, 1.0], dtyp
 
 # (case id, raw body, words the error must contain)
 WORKER_CASES = [
-    ("token-out-of-vocab", _body(_datum([1, 2, VOCAB + 5], GOOD[1], GOOD[2])), ["datum 0", "model_input", "vocabulary"]),
+    ("token-out-of-vocab", _body(_datum([1, 2, VOCAB + 5], GOOD[1], GOOD[2])),
+     ["datum 0", "model_input", "vocabulary"]),
     ("target-out-of-vocab", _body(_datum(*GOOD), _datum(GOOD[0], [1, VOCAB, 2], GOOD[2])),
      ["datum 1", "target_tokens", "vocabulary"]),
     ("negative-token", _body(_datum([1, -3, 2], GOOD[1], GOOD[2])), ["datum 0", "negative"]),

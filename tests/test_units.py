@@ -1,0 +1,65 @@
+"""Small pieces on their own: ordering, claim checks, settings, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinkerq import errors
+from tinkerq.errors import MalformedMessageError, error_from_wire
+from tinkerq.settings import Settings, SettingsError
+from tinkerq.store import MemoryStore
+from tinkerq.wire.claimcheck import ClaimCheck
+
+
+def test_ordering_runs_buffers_and_repeats():
+    from worker.ordering import Ordering
+
+    o = Ordering()
+    assert o.classify(1) == "run" and o.classify(3) == "buffer"
+    assert o.buffer(3, "optim_step", {}, "t3") and o.buffer(3, "optim_step", {}, "t3b")
+    o.applied(1, "r1")
+    assert o.pop_ready() is None  # 2 has not arrived
+    assert o.classify(1) == "repeat" and o.reply_for(1) == "r1"
+    o.applied(2, "r2")
+    seq, pending = o.pop_ready()
+    assert seq == 3 and pending.task_ids == ["t3", "t3b"]
+
+
+def test_claim_check_inline_blob_and_limits():
+    store = MemoryStore()
+    cc = ClaimCheck(store, threshold_bytes=10, ttl_s=60, max_bytes=100)
+    assert cc.wrap(b"small") == {"inline": b"small"}
+    ref = cc.wrap(b"x" * 50)
+    assert "blob" in ref and cc.unwrap(ref) == b"x" * 50
+    cc.discard(ref)
+    with pytest.raises(MalformedMessageError, match="expired"):
+        cc.unwrap(ref)
+    with pytest.raises(MalformedMessageError, match="exceeds"):
+        cc.wrap(b"x" * 101)
+    with pytest.raises(MalformedMessageError, match="not a tinkerq blob"):
+        cc.unwrap({"blob": "user:secrets"})
+
+
+def test_memory_store_expires_keys():
+    store = MemoryStore()
+    store.set("tinkerq:a", b"1", ttl_s=-1)
+    store.set("tinkerq:b", b"2", ttl_s=60)
+    assert store.get("tinkerq:a") is None and store.scan("tinkerq:*") == ["tinkerq:b"]
+
+
+def test_settings_from_env_and_errors():
+    s = Settings.from_env({"TINKERQ_BROKER_URL": "redis://h:1/0", "TINKERQ_MAX_DATUMS": "7"}, max_sessions=2)
+    assert (s.broker_url, s.max_datums, s.max_sessions, s.backend_url) == ("redis://h:1/0", 7, 2, "redis://h:1/0")
+    with pytest.raises(SettingsError, match="TINKERQ_MAX_DATUMS"):
+        Settings.from_env({"TINKERQ_MAX_DATUMS": "many"})
+    with pytest.raises(SettingsError, match="redis://"):
+        Settings.from_env({"TINKERQ_BROKER_URL": "amqp://x"})
+
+
+def test_errors_cross_the_wire_with_their_category():
+    err = errors.ValidationError("datum 3: bad", datum=3)
+    back = error_from_wire(err.to_wire())
+    assert type(back) is errors.ValidationError and back.category == "user" and back.details == {"datum": 3}
+    assert isinstance(back, ValueError)
+    assert error_from_wire({"type": "FutureError", "category": "user", "message": "m"}).category == "user"
+    assert error_from_wire("garbage").category == "server"
