@@ -10,6 +10,7 @@ claim checks, Celery routing and the worker's ordering; only the transport is a 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery.contrib.testing.worker import start_worker
@@ -28,6 +29,8 @@ class EmbeddedFleet:
         self._ctx: Any = None
 
     def __enter__(self) -> EmbeddedFleet:
+        # The memory transport has no host; kombu warns about that on every connection.
+        logging.getLogger("kombu.connection").setLevel(logging.ERROR)
         self.worker = assemble(self.model_path, self.settings, name=self.name)
         app = self.worker.connection.app
         self._ctx = start_worker(

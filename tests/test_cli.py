@@ -1,0 +1,68 @@
+"""The command line: clear one-line failures, and the main job on the embedded fleet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, _free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_worker_with_bad_model_path_says_so_and_exits(redis_url):
+    out = _run("worker", "--model", "/no/such/dir", "--broker", redis_url)
+    assert out.returncode == 2
+    assert "is not a directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_worker_with_unreachable_broker_says_so_and_exits(model_dir):
+    out = _run("worker", "--model", str(model_dir), "--broker", f"redis://127.0.0.1:{_free_port()}/0")
+    assert out.returncode == 2
+    assert "cannot reach Redis" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_worker_with_wrong_password_says_so(redis_url, model_dir):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.acl_setuser("tq", enabled=True, passwords=["+right"], commands=["+@all"], keys=["*"], channels=["*"])
+    try:
+        url = redis_url.replace("redis://", "redis://tq:wrong@")
+        out = _run("worker", "--model", str(model_dir), "--broker", url)
+        assert out.returncode == 2
+        assert "credentials" in out.stderr and "wrong" not in out.stderr  # the password is never echoed
+    finally:
+        client.acl_deluser("tq")
+
+
+def test_producer_fails_fast_without_broker():
+    from producer import ServiceClient
+    from tinkerq.errors import BrokerUnavailableError
+    from tinkerq.settings import Settings
+
+    with pytest.raises(BrokerUnavailableError, match="cannot reach Redis"):
+        ServiceClient(settings=Settings(broker_url=f"redis://127.0.0.1:{_free_port()}/0", connect_timeout_s=1))
+
+
+def test_sft_job_runs_on_the_embedded_fleet(tmp_path: Path):
+    """A short `tinkerq sft` end to end: progress, metrics JSONL, loss PNG, before/after evaluation."""
+    out = _run("sft", "--steps", "12", "--eval-examples", "10", "--out", str(tmp_path / "run"), timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "before:" in out.stdout and "after:" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns, even in 12 steps
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["after"]["heldout_nll"] < summary["before"]["heldout_nll"]
+    assert "sft: 100%" in out.stderr  # the progress bar ran to the end
