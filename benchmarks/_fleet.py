@@ -1,0 +1,182 @@
+"""Shared benchmark plumbing: a private Redis, a model directory, one real worker process, and tables.
+
+``with Fleet(model_dir, threads=2) as fleet:`` starts ``redis-server`` on a free port, starts
+``python -m launcher.main worker`` against it, waits until the worker has registered the model (the same
+check producers make), and tears both down on exit. Nothing here asserts on timings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repo root
+    sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | None = None,
+             log: Path | None = None) -> None:
+    """Poll ``predicate`` until true; raise with the process log's tail if it never is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise RuntimeError(f"{what} did not come up within {timeout} s\n{tail}")
+
+
+def build_llama(out_dir: Path, seed: int = 0, **config: Any) -> Path:
+    """Save a randomly initialised LlamaForCausalLM (fixed seed) with save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(out_dir)
+    return out_dir
+
+
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=False,
+)
+
+
+class Fleet:
+    """A private redis-server plus one ``tinkerq worker`` process serving ``model_dir``."""
+
+    def __init__(self, model_dir: Path, *, threads: int = 1, env: dict[str, str] | None = None) -> None:
+        self.model_dir = Path(model_dir).resolve()
+        self.threads = threads
+        self.env = env or {}
+        self.workdir = Path(tempfile.mkdtemp(prefix="tinkerq-bench-"))
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.worker_log = self.workdir / "worker.log"
+        self.redis: redis.Redis = redis.Redis(port=self.port)
+        self._redis_proc: subprocess.Popen | None = None
+        self._worker_proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Fleet:
+        try:
+            self._start_redis()
+            self._start_worker()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+        log = self.workdir / "redis.log"
+        self._redis_proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--logfile", str(log)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+        def up() -> bool:
+            try:
+                return bool(self.redis.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for(up, 20, "redis-server", self._redis_proc, log)
+
+    def _start_worker(self) -> None:
+        from tinkerq.connection import Connection
+        from tinkerq.settings import Settings
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TINKERQ_CHECKPOINT_DIR": str(self.workdir / "ckpt"),
+               **self.env}
+        cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(self.model_dir),
+               "--broker", self.url, "--threads", str(self.threads)]
+        self._worker_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.worker_log.open("w"),
+                                             stderr=subprocess.STDOUT)
+        conn = Connection.open(Settings(broker_url=self.url))
+        try:
+            wait_for(lambda: bool(conn.workers_serving(str(self.model_dir))), 180, "tinkerq worker",
+                     self._worker_proc, self.worker_log)
+        finally:
+            conn.close()
+
+    def service(self) -> Any:
+        """A ServiceClient on this fleet (the caller closes it)."""
+        from producer import ServiceClient
+
+        return ServiceClient(broker_url=self.url)
+
+    def worker_ms(self, op: str) -> list[float]:
+        """Worker-side handling times of ``op`` (ms), from the worker's ``<op> ok in X ms`` log lines."""
+        pattern = re.compile(rf"\b{re.escape(op)} ok in ([0-9.]+) ms")
+        return [float(m.group(1)) for m in pattern.finditer(self.worker_log.read_text())]
+
+    def close(self) -> None:
+        for proc, grace in ((self._worker_proc, 30), (self._redis_proc, 10)):
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.redis.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# -- figures ------------------------------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest-rank on sorted samples."""
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def median(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain aligned text table (floats with 3 significant decimals)."""
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                              strict=True))))
+
+
+def machine() -> str:
+    """One line naming the host: CPU count, load average, torch threads are the caller's business."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, Python {sys.version.split()[0]}"
