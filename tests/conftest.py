@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Small micro-batches in the test worker, so batch splitting inside the worker is exercised too.
 WORKER_MICROBATCH_TOKENS = 96
 WORKER_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+WORKER_GAP_TIMEOUT_S = 3
 
 
 def _free_port() -> int:
@@ -97,6 +98,7 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
         "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS),
         "TINKERQ_MAX_MESSAGE_BYTES": str(WORKER_MAX_MESSAGE_BYTES),
         "TINKERQ_HEARTBEAT_S": "1",
+        "TINKERQ_GAP_TIMEOUT_S": str(WORKER_GAP_TIMEOUT_S),
     })
     conn = Connection.open(Settings(broker_url=redis_url))
     _wait(lambda: bool(conn.workers_serving(str(model_dir))), 90, "tinkerq worker", proc, log)

@@ -84,3 +84,23 @@ def test_sessions_are_isolated(service, model_dir):
     finally:
         a.close()
         b.close()
+
+
+def test_a_missing_request_fails_the_ones_after_it_within_the_bound(training_client):
+    """If a request never arrives, the ones queued behind it fail clearly instead of hanging forever."""
+    import time
+
+    from tests.conftest import WORKER_GAP_TIMEOUT_S
+    from tinkerq import errors
+
+    tc = training_client
+    lost = tc.next_seq_id()  # taken, never sent: as if the broker lost the message
+    later = tc.forward(make_batch(np.random.default_rng(10), 1))
+    start = time.monotonic()
+    err = later.exception(timeout=WORKER_GAP_TIMEOUT_S + 10)
+    assert isinstance(err, errors.ServerError), err
+    assert f"seq {lost}" in err.message and "never reached" in err.message
+    assert time.monotonic() - start < WORKER_GAP_TIMEOUT_S + 5
+    # The session refuses further work with the same explanation.
+    again = tc.forward(make_batch(np.random.default_rng(11), 1)).exception(timeout=30)
+    assert isinstance(again, errors.ServerError) and "never reached" in again.message

@@ -54,6 +54,9 @@ class Settings:
     max_sessions: int = 4
     # Sessions idle this long may be closed to make room for a new one.
     session_idle_ttl_s: float = 1800.0
+    # A request that waits this long for a missing predecessor fails (with every request after it), and
+    # the session refuses further work: its order can no longer be kept. Bounded, never a silent hang.
+    gap_timeout_s: float = 300.0
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
     microbatch_tokens: int = 16384
     # Where workers write weights (save_weights_for_sampler); must be shared by workers and users.

@@ -39,11 +39,13 @@ class EmbeddedFleet:
         )
         self._ctx.__enter__()
         self.worker.registration.start()
+        self._watchdog = self.worker.service.start_watchdog()
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self.worker is not None
         self.worker.registration.stop()
+        self._watchdog.set()
         self._ctx.__exit__(None, None, None)
 
     @property

@@ -11,6 +11,7 @@ a retry can arrive twice (field-notes). So the worker itself orders each session
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ class Pending:
     op: str
     envelope: dict[str, Any]
     task_ids: list[str]
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -64,3 +66,12 @@ class Ordering:
 
     def reply_for(self, seq_id: int) -> Any | None:
         return self.replies.get(seq_id)
+
+    def waited(self, now: float) -> float:
+        """How long the oldest buffered request has waited for ``next_seq`` (0 if none waits)."""
+        return max((now - p.since for p in self.buffered.values()), default=0.0)
+
+    def drop_buffered(self) -> list[Pending]:
+        dropped = list(self.buffered.values())
+        self.buffered.clear()
+        return dropped

@@ -68,6 +68,7 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     app = w.connection.app
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.
     signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
+    w.service.start_watchdog()
     signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
     app.worker_main([
         "worker",

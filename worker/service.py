@@ -135,6 +135,44 @@ class WorkerService:
         for pending in slot.ordering.buffered.values():
             self._store_late(pending.task_ids, gone)
 
+    def expire_gaps(self) -> int:
+        """Fail requests that waited too long for a missing predecessor; returns how many were failed.
+
+        Called periodically (:meth:`start_watchdog`). The session is marked unusable: applying later
+        requests without the missing one would silently change what the client asked for.
+        """
+        now, failed = time.monotonic(), 0
+        with self._lock:
+            for model_id, slot in self.slots.items():
+                if slot.ordering.waited(now) <= self.settings.gap_timeout_s:
+                    continue
+                missing = slot.ordering.next_seq
+                slot.broken = (
+                    f"request seq {missing} of session {model_id} never reached worker {self.worker_id} within "
+                    f"{self.settings.gap_timeout_s:g} s (TINKERQ_GAP_TIMEOUT_S), so the requests after it were "
+                    f"not applied; create a new training client (or resume from a checkpoint)"
+                )
+                log.error(slot.broken)
+                outcome = ("error", ServerError(slot.broken).to_wire())
+                for pending in slot.ordering.drop_buffered():
+                    self._store_late(pending.task_ids, outcome)
+                    failed += 1
+        return failed
+
+    def start_watchdog(self, period_s: float = 1.0) -> threading.Event:
+        """Run :meth:`expire_gaps` every ``period_s`` in a daemon thread; set the returned event to stop."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(period_s):
+                try:
+                    self.expire_gaps()
+                except Exception:
+                    log.exception("gap watchdog failed")
+
+        threading.Thread(target=loop, name="tinkerq-gap-watchdog", daemon=True).start()
+        return stop
+
     # -- ordered requests --------------------------------------------------------------------------------------------
 
     def _sequenced(self, op: str, envelope: Any, task_id: str) -> Outcome | None:
@@ -147,6 +185,11 @@ class WorkerService:
             )
         ordering = slot.ordering
         kind = ordering.classify(seq_id)
+        if slot.broken is not None and kind != "repeat":
+            if op == "close_model":  # an unusable session can still be released, out of order
+                self._close(model_id)
+                return ("ok", codec.packb({}))
+            raise ServerError(slot.broken)
         if kind == "repeat":
             kept = ordering.reply_for(seq_id)
             if kept is None:
