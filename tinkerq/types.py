@@ -23,6 +23,7 @@ LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {
     "weights": "float32",
     "advantages": "float32",
     "logprobs": "float32",
+    "sequence_ratio_mask": "float32",
 }
 
 
@@ -195,4 +196,3 @@ class SaveWeightsResponse:
     path: str
 
 
-LOSS_FNS: tuple[str, ...] = ("cross_entropy",)

@@ -20,14 +20,55 @@ from tinkerq.errors import ValidationError
 class LossSpec:
     required: tuple[str, ...]
     optional: tuple[str, ...] = ()
-    config_keys: tuple[str, ...] = ()
+    # loss_fn_config keys -> default (None = required)
+    config: tuple[tuple[str, float | None], ...] = ()
 
 
-# loss_fn -> which loss_fn_inputs it needs. RL inputs are accepted (and ignored) by cross_entropy so an RL
-# batch can be scored with it; they are never required for SFT.
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+_CLIP = (("clip_low_threshold", 0.8), ("clip_high_threshold", 1.2))
+
+# loss_fn -> which loss_fn_inputs it needs (../shared/reference/tinker-api.md §2). RL inputs are optional for
+# cross_entropy so an RL batch can be scored with it; they are never required for SFT.
 LOSS_SPECS: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(required=("target_tokens", "weights"), optional=("logprobs", "advantages")),
+    "importance_sampling": LossSpec(required=_RL_INPUTS),
+    "ppo": LossSpec(required=_RL_INPUTS, config=_CLIP),
+    "cispo": LossSpec(required=_RL_INPUTS, config=_CLIP),
+    "dro": LossSpec(required=_RL_INPUTS, config=(("beta", None),)),
+    "gspo": LossSpec(required=(*_RL_INPUTS, "sequence_ratio_mask"), config=_CLIP),
 }
+
+
+def resolve_loss_config(loss_fn: str, loss_fn_config: Any) -> dict[str, float]:
+    """The loss's full config (defaults filled in); ValidationError for unknown, missing or bad values."""
+    spec = LOSS_SPECS[loss_fn]
+    config = loss_fn_config or {}
+    if not isinstance(config, dict):
+        raise ValidationError(f"loss_fn_config must be a dict or None, got {type(loss_fn_config).__name__}")
+    known = dict(spec.config)
+    unknown = set(config) - set(known)
+    if unknown:
+        raise ValidationError(
+            f"loss_fn_config keys {sorted(unknown)} are not understood by {loss_fn!r} "
+            f"(it takes {sorted(known) or 'none'})"
+        )
+    resolved: dict[str, float] = {}
+    for key, default in spec.config:
+        value = config.get(key, default)
+        if value is None:
+            raise ValidationError(f"loss_fn_config[{key!r}] is required by {loss_fn!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValidationError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+        resolved[key] = float(value)
+    if "clip_low_threshold" in resolved:
+        low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+        if not 0.0 <= low <= 1.0 <= high:
+            raise ValidationError(
+                f"{loss_fn!r} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low} and {high}"
+            )
+    if resolved.get("beta", 0.0) < 0:
+        raise ValidationError(f"loss_fn_config['beta'] must be >= 0, got {resolved['beta']}")
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -49,15 +90,7 @@ def validate_loss_request(
     spec = LOSS_SPECS.get(loss_fn) if isinstance(loss_fn, str) else None
     if spec is None:
         raise ValidationError(f"unknown loss_fn {loss_fn!r}; this fleet serves {sorted(LOSS_SPECS)}")
-    config = loss_fn_config or {}
-    if not isinstance(config, dict):
-        raise ValidationError(f"loss_fn_config must be a dict or None, got {type(loss_fn_config).__name__}")
-    unknown_config = set(config) - set(spec.config_keys)
-    if unknown_config:
-        raise ValidationError(
-            f"loss_fn_config keys {sorted(unknown_config)} are not understood by {loss_fn!r} "
-            f"(it takes {list(spec.config_keys) or 'none'})"
-        )
+    resolve_loss_config(loss_fn, loss_fn_config)
     if not isinstance(data, (list, tuple)):
         raise ValidationError(f"data must be a list of Datum, got {type(data).__name__}")
     if not data:

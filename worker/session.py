@@ -23,8 +23,9 @@ from transformers import PreTrainedModel
 
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
+from tinkerq.validation import resolve_loss_config
 from worker.logprobs import target_logprobs
-from worker.losses import LOSSES
+from worker.losses import LOSSES, MetricTotals
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # Files that make a saved directory a complete model for from_pretrained (weights come from the session).
@@ -54,11 +55,11 @@ class TrainingSession:
         self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *, backward: bool
     ) -> types.ForwardBackwardOutput:
         loss_impl = LOSSES[loss_fn]
-        config = config or {}
+        resolved = resolve_loss_config(loss_fn, config)
+        totals = MetricTotals()
         outputs: list[dict[str, types.TensorData]] = [{} for _ in data]
         loss_sum = 0.0
         grads = [torch.zeros_like(p) for p in self.params] if backward else None
-        metric_sums: dict[str, float] = {}
         for start, stop in self._microbatches(data):
             chunk = data[start:stop]
             batch = _pad_batch(chunk, self.device)
@@ -66,9 +67,10 @@ class TrainingSession:
                 logprobs = target_logprobs(
                     self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"]
                 )  # (B, T)
-                logprobs = logprobs * batch["mask"]  # padding positions carry exact zeros
-                elementwise, metrics = loss_impl(logprobs, batch, config)
-                elementwise = elementwise * batch["mask"]
+                real = batch["mask"] > 0
+                logprobs = torch.where(real, logprobs, 0.0)  # padding positions carry exact zeros
+                elementwise, metrics = loss_impl(logprobs, batch, batch["mask"], resolved)
+                elementwise = torch.where(real, elementwise, 0.0)
                 loss = elementwise.sum()
             if not torch.isfinite(loss):
                 raise NonFiniteError(
@@ -81,8 +83,7 @@ class TrainingSession:
                     if new is not None:
                         g.add_(new)
             loss_sum += float(loss.detach())
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v
+            totals.add(metrics)
             lp = logprobs.detach().float().cpu().numpy()
             el = elementwise.detach().float().cpu().numpy()
             for row, n in enumerate(batch["lengths"]):
@@ -102,7 +103,7 @@ class TrainingSession:
         return types.ForwardBackwardOutput(
             loss_fn_output_type=loss_fn,
             loss_fn_outputs=outputs,
-            metrics={"loss:sum": loss_sum, **metric_sums},
+            metrics={"loss:sum": loss_sum, **totals.result()},
         )
 
     def _microbatches(self, data: list[types.Datum]) -> Iterator[tuple[int, int]]:
