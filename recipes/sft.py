@@ -124,7 +124,6 @@ def main(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(args.seed)
-    adam = types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8)
 
     with open_fleet(args.broker, model_dir, args.threads) as sc:
         tc = sc.create_training_client(model_dir)
@@ -137,17 +136,20 @@ def main(args: argparse.Namespace) -> int:
         metrics_path = out_dir / "metrics.jsonl"
         started = time.perf_counter()
         with open(metrics_path, "w") as log, tqdm(total=steps, desc="sft", unit="step") as bar:
-            in_flight: list[tuple[int, Any, Any, int]] = []
+            in_flight: list[tuple[int, Any, Any, int, float]] = []
             for step in range(steps + 1):
                 if step < steps:  # submit step k+1 before waiting on step k: the fleet keeps the order
                     batch = make_datums(tokenizer, rng.sample(train, batch_size))
                     tokens = sum(d.model_input.length for d in batch)
-                    in_flight.append((step, tc.forward_backward(batch), tc.optim_step(adam), tokens))
+                    step_lr = demo_model.lr_at_step(step, steps, lr) if args.lr_schedule == "linear" else lr
+                    adam = types.AdamParams(learning_rate=step_lr, beta1=0.9, beta2=0.95, eps=1e-8)
+                    fb, opt = tc.forward_backward(batch), tc.optim_step(adam)
+                    in_flight.append((step, fb, opt, tokens, step_lr))
                 if len(in_flight) == 2 or (step == steps and in_flight):
-                    done_step, fb, opt, tokens = in_flight.pop(0)
+                    done_step, fb, opt, tokens, step_lr = in_flight.pop(0)
                     loss = fb.result(timeout=600).metrics["loss:sum"]
                     grad_norm = opt.result(timeout=600).metrics["grad_norm:mean"]
-                    row = {"step": done_step + 1, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
+                    row = {"step": done_step + 1, "loss": loss, "grad_norm": grad_norm, "learning_rate": step_lr,
                            "tokens": tokens, "elapsed_s": round(time.perf_counter() - started, 3)}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
@@ -163,7 +165,8 @@ def main(args: argparse.Namespace) -> int:
 
     plot = plot_metrics(metrics_path, out_dir / "loss.png", keys=["loss"], title="tinkerq sft: training loss")
     summary = {"model": model_dir, "steps": steps, "batch_size": batch_size, "learning_rate": lr,
-               "train_seconds": round(train_seconds, 1), "before": before, "after": after, "weights": saved,
+               "lr_schedule": args.lr_schedule, "train_seconds": round(train_seconds, 1), "before": before,
+               "after": after, "weights": saved,
                "metrics": str(metrics_path), "plot": str(plot)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"trained {steps} steps in {train_seconds:.0f} s; metrics: {metrics_path}; curve: {plot}; "

@@ -59,8 +59,15 @@ class Settings:
     gap_timeout_s: float = 300.0
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
     microbatch_tokens: int = 16384
+    # Local state: the demo model, and checkpoints unless checkpoint_dir says otherwise.
+    home: str = str(Path.home() / ".cache" / "tinkerq")
     # Where workers write weights (save_weights_for_sampler); must be shared by workers and users.
-    checkpoint_dir: str = str(Path.home() / ".cache" / "tinkerq" / "checkpoints")
+    # Empty: <home>/checkpoints.
+    checkpoint_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_dir:
+            object.__setattr__(self, "checkpoint_dir", str(Path(self.home) / "checkpoints"))
 
     @property
     def backend_url(self) -> str | None:
