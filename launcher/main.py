@@ -25,7 +25,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.runtime import run_worker
 
     settings = _settings(args, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
-                         checkpoint_dir=args.checkpoint_dir)
+                         checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend)
     if settings.broker_url is None:
         raise TinkerqError("no broker: pass --broker redis://host:6379/0 or set TINKERQ_BROKER_URL")
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
     w.add_argument("--max-sessions", type=int, help="training sessions held at once (default 4)")
     w.add_argument("--checkpoint-dir", help="where save_weights_for_sampler writes (default ~/.cache/tinkerq)")
+    w.add_argument("--loss-backend", choices=["auto", "apex", "torch", "reference"],
+                   help="loss head: auto = apex on CUDA when installed, else chunked torch (default)")
     w.add_argument("--threads", type=int, help="torch CPU threads")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)

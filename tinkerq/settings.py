@@ -57,6 +57,8 @@ class Settings:
     # A request that waits this long for a missing predecessor fails (with every request after it), and
     # the session refuses further work: its order can no longer be kept. Bounded, never a silent hang.
     gap_timeout_s: float = 300.0
+    # Loss head: auto (apex on CUDA when installed, else chunked torch), apex, torch, or reference.
+    loss_backend: str = "auto"
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
     microbatch_tokens: int = 16384
     # Local state: the demo model, and checkpoints unless checkpoint_dir says otherwise.
@@ -105,6 +107,10 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"TINKERQ_DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.loss_backend not in ("auto", "apex", "torch", "reference"):
+            raise SettingsError(
+                f"TINKERQ_LOSS_BACKEND must be auto, apex, torch or reference, got {self.loss_backend!r}"
+            )
         for url in (self.broker_url, self.result_backend):
             if url and not url.startswith(("redis://", "rediss://", "unix://", "memory://")):
                 raise SettingsError(

@@ -53,9 +53,11 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     register_tasks(connection.app, service)
     registration = Registration(
         connection.store, base_model, worker_id, settings.heartbeat_s,
-        info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype},
+        info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype,
+              "loss_backend": service.logprobs.backend},
     )
-    log.info("serving %s (%.1fM parameters) as worker %s", base_model, service.num_parameters / 1e6, worker_id)
+    log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
+             service.num_parameters / 1e6, worker_id, service.logprobs.backend)
     return AssembledWorker(connection, service, registration, worker_id)
 
 

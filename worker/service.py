@@ -28,6 +28,7 @@ from tinkerq.errors import (
 )
 from tinkerq.validation import Limits, validate_adam, validate_loss_request
 from tinkerq.wire import codec, messages
+from worker.logprobs import LogprobComputer
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
 from worker.session import TrainingSession
@@ -59,6 +60,7 @@ class WorkerService:
         self.vocab_size = vocab_size(model)
         self.max_seq_len = max_seq_len(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.logprobs = LogprobComputer(model, self.settings.loss_backend)
         self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
         self.slots: dict[str, _Slot] = {}
         self._lock = threading.RLock()
@@ -104,13 +106,14 @@ class WorkerService:
             self._make_room()
             model = copy.deepcopy(self.model)
             session = TrainingSession(model_id, model, base_dir=self.model_dir,
-                                      microbatch_tokens=self.settings.microbatch_tokens)
+                                      microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs)
             self.slots[model_id] = _Slot(session, Ordering())
             log.info("opened session %s (%d open)", model_id, len(self.slots))
         info = types.ModelInfo(
             model_id=model_id, base_model=self.base_model, vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id,
-            extra={"device": self.settings.device, "dtype": self.settings.dtype},
+            extra={"device": self.settings.device, "dtype": self.settings.dtype,
+                   "loss_backend": self.logprobs.backend},
         )
         return ("ok", codec.packb(info.__dict__))
 

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import resolve_loss_config
-from worker.logprobs import target_logprobs
+from worker.logprobs import LogprobComputer
 from worker.losses import LOSSES, MetricTotals
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -34,9 +34,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 class TrainingSession:
-    def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int) -> None:
+    def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
+                 logprobs: LogprobComputer) -> None:
         self.model_id = model_id
         self.model = model
+        self.logprobs = logprobs
         self.base_dir = base_dir
         self.microbatch_tokens = microbatch_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -64,7 +66,7 @@ class TrainingSession:
             chunk = data[start:stop]
             batch = _pad_batch(chunk, self.device)
             with torch.set_grad_enabled(backward):
-                logprobs = target_logprobs(
+                logprobs = self.logprobs(
                     self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"]
                 )  # (B, T)
                 real = batch["mask"] > 0
