@@ -5,5 +5,6 @@ Depends only on the core (``tinkerq``); never imports torch.
 
 from producer.client import ServiceClient, TrainingClient, wait_all
 from producer.futures import APIFuture
+from producer.sampling import SamplingClient
 
-__all__ = ["APIFuture", "ServiceClient", "TrainingClient", "wait_all"]
+__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient", "wait_all"]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from producer.futures import APIFuture
+from producer.sampling import SamplingClient
 from tinkerq import keys, types
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
@@ -193,6 +194,16 @@ class TrainingClient:
             "save_weights_for_sampler", {"name": name},
             lambda body: types.SaveWeightsResponse(path=str(body["path"])), argsrepr=f"name={name}",
         )
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, *,
+                                             timeout: float | None = None) -> SamplingClient:
+        """Freeze the weights as of every request submitted so far and return a client that samples them.
+
+        Waits for the earlier requests to be applied. ``name`` is accepted for Tinker compatibility (the
+        snapshot lives in the worker's memory; use save_weights_for_sampler for a directory on disk).
+        """
+        future = self._submit("create_sampler", {}, lambda body: str(body["sampler_id"]), argsrepr="")
+        return SamplingClient(self, future.result(timeout=timeout))
 
     def echo(self, body: dict[str, Any]) -> APIFuture[dict[str, Any]]:
         """Send ``body`` through the fleet and back, untouched (latency probes, benchmarks)."""

@@ -21,6 +21,10 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(out_dir)
+    # The demo's character tokenizer (50 ids, all inside VOCAB), so stop strings can be decoded.
+    from recipes.demo_model import build_tokenizer
+
+    build_tokenizer().save_pretrained(out_dir)
     return out_dir
 
 

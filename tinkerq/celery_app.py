@@ -15,6 +15,8 @@ OPS = (
     "forward",
     "optim_step",
     "save_weights_for_sampler",
+    "create_sampler",
+    "sample",
     "echo",
 )
 TASK_NAMES: dict[str, str] = {op: f"tinkerq.{op}" for op in OPS}

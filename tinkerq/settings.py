@@ -52,6 +52,8 @@ class Settings:
     dtype: str = "float32"
     # Training sessions (each a full copy of weights + AdamW state) one worker holds at once.
     max_sessions: int = 4
+    # Sampling snapshots (frozen weight copies) kept per training session; older ones are dropped.
+    max_samplers: int = 2
     # Sessions idle this long may be closed to make room for a new one.
     session_idle_ttl_s: float = 1800.0
     # A request that waits this long for a missing predecessor fails (with every request after it), and

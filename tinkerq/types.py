@@ -196,3 +196,28 @@ class SaveWeightsResponse:
     path: str
 
 
+@dataclass
+class SamplingParams:
+    """Tinker's sampling parameters. ``stop``: strings, token ids, or None (= the model's end-of-sequence)."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1  # -1 = no top-k filter
+    top_p: float = 1.0
+
+
+@dataclass
+class SampledSequence:
+    stop_reason: Literal["stop", "length"]
+    tokens: list[int]
+    # log p(token) under the sampled weights at temperature 1: what ``forward`` computes for the same tokens.
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]
+
+

@@ -195,3 +195,62 @@ def validate_adam(params: Any) -> None:
         raise ValidationError(f"AdamParams.weight_decay must be >= 0, got {params.weight_decay}")
     if params.grad_clip_norm < 0:
         raise ValidationError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {params.grad_clip_norm}")
+
+
+MAX_SAMPLES = 1024
+
+
+def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size: int | None = None,
+                      max_seq_len: int | None = None) -> None:
+    """Raise ValidationError for the first problem in a sample request."""
+    if not isinstance(prompt, types.ModelInput):
+        raise ValidationError(f"prompt must be a types.ModelInput, got {type(prompt).__name__}")
+    tokens = prompt.to_numpy()
+    if tokens.ndim != 1 or tokens.shape[0] == 0:
+        raise ValidationError("prompt is empty: sampling needs at least one prompt token")
+    if tokens.dtype.kind not in "iu":
+        raise ValidationError(f"prompt tokens must be integers, got dtype {tokens.dtype}")
+    _check_ids_named("prompt", tokens, vocab_size)
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_SAMPLES:
+        raise ValidationError(f"num_samples must be an integer in [1, {MAX_SAMPLES}], got {num_samples!r}")
+    if not isinstance(params, types.SamplingParams):
+        raise ValidationError(f"sampling_params must be types.SamplingParams, got {type(params).__name__}")
+    room = None if max_seq_len is None else max_seq_len - tokens.shape[0]
+    if params.max_tokens is not None:
+        if not isinstance(params.max_tokens, int) or isinstance(params.max_tokens, bool) or params.max_tokens < 1:
+            raise ValidationError(f"SamplingParams.max_tokens must be a positive integer, got {params.max_tokens!r}")
+        if room is not None and params.max_tokens > room:
+            raise ValidationError(
+                f"prompt ({tokens.shape[0]} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"maximum of {max_seq_len} tokens"
+            )
+    elif room is not None and room < 1:
+        raise ValidationError(f"prompt ({tokens.shape[0]} tokens) leaves no room under the model's {max_seq_len}")
+    if params.seed is not None and (not isinstance(params.seed, int) or isinstance(params.seed, bool)
+                                    or not 0 <= params.seed < 2**63):
+        raise ValidationError(f"SamplingParams.seed must be a non-negative integer or None, got {params.seed!r}")
+    t = params.temperature
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+        raise ValidationError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+    if not isinstance(params.top_k, int) or isinstance(params.top_k, bool) or (params.top_k < 1 and params.top_k != -1):
+        raise ValidationError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {params.top_k!r}")
+    p = params.top_p
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
+        raise ValidationError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+    stop = params.stop
+    if stop is None or isinstance(stop, str):
+        return
+    if not isinstance(stop, (list, tuple)) or not stop:
+        raise ValidationError("SamplingParams.stop must be a string, a non-empty list of strings or of token ids")
+    if all(isinstance(x, str) and x for x in stop):
+        return
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
+        _check_ids_named("SamplingParams.stop", np.asarray(stop), vocab_size)
+        return
+    raise ValidationError("SamplingParams.stop must be all (non-empty) strings or all token ids, not a mix")
+
+
+def _check_ids_named(field: str, ids: np.ndarray, vocab_size: int | None) -> None:
+    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValidationError(f"{field} has token id {bad}, outside the model's vocabulary of {vocab_size}")

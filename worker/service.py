@@ -24,13 +24,15 @@ from tinkerq.errors import (
     ServerError,
     TinkerqError,
     UnknownModelError,
+    ValidationError,
     WorkerError,
 )
-from tinkerq.validation import Limits, validate_adam, validate_loss_request
+from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_sampling
 from tinkerq.wire import codec, messages
 from worker.logprobs import LogprobComputer
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
+from worker.sampling import StopRule, sample
 from worker.session import TrainingSession
 
 log = logging.getLogger("tinkerq.worker")
@@ -63,12 +65,15 @@ class WorkerService:
         self.logprobs = LogprobComputer(model, self.settings.loss_backend)
         self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
         self.slots: dict[str, _Slot] = {}
+        self._tokenizer: Any = None
         self._lock = threading.RLock()
         self._ops: dict[str, Callable[[TrainingSession, Any], bytes]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
             "forward": lambda s, body: self._loss(s, body, backward=False),
             "optim_step": self._optim_step,
             "save_weights_for_sampler": self._save_weights,
+            "create_sampler": lambda s, body: codec.packb({"sampler_id": s.create_sampler()}),
+            "sample": self._sample,
             "echo": lambda s, body: codec.packb(body),
             "close_model": lambda s, body: codec.packb({}),
         }
@@ -106,7 +111,9 @@ class WorkerService:
             self._make_room()
             model = copy.deepcopy(self.model)
             session = TrainingSession(model_id, model, base_dir=self.model_dir,
-                                      microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs)
+                                      microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs,
+                                      blank_model=lambda: copy.deepcopy(self.model),
+                                      max_samplers=self.settings.max_samplers)
             self.slots[model_id] = _Slot(session, Ordering())
             log.info("opened session %s (%d open)", model_id, len(self.slots))
         info = types.ModelInfo(
@@ -250,6 +257,38 @@ class WorkerService:
         adam = messages.decode_adam(body)
         validate_adam(adam)
         return codec.packb({"metrics": session.optim_step(adam).metrics})
+
+    def _sample(self, session: TrainingSession, body: Any) -> bytes:
+        sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)
+        validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        model = session.sampler(sampler_id)
+        tokens = prompt.to_ints()
+        stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
+        max_tokens = params.max_tokens or (self.max_seq_len - len(tokens))
+        sequences = sample(model, tokens, num_samples, params, stop, max_tokens)
+        return codec.packb(messages.encode_sample_response(types.SampleResponse(sequences=sequences)))
+
+    def _default_stop_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None) or self.model.config.eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _tokenizer_for(self, stop: Any) -> Any:
+        """The model's tokenizer when stop strings need decoding (loaded once), else None."""
+        if not (isinstance(stop, str) or (isinstance(stop, list) and stop and isinstance(stop[0], str))):
+            return None
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError) as exc:
+                raise ValidationError(
+                    f"stop strings need the model's tokenizer, which cannot be loaded from {self.model_dir} "
+                    f"({exc}); pass stop token ids instead"
+                ) from exc
+        return self._tokenizer
 
     def _save_weights(self, session: TrainingSession, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None

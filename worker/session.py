@@ -7,13 +7,16 @@ an optim_step checks the gradient norm before touching a weight.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 class TrainingSession:
     def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
-                 logprobs: LogprobComputer) -> None:
+                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel] | None = None,
+                 max_samplers: int = 2) -> None:
         self.model_id = model_id
         self.model = model
         self.logprobs = logprobs
+        # Sampling snapshots: frozen copies of the weights as of the request that made them (oldest evicted).
+        self.samplers: OrderedDict[str, PreTrainedModel] = OrderedDict()
+        self.max_samplers = max_samplers
+        self._blank_model = blank_model
         self.base_dir = base_dir
         self.microbatch_tokens = microbatch_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -145,6 +153,34 @@ class TrainingSession:
         return types.OptimStepResponse(
             metrics={"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": self.steps}
         )
+
+    # -- sampling ---------------------------------------------------------------------------------------------------
+
+    def create_sampler(self) -> str:
+        """Freeze the current weights for sampling; returns the snapshot's id."""
+        snapshot = self._blank_model() if self._blank_model else copy.deepcopy(self.model)
+        snapshot.load_state_dict(self.model.state_dict())
+        for p in snapshot.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+        snapshot.eval()
+        sampler_id = f"{self.model_id}:{self.steps}:{uuid.uuid4().hex[:8]}"
+        self.samplers[sampler_id] = snapshot
+        while len(self.samplers) > self.max_samplers:
+            self.samplers.popitem(last=False)
+        self.last_used = time.monotonic()
+        return sampler_id
+
+    def sampler(self, sampler_id: str) -> PreTrainedModel:
+        model = self.samplers.get(sampler_id)
+        if model is None:
+            raise ValidationError(
+                f"sampling client {sampler_id} is no longer held by the worker (it keeps the {self.max_samplers} "
+                f"newest per training client); call save_weights_and_get_sampling_client() again"
+            )
+        self.samplers.move_to_end(sampler_id)
+        self.last_used = time.monotonic()
+        return model
 
     # -- weights out -------------------------------------------------------------------------------------------
 

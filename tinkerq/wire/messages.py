@@ -162,3 +162,55 @@ def decode_model_info(body: Any) -> types.ModelInfo:
         return types.ModelInfo(**body)
     except TypeError as exc:
         raise MalformedMessageError(f"create_model result is malformed: {exc}") from exc
+
+
+# -- sampling -----------------------------------------------------------------------------------------------
+
+def encode_sample_request(sampler_id: str, prompt: types.ModelInput, num_samples: int,
+                          params: types.SamplingParams) -> dict[str, Any]:
+    stop = params.stop
+    if stop is not None and not isinstance(stop, str):
+        stop = list(stop)
+    return {
+        "sampler_id": sampler_id, "prompt": prompt.to_numpy(), "num_samples": num_samples,
+        "params": {"max_tokens": params.max_tokens, "seed": params.seed, "stop": stop,
+                   "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
+    }
+
+
+def decode_sample_request(body: Any) -> tuple[str, types.ModelInput, Any, types.SamplingParams]:
+    if not isinstance(body, dict):
+        raise MalformedMessageError("sample body must be a map")
+    sampler_id, prompt, params = body.get("sampler_id"), body.get("prompt"), body.get("params")
+    if not isinstance(sampler_id, str):
+        raise MalformedMessageError("sample body needs a string 'sampler_id'")
+    if not isinstance(prompt, np.ndarray):
+        raise MalformedMessageError("sample body needs an array 'prompt'")
+    if not isinstance(params, dict):
+        raise MalformedMessageError("sample body needs a map 'params'")
+    known = {f.name for f in fields(types.SamplingParams)}
+    unknown = set(params) - known
+    if unknown:
+        raise MalformedMessageError(f"unknown SamplingParams fields: {sorted(unknown)}")
+    return sampler_id, types.ModelInput.from_ints(prompt), body.get("num_samples"), types.SamplingParams(**params)
+
+
+def encode_sample_response(response: types.SampleResponse) -> dict[str, Any]:
+    return {"sequences": [
+        {"stop_reason": s.stop_reason, "tokens": np.asarray(s.tokens, dtype=np.int64),
+         "logprobs": None if s.logprobs is None else np.asarray(s.logprobs, dtype=np.float32)}
+        for s in response.sequences
+    ]}
+
+
+def decode_sample_response(body: Any) -> types.SampleResponse:
+    try:
+        return types.SampleResponse(sequences=[
+            types.SampledSequence(
+                stop_reason=s["stop_reason"], tokens=[int(t) for t in s["tokens"]],
+                logprobs=None if s["logprobs"] is None else [float(x) for x in s["logprobs"]],
+            )
+            for s in body["sequences"]
+        ])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MalformedMessageError(f"sample result is malformed: {exc}") from exc
