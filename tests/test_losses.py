@@ -10,20 +10,18 @@ from tinkerq.errors import ValidationError
 from tinkerq.validation import resolve_loss_config
 from worker.losses import LOSSES, MetricTotals
 
-torch.manual_seed(0)
-
-
-def _datums(n: int = 5, *, spread: float = 0.6):
+def _datums(n: int = 5, *, spread: float = 0.6, seed: int = 0):
     """Per-datum tensors of different lengths: t (trainer logprobs), s, A (zeros on the prompt), mask."""
+    g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         length = 3 + 4 * i
         prompt = 1 + i % 3
-        s = -torch.rand(length, dtype=torch.float64) * 3
-        t = (s + spread * torch.randn(length, dtype=torch.float64)).clamp(max=-1e-3)
+        s = -torch.rand(length, dtype=torch.float64, generator=g) * 3
+        t = (s + spread * torch.randn(length, dtype=torch.float64, generator=g)).clamp(max=-1e-3)
         s[:prompt] = 0.0
         adv = torch.zeros(length, dtype=torch.float64)
-        adv[prompt:] = torch.randn(1, dtype=torch.float64).item()  # one advantage per sequence
+        adv[prompt:] = torch.randn(1, dtype=torch.float64, generator=g).item()  # one advantage per sequence
         if i == 2:
             adv[:] = 0.0  # a fully masked datum
         seq_mask = (torch.arange(length) >= prompt).double()
@@ -76,7 +74,7 @@ CONFIGS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
     "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 
 
