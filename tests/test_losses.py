@@ -10,6 +10,7 @@ from tinkerq.errors import ValidationError
 from tinkerq.validation import resolve_loss_config
 from worker.losses import LOSSES, MetricTotals
 
+
 def _datums(n: int = 5, *, spread: float = 0.6, seed: int = 0):
     """Per-datum tensors of different lengths: t (trainer logprobs), s, A (zeros on the prompt), mask."""
     g = torch.Generator().manual_seed(seed)

@@ -102,3 +102,90 @@ def test_thirty_pipelined_steps_match_sequential_reference(training_client, mode
         assert norms[i] == pytest.approx(reference_step(ref, ref_opt, [batch], adam), rel=1e-4), i
     saved = training_client.save_weights_for_sampler("pipelined").result(timeout=60).path
     assert max_weight_diff(ref, saved) < 1e-5
+
+
+RL_CONFIGS = {
+    "importance_sampling": None,
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
+}
+
+
+def _rl_batch(ref, rng):
+    """RL datums as the cookbook builds them: prompt positions carry zero logprobs and advantages; the
+    sampler's logprobs are the reference's, perturbed so that ratios differ from 1 (clipping triggers)."""
+    data = []
+    for i, d in enumerate(make_batch(rng, 5, min_len=6, max_len=30)):
+        n = d.model_input.length
+        prompt = int(rng.integers(1, n - 2))
+        with torch.no_grad():
+            t = reference_logprobs(ref, d).numpy()
+        s = (t + rng.normal(0, 0.3, n)).astype(np.float32)
+        s[:prompt] = 0.0
+        adv = np.zeros(n, np.float32)
+        adv[prompt:] = 0.0 if i == 1 else rng.normal()  # datum 1 is fully masked
+        mask = (np.arange(n) >= prompt).astype(np.float32)
+        inputs = {"target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": s, "advantages": adv}
+        data.append((d.model_input, inputs, mask))
+    return data
+
+
+def _reference_rl_loss(loss_fn, config, t, inputs, mask):
+    s = torch.from_numpy(np.array(inputs["logprobs"].to_numpy()))
+    A = torch.from_numpy(np.array(inputs["advantages"].to_numpy()))
+    r = torch.exp(t - s)
+    if loss_fn == "importance_sampling":
+        return -(r * A)
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+        if loss_fn == "ppo":
+            return -torch.minimum(r * A, torch.clamp(r, lo, hi) * A)
+        if loss_fn == "cispo":
+            return -(torch.clamp(r, lo, hi).detach() * t * A)
+        m = torch.from_numpy(mask)
+        seq = torch.exp(((t - s) * m).sum() / m.sum())
+        return -torch.minimum(seq * A, torch.clamp(seq, lo, hi) * A)
+    return -(t * A - 0.5 * config["beta"] * (t - s) ** 2)
+
+
+@pytest.mark.parametrize("loss_fn", sorted(RL_CONFIGS))
+def test_rl_losses_through_the_fleet_match_reference(training_client, model_dir, loss_fn):
+    config = RL_CONFIGS[loss_fn]
+    ref = load_reference(model_dir)
+    rows = _rl_batch(ref, np.random.default_rng(13))
+    data = []
+    for model_input, inputs, mask in rows:
+        if loss_fn == "gspo":
+            inputs = {**inputs, "sequence_ratio_mask": mask}
+        data.append(types.Datum(model_input=model_input, loss_fn_inputs=inputs))
+
+    scored = training_client.forward(data, loss_fn, config).result(timeout=60)  # forward works for every loss
+    fb = training_client.forward_backward(data, loss_fn, config)
+    adam = types.AdamParams(learning_rate=1e-2)
+    step = training_client.optim_step(adam)
+    out = fb.result(timeout=60)
+    assert out.metrics["loss:sum"] == pytest.approx(scored.metrics["loss:sum"], rel=1e-6)
+
+    total = torch.zeros(())
+    for d, o, (_, _, mask) in zip(data, out.loss_fn_outputs, rows, strict=True):
+        t = reference_logprobs(ref, d)
+        per_token = _reference_rl_loss(loss_fn, config, t, d.loss_fn_inputs, mask)
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), t.detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), per_token.detach().numpy(), atol=1e-5)
+        total = total + per_token.sum()
+    assert out.metrics["loss:sum"] == pytest.approx(float(total), rel=1e-5, abs=1e-5)
+    assert all(k.count(":") == 1 for k in out.metrics)
+    if loss_fn in ("ppo", "cispo"):
+        assert 0 < out.metrics["clip_fraction:mean"] < 1
+
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    total.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    for group in ref_opt.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=0.0)
+    ref_opt.step()
+    assert step.result(timeout=60).metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-4)
+    saved = training_client.save_weights_for_sampler(f"after-{loss_fn}").result(timeout=60).path
+    assert max_weight_diff(ref, saved) < 1e-5
