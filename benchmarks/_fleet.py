@@ -77,6 +77,8 @@ class Fleet:
         self.redis: redis.Redis = redis.Redis(port=self.port)
         self._redis_proc: subprocess.Popen | None = None
         self._worker_proc: subprocess.Popen | None = None
+        self._worker_out: Any = None
+        self.registration: dict[str, Any] = {}  # the worker's heartbeat record, once it is up
 
     def __enter__(self) -> Fleet:
         try:
@@ -117,12 +119,19 @@ class Fleet:
                **self.env}
         cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(self.model_dir),
                "--broker", self.url, "--threads", str(self.threads)]
-        self._worker_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.worker_log.open("w"),
+        self._worker_out = self.worker_log.open("w")
+        self._worker_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._worker_out,
                                              stderr=subprocess.STDOUT)
         conn = Connection.open(Settings(broker_url=self.url))
+
+        def registered() -> bool:
+            found = conn.workers_serving(str(self.model_dir))
+            if found:
+                self.registration = found[0]
+            return bool(found)
+
         try:
-            wait_for(lambda: bool(conn.workers_serving(str(self.model_dir))), 180, "tinkerq worker",
-                     self._worker_proc, self.worker_log)
+            wait_for(registered, 180, "tinkerq worker", self._worker_proc, self.worker_log)
         finally:
             conn.close()
 
@@ -133,7 +142,10 @@ class Fleet:
         return ServiceClient(broker_url=self.url)
 
     def worker_ms(self, op: str) -> list[float]:
-        """Worker-side handling times of ``op`` (ms), from the worker's ``<op> ok in X ms`` log lines."""
+        """Worker-side handling times of ``op`` (ms), from the worker's ``<op> ok in X ms`` log lines.
+
+        Empty if the worker stops logging that line; callers then leave those rows out.
+        """
         pattern = re.compile(rf"\b{re.escape(op)} ok in ([0-9.]+) ms")
         return [float(m.group(1)) for m in pattern.finditer(self.worker_log.read_text())]
 
@@ -148,6 +160,8 @@ class Fleet:
                 proc.kill()
                 proc.wait(5)
         self.redis.close()
+        if self._worker_out is not None:
+            self._worker_out.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -169,14 +183,12 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """A plain aligned text table (floats with 3 significant decimals)."""
     cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for row in cells:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
-                                                                                              strict=True))))
+    for row in [list(headers), ["-" * w for w in widths], *cells]:
+        first, *rest = zip(row, widths, strict=True)
+        print("  ".join([first[0].ljust(first[1]), *(c.rjust(w) for c, w in rest)]))
 
 
 def machine() -> str:
-    """One line naming the host: CPU count, load average, torch threads are the caller's business."""
+    """One line naming the host: CPU count and load average (the machine may be shared)."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, Python {sys.version.split()[0]}"
+    return f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
