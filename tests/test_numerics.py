@@ -189,3 +189,9 @@ def test_rl_losses_through_the_fleet_match_reference(training_client, model_dir,
     assert step.result(timeout=60).metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-4)
     saved = training_client.save_weights_for_sampler(f"after-{loss_fn}").result(timeout=60).path
     assert max_weight_diff(ref, saved) < 1e-5
+
+
+def test_worker_reports_its_loss_head(training_client, service, model_dir):
+    assert training_client.info.extra["loss_backend"] == "torch"  # auto on CPU: the chunked torch kernel
+    registrations = service.connection.workers_serving(str(model_dir))
+    assert registrations and all(r["loss_backend"] == "torch" for r in registrations)

@@ -54,7 +54,9 @@ def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
         task_create_missing_queues=True,
         # Operators see what each worker does (Flower needs task events).
         worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Flower reads task arguments from the worker's task-received event; a producer-side "sent" event
+        # would add a PUBLISH to every request for nothing.
+        task_send_sent_event=False,
         worker_hijack_root_logger=False,
         enable_utc=True,
     )
