@@ -2,6 +2,7 @@
 
     tinkerq sft                      fine-tune the demo model on the bundled data set (embedded fleet)
     tinkerq sft --broker redis://... the same job against a running fleet
+    tinkerq rl                       RL with sampling and importance sampling on the demo task
     tinkerq worker --model PATH      serve a local Hugging Face model from a Redis fleet
 
 Subcommands import their (heavy) modules only when they run, so ``tinkerq --help`` is instant.
@@ -38,6 +39,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return sft_main(args)
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    from recipes.rl import main as rl_main
+
+    return rl_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinkerq", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sft_arguments(s)
     s.set_defaults(func=cmd_sft)
+
+    r = sub.add_parser("rl", help="RL (sampling + importance sampling) on the demo task, after a short SFT warm-up")
+    from recipes.rl import add_rl_arguments
+
+    add_rl_arguments(r)
+    r.set_defaults(func=cmd_rl)
     return parser
 
 

@@ -66,3 +66,26 @@ def test_sft_job_runs_on_the_embedded_fleet(tmp_path: Path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["after"]["heldout_nll"] < summary["before"]["heldout_nll"]
     assert "sft: 100%" in out.stderr  # the progress bar ran to the end
+
+
+def test_rl_job_runs_on_the_embedded_fleet(tmp_path: Path):
+    """A short `tinkerq rl`: sampling, rewards, importance-sampling steps, metrics JSONL and reward PNG."""
+    out = _run("rl", "--warmup-steps", "5", "--iterations", "3", "--prompts", "4", "--group-size", "4",
+               "--out", str(tmp_path / "run"), timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in rows)
+    trained = [r for r in rows if r["datums"] > 0]
+    assert trained and all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-3) for r in trained)  # on-policy
+    assert (tmp_path / "run" / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert "after RL:" in out.stdout
+
+
+def test_rl_reward_rule():
+    from recipes.rl import reward, rule_target
+
+    assert rule_target("abcdef>") == "fed" and rule_target("abc>") == "cba"
+    assert reward("abcdef>", "fed") == 1.0
+    assert reward("abcdef>", "fedcba") == pytest.approx(0.5)  # the whole reversal: too long
+    assert reward("abcdef>", "") == 0.0 and reward("abcdef>", "xyz") == 0.0
