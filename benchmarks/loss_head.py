@@ -2,8 +2,8 @@
 
 Each (shape, backend) runs in its own process so peak memory is that process's alone. The measured part
 is: target logprobs from hidden (T, H) and weight (V, H), a weighted sum, and backward to both inputs.
-Peak memory is the growth of the process's peak RSS (CPU) or of torch's peak allocated bytes (CUDA)
-over what the inputs already hold.
+Peak memory is the growth of the process's peak RSS (VmHWM, reset after the inputs are built) over its RSS
+before the first step (CPU), or torch's peak allocated bytes over what the inputs hold (CUDA).
 
     .venv/bin/python benchmarks/loss_head.py                     # CPU, float32, both shapes
     .venv/bin/python benchmarks/loss_head.py --device cuda --dtype bfloat16 --backends reference torch apex
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -23,8 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(2048, 512, 32000), (8192, 896, 151936)]
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _proc_status_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux), so transient input-building memory is not counted."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def run_one(t: int, h: int, v: int, backend: str, device: str, dtype: str, reps: int) -> dict:
@@ -55,7 +63,8 @@ def run_one(t: int, h: int, v: int, backend: str, device: str, dtype: str, reps:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _peak_rss_bytes()
+        _reset_peak_rss()
+        base = _proc_status_bytes("VmRSS")
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -63,7 +72,7 @@ def run_one(t: int, h: int, v: int, backend: str, device: str, dtype: str, reps:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss_bytes()) - base
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status_bytes("VmHWM")) - base
     return {"T": t, "H": h, "V": v, "backend": backend, "device": device, "dtype": dtype,
             "chunk_tokens": chunk, "peak_mb": peak / 2**20, "seconds": min(times), "loss": loss,
             "threads": torch.get_num_threads()}

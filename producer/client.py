@@ -66,9 +66,9 @@ class ServiceClient:
             )
         model_id = uuid.uuid4().hex
         timeout = self.settings.create_timeout_s if timeout is None else timeout
-        future = self._send(
+        future = self._post(
             "create_model",
-            {"base_model": base_model},
+            self._encode({"base_model": base_model}),
             model_id=model_id,
             seq_id=0,
             queue=keys.model_queue(base_model),
@@ -83,23 +83,6 @@ class ServiceClient:
                 f"(registered workers may be busy or gone); check `tinkerq fleet status`"
             ) from None
         return TrainingClient(self, info)
-
-    def _send(
-        self,
-        op: str,
-        body: dict[str, Any],
-        *,
-        model_id: str,
-        seq_id: int,
-        queue: str,
-        decode: Callable[[Any], Any],
-        argsrepr: str,
-    ) -> APIFuture[Any]:
-        try:
-            ref = self._encode(body)
-        except TinkerqError as exc:
-            return APIFuture.failed(exc)
-        return self._post(op, ref, model_id=model_id, seq_id=seq_id, queue=queue, decode=decode, argsrepr=argsrepr)
 
     def _encode(self, body: dict[str, Any]) -> dict[str, Any]:
         """msgpack-encode a request body and claim-check it if large (raises on oversized bodies)."""

@@ -34,9 +34,11 @@ class TorchChunkKernel:
     """Plain torch per chunk: logsumexp forward, in-place softmax backward. Any device, any float dtype."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.to(compute_dtype(logits.dtype))
-        lse = torch.logsumexp(logits, dim=-1)  # (C,)
+        logits = logits.to(compute_dtype(logits.dtype))  # the chunk's own buffer: safe to overwrite
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (C,)
+        # logsumexp in place (no second (C, V) buffer): max, subtract, exp, sum, log.
+        top = logits.amax(dim=-1, keepdim=True)  # (C, 1)
+        lse = logits.sub_(top).exp_().sum(dim=-1).log_() + top.squeeze(-1)  # (C,)
         return picked - lse, lse
 
     def grad_logits(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
