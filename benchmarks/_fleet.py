@@ -10,13 +10,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,25 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | None = None,
-             log: Path | None = None) -> None:
-    """Poll ``predicate`` until true; raise with the process log's tail if it never is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise RuntimeError(f"{what} did not come up within {timeout} s\n{tail}")
+from launcher.processes import free_port, start_process, start_redis, wait_for, worker_command  # noqa: E402
 
 
 def build_llama(out_dir: Path, seed: int = 0, **config: Any) -> Path:
@@ -93,35 +73,15 @@ class Fleet:
         self.close()
 
     def _start_redis(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
-        log = self.workdir / "redis.log"
-        self._redis_proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--logfile", str(log)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-
-        def up() -> bool:
-            try:
-                return bool(self.redis.ping())
-            except redis.ConnectionError:
-                return False
-
-        wait_for(up, 20, "redis-server", self._redis_proc, log)
+        self._redis_proc = start_redis(self.port, self.workdir)
 
     def _start_worker(self) -> None:
         from tinkerq.connection import Connection
         from tinkerq.settings import Settings
 
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TINKERQ_CHECKPOINT_DIR": str(self.workdir / "ckpt"),
-               **self.env}
-        cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(self.model_dir),
-               "--broker", self.url, "--threads", str(self.threads)]
-        self._worker_out = self.worker_log.open("w")
-        self._worker_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._worker_out,
-                                             stderr=subprocess.STDOUT)
+        env = {"TINKERQ_CHECKPOINT_DIR": str(self.workdir / "ckpt"), **self.env}
+        cmd = worker_command(str(self.model_dir), self.url, threads=self.threads)
+        self._worker_proc = start_process(cmd, self.worker_log, env)
         conn = Connection.open(Settings(broker_url=self.url))
 
         def registered() -> bool:

@@ -45,6 +45,60 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return rl_main(args)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from launcher.fleet import main as fleet_main
+
+    return fleet_main(args)
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    """Run Flower on the fleet's Redis with the fleet's Celery configuration (replaces this process)."""
+    import os
+
+    settings = _settings(args)
+    if settings.broker_url is None:
+        raise TinkerqError("no broker: pass --broker redis://host:6379/0 or set TINKERQ_BROKER_URL")
+    env = {**os.environ, "TINKERQ_BROKER_URL": settings.broker_url}
+    cmd = [sys.executable, "-m", "celery", "-A", "launcher.flower_app:app", "flower",
+           f"--port={args.port}", f"--address={args.address}", "--persistent=True", f"--db={args.db}",
+           "--state_save_interval=10000"]
+    if args.basic_auth:
+        cmd.append(f"--basic-auth={args.basic_auth}")
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from recipes.plotting import plot_metrics
+
+    src = Path(args.metrics)
+    if not src.is_file():
+        raise TinkerqError(f"{src} does not exist; pass the metrics.jsonl a run wrote")
+    out = Path(args.out) if args.out else src.with_suffix(".png")
+    print(plot_metrics(src, out, keys=args.keys, x=args.x, title=args.title or src.parent.name))
+    return 0
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 if a worker on this host is registered (its heartbeat thread runs even during long tasks)."""
+    import socket
+
+    from tinkerq.connection import Connection
+
+    conn = Connection.open(_settings(args, connect_timeout_s=3.0))
+    try:
+        mine = [r for r in conn.workers_serving() if r.get("host") == socket.gethostname()]
+    finally:
+        conn.close()
+    if not mine:
+        print(f"no worker registered from host {socket.gethostname()}", file=sys.stderr)
+        return 1
+    print(", ".join(f"{r['worker']} serves {r['base_model']}" for r in mine))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinkerq", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +128,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rl_arguments(r)
     r.set_defaults(func=cmd_rl)
+
+    f = sub.add_parser("fleet", help="a local fleet without Docker: up, status, down")
+    from launcher.fleet import add_fleet_arguments
+
+    add_fleet_arguments(f)
+    f.set_defaults(func=cmd_fleet)
+
+    fl = sub.add_parser("flower", help="the Flower dashboard for a fleet")
+    fl.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    fl.add_argument("--port", type=int, default=5555)
+    fl.add_argument("--address", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    fl.add_argument("--db", default="flower.db", help="file where Flower keeps its state across restarts")
+    fl.add_argument("--basic-auth", help="user:password (FLOWER_BASIC_AUTH also works)")
+    fl.set_defaults(func=cmd_flower)
+
+    pl = sub.add_parser("plot", help="draw curves from a metrics.jsonl as PNG")
+    pl.add_argument("metrics", help="a metrics.jsonl written by tinkerq sft / rl")
+    pl.add_argument("--keys", nargs="+", default=["loss"], help="columns to draw (default: loss)")
+    pl.add_argument("--x", default="step", help="x-axis column (default: step)")
+    pl.add_argument("--out", help="PNG path (default: next to the metrics file)")
+    pl.add_argument("--title")
+    pl.set_defaults(func=cmd_plot)
+
+    hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
+    hc.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    hc.set_defaults(func=cmd_healthcheck)
     return parser
 
 

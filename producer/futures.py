@@ -40,6 +40,8 @@ class APIFuture(Generic[T]):
         self._error = error
         self._value: Any = None
         self._resolved = error is not None
+        # What the worker measured: queue_wait_s, compute_s, tokens, tokens_per_s (when it got that far).
+        self.timing: dict[str, float] = {}
 
     @classmethod
     def failed(cls, error: TinkerqError) -> APIFuture[Any]:
@@ -89,6 +91,8 @@ class APIFuture(Generic[T]):
         if isinstance(reply, BaseException):  # Celery-level failure (e.g. the worker refused the message)
             self._error = ServerError(f"{self._describe} failed in the worker: {reply}")
             return
+        if isinstance(reply, dict) and isinstance(reply.get("timing"), dict):
+            self.timing = {str(k): float(v) for k, v in reply["timing"].items() if isinstance(v, (int, float))}
         error = messages.reply_error(reply)
         if error is not None:
             self._error = error

@@ -68,8 +68,11 @@ def exact_match(model_dir: str, tokenizer: Any, pairs: list[dict[str, str]]) -> 
     """Greedy-decode each held-out prompt with the weights in ``model_dir``; fraction fully correct."""
     if not os.path.isdir(model_dir):
         return None  # the fleet's checkpoint directory is not visible from here
-    import torch
-    from transformers import AutoModelForCausalLM
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None  # a producer-only install (no torch): the held-out NLL still comes from the fleet
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -150,7 +153,9 @@ def main(args: argparse.Namespace) -> int:
                     loss = fb.result(timeout=600).metrics["loss:sum"]
                     grad_norm = opt.result(timeout=600).metrics["grad_norm:mean"]
                     row = {"step": done_step + 1, "loss": loss, "grad_norm": grad_norm, "learning_rate": step_lr,
-                           "tokens": tokens, "elapsed_s": round(time.perf_counter() - started, 3)}
+                           "tokens": tokens, "elapsed_s": round(time.perf_counter() - started, 3),
+                           # what the worker measured for this forward_backward
+                           **{f"fb_{k}": round(v, 4) for k, v in fb.timing.items() if k != "tokens"}}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     bar.update(1)
@@ -176,5 +181,5 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_eval(label: str, result: dict[str, float | None]) -> None:
     em = result["exact_match"]
-    em_text = f"{100 * em:.1f}%" if em is not None else "n/a (weights not visible from this machine)"
+    em_text = f"{100 * em:.1f}%" if em is not None else "n/a (needs torch and the saved weights on this machine)"
     print(f"{label:>6}: held-out NLL/token {result['heldout_nll']:.3f}, exact match {em_text}")

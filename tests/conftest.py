@@ -2,67 +2,29 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
+from launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from tests.helpers import build_tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
 # Small micro-batches in the test worker, so batch splitting inside the worker is exercised too.
 WORKER_MICROBATCH_TOKENS = 96
 WORKER_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 WORKER_GAP_TIMEOUT_S = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    detail = log.read_text()[-3000:] if log and log.exists() else ""
-    raise RuntimeError(f"{what} did not come up within {timeout} s\n{detail}")
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free port for this test session."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does)")
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-
-    def up() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    _wait(up, 20, "redis-server", proc, workdir / "redis.log")
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
@@ -80,10 +42,8 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start_worker_process(model_dir: Path, redis_url: str, log: Path, env: dict[str, str] | None = None,
                          extra: list[str] | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(model_dir), "--broker", redis_url,
-           "--threads", "1", "--max-sessions", "16", *(extra or [])]
-    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    cmd = worker_command(str(model_dir), redis_url, threads=1, extra=["--max-sessions", "16", *(extra or [])])
+    return start_process(cmd, log, env)
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +61,7 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
         "TINKERQ_GAP_TIMEOUT_S": str(WORKER_GAP_TIMEOUT_S),
     })
     conn = Connection.open(Settings(broker_url=redis_url))
-    _wait(lambda: bool(conn.workers_serving(str(model_dir))), 90, "tinkerq worker", proc, log)
+    wait_for(lambda: bool(conn.workers_serving(str(model_dir))), 90, "tinkerq worker", proc, log)
     proc.log_path = log  # type: ignore[attr-defined]
     yield proc
     proc.terminate()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, _free_port
+from launcher.processes import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,7 +26,7 @@ def test_worker_with_bad_model_path_says_so_and_exits(redis_url):
 
 
 def test_worker_with_unreachable_broker_says_so_and_exits(model_dir):
-    out = _run("worker", "--model", str(model_dir), "--broker", f"redis://127.0.0.1:{_free_port()}/0")
+    out = _run("worker", "--model", str(model_dir), "--broker", f"redis://127.0.0.1:{free_port()}/0")
     assert out.returncode == 2
     assert "cannot reach Redis" in out.stderr and "Traceback" not in out.stderr
 
@@ -51,7 +51,7 @@ def test_producer_fails_fast_without_broker():
     from tinkerq.settings import Settings
 
     with pytest.raises(BrokerUnavailableError, match="cannot reach Redis"):
-        ServiceClient(settings=Settings(broker_url=f"redis://127.0.0.1:{_free_port()}/0", connect_timeout_s=1))
+        ServiceClient(settings=Settings(broker_url=f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=1))
 
 
 def test_sft_job_runs_on_the_embedded_fleet(tmp_path: Path):

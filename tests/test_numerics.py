@@ -195,3 +195,16 @@ def test_worker_reports_its_loss_head(training_client, service, model_dir):
     assert training_client.info.extra["loss_backend"] == "torch"  # auto on CPU: the chunked torch kernel
     registrations = service.connection.workers_serving(str(model_dir))
     assert registrations and all(r["loss_backend"] == "torch" for r in registrations)
+
+
+def test_results_carry_timing(training_client):
+    data = make_batch(np.random.default_rng(30), 3)
+    fb = training_client.forward_backward(data)
+    opt = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
+    fb.result(timeout=60)
+    opt.result(timeout=60)
+    tokens = sum(d.model_input.length for d in data)
+    assert fb.timing["tokens"] == tokens and fb.timing["compute_s"] > 0
+    assert fb.timing["tokens_per_s"] == pytest.approx(tokens / fb.timing["compute_s"], rel=1e-6)
+    assert 0 <= fb.timing["queue_wait_s"] < 60
+    assert opt.timing["compute_s"] > 0 and "tokens_per_s" not in opt.timing

@@ -37,16 +37,16 @@ class Connection:
             client.ping()
         except redis.AuthenticationError as exc:
             raise BrokerUnavailableError(
-                f"Redis at {_redact(settings.broker_url)} refused the credentials ({exc}); "
+                f"Redis at {redact_url(settings.broker_url)} refused the credentials ({exc}); "
                 f"check the password in the broker URL (redis://:PASSWORD@host:port/db)"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             raise BrokerUnavailableError(
-                f"cannot reach Redis at {_redact(settings.broker_url)} within {settings.connect_timeout_s:g} s "
+                f"cannot reach Redis at {redact_url(settings.broker_url)} within {settings.connect_timeout_s:g} s "
                 f"({exc}); start it or set --broker / TINKERQ_BROKER_URL to a reachable redis:// URL"
             ) from None
         except redis.ResponseError as exc:
-            raise BrokerUnavailableError(f"Redis at {_redact(settings.broker_url)} answered: {exc}") from None
+            raise BrokerUnavailableError(f"Redis at {redact_url(settings.broker_url)} answered: {exc}") from None
         return cls(settings=settings, app=make_celery(settings), store=RedisStore(client))
 
     def claim_check(self) -> ClaimCheck:
@@ -68,7 +68,7 @@ class Connection:
             self.store.client.close()
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """A broker URL without its password, for error messages and logs."""
     if "@" not in url:
         return url

@@ -37,9 +37,10 @@ from worker.session import TrainingSession
 
 log = logging.getLogger("tinkerq.worker")
 
-# An answer as kept by the worker: ("ok", msgpack body bytes) or ("error", wire error map). It is
-# wrapped into a reply (claim check) each time it is sent, so a repeated request gets a fresh copy.
-Outcome = tuple[str, Any]
+# An answer as kept by the worker: ("ok", msgpack body bytes, timing) or ("error", wire error map, timing).
+# It is wrapped into a reply (claim check) each time it is sent, so a repeated request gets a fresh copy.
+Outcome = tuple[str, Any, dict[str, float]]
+NO_TIMING: dict[str, float] = {}
 
 
 @dataclass
@@ -67,15 +68,16 @@ class WorkerService:
         self.slots: dict[str, _Slot] = {}
         self._tokenizer: Any = None
         self._lock = threading.RLock()
-        self._ops: dict[str, Callable[[TrainingSession, Any], bytes]] = {
+        # op -> (session, body) -> (reply body bytes, tokens processed)
+        self._ops: dict[str, Callable[[TrainingSession, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
             "forward": lambda s, body: self._loss(s, body, backward=False),
             "optim_step": self._optim_step,
             "save_weights_for_sampler": self._save_weights,
-            "create_sampler": lambda s, body: codec.packb({"sampler_id": s.create_sampler()}),
+            "create_sampler": lambda s, body: (codec.packb({"sampler_id": s.create_sampler()}), 0),
             "sample": self._sample,
-            "echo": lambda s, body: codec.packb(body),
-            "close_model": lambda s, body: codec.packb({}),
+            "echo": lambda s, body: (codec.packb(body), 0),
+            "close_model": lambda s, body: (codec.packb({}), 0),
         }
 
     # -- entry point -----------------------------------------------------------------------------------------
@@ -90,10 +92,11 @@ class WorkerService:
                 else:
                     outcome = self._sequenced(op, envelope, task_id)
             except TinkerqError as exc:
-                outcome = ("error", exc.to_wire())
+                outcome = ("error", exc.to_wire(), NO_TIMING)
             except Exception as exc:  # a bug: answer it, log it, keep serving
                 log.exception("unexpected failure in %s", op)
-                outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire())
+                error = WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}")
+                outcome = ("error", error.to_wire(), NO_TIMING)
         if outcome is None:
             return None
         log.info("%s %s in %.1f ms", op, outcome[0], 1000 * (time.perf_counter() - started))
@@ -122,7 +125,7 @@ class WorkerService:
             extra={"device": self.settings.device, "dtype": self.settings.dtype,
                    "loss_backend": self.logprobs.backend},
         )
-        return ("ok", codec.packb(info.__dict__))
+        return ("ok", codec.packb(info.__dict__), NO_TIMING)
 
     def _make_room(self) -> None:
         if len(self.slots) < self.settings.max_sessions:
@@ -141,7 +144,7 @@ class WorkerService:
 
     def _close(self, model_id: str) -> None:
         slot = self.slots.pop(model_id)
-        gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire())
+        gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), NO_TIMING)
         for pending in slot.ordering.buffered.values():
             self._store_late(pending.task_ids, gone)
 
@@ -163,7 +166,7 @@ class WorkerService:
                     f"not applied; create a new training client (or resume from a checkpoint)"
                 )
                 log.error(slot.broken)
-                outcome = ("error", ServerError(slot.broken).to_wire())
+                outcome = ("error", ServerError(slot.broken).to_wire(), NO_TIMING)
                 for pending in slot.ordering.drop_buffered():
                     self._store_late(pending.task_ids, outcome)
                     failed += 1
@@ -186,7 +189,7 @@ class WorkerService:
     # -- ordered requests --------------------------------------------------------------------------------------------
 
     def _sequenced(self, op: str, envelope: Any, task_id: str) -> Outcome | None:
-        model_id, seq_id, ref = messages.check_envelope(envelope, op)
+        model_id, seq_id, _ = messages.check_envelope(envelope, op)
         slot = self.slots.get(model_id)
         if slot is None:
             raise UnknownModelError(
@@ -198,7 +201,7 @@ class WorkerService:
         if slot.broken is not None and kind != "repeat":
             if op == "close_model":  # an unusable session can still be released, out of order
                 self._close(model_id)
-                return ("ok", codec.packb({}))
+                return ("ok", codec.packb({}), NO_TIMING)
             raise ServerError(slot.broken)
         if kind == "repeat":
             kept = ordering.reply_for(seq_id)
@@ -213,31 +216,42 @@ class WorkerService:
                 raise ServerError(f"session {model_id} has too many out-of-order requests waiting for seq "
                                   f"{ordering.next_seq}")
             return None
-        outcome = self._apply(slot, op, ref, seq_id)
+        outcome = self._apply(slot, op, envelope, seq_id)
         # Requests that arrived early can run now; their callers get their answers through the backend.
         while model_id in self.slots and (ready := ordering.pop_ready()) is not None:
             seq, pending = ready
-            late = self._apply(slot, pending.op, pending.envelope.get("payload"), seq)
+            late = self._apply(slot, pending.op, pending.envelope, seq)
             self._store_late(pending.task_ids, late)
         return outcome
 
-    def _apply(self, slot: _Slot, op: str, ref: Any, seq_id: int) -> Outcome:
+    def _apply(self, slot: _Slot, op: str, envelope: dict[str, Any], seq_id: int) -> Outcome:
         model_id = slot.session.model_id
+        ref = envelope.get("payload")
+        started = time.time()
+        timing: dict[str, float] = {}
+        sent_at = envelope.get("sent_at")
+        if isinstance(sent_at, (int, float)):
+            timing["queue_wait_s"] = max(0.0, started - sent_at)  # across hosts: as good as their clocks
         if slot.broken is not None:
-            outcome: Outcome = ("error", ServerError(slot.broken).to_wire())
+            outcome: Outcome = ("error", ServerError(slot.broken).to_wire(), timing)
         elif op not in self._ops:
-            outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire())
+            outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
             try:
-                outcome = ("ok", self._ops[op](slot.session, self._decode(ref)))
+                body, tokens = self._ops[op](slot.session, self._decode(ref))
+                compute = time.time() - started
+                timing.update(compute_s=compute, tokens=float(tokens))
+                if tokens:
+                    timing["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
+                outcome = ("ok", body, timing)
                 self.claim_check.discard(ref)
             except TinkerqError as exc:
-                outcome = ("error", exc.to_wire())
+                outcome = ("error", exc.to_wire(), timing)
             except Exception as exc:  # state may be half-changed: refuse everything after it
                 log.exception("%s seq %d of session %s failed", op, seq_id, model_id)
                 slot.broken = (f"session {model_id} is unusable since {op} seq {seq_id} failed in the worker "
                                f"({type(exc).__name__}: {exc}); create a new training client")
-                outcome = ("error", WorkerError(slot.broken).to_wire())
+                outcome = ("error", WorkerError(slot.broken).to_wire(), timing)
         slot.ordering.applied(seq_id, outcome)
         if op == "close_model" and outcome[0] == "ok":
             self._close(model_id)
@@ -251,12 +265,13 @@ class WorkerService:
         validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
                               max_seq_len=self.max_seq_len)
         out = session.run_loss(data, loss_fn, config, backward=backward)
-        return codec.packb(messages.encode_forward_backward_output(out))
+        tokens = sum(d.model_input.length for d in data)
+        return codec.packb(messages.encode_forward_backward_output(out)), tokens
 
     def _optim_step(self, session: TrainingSession, body: Any) -> bytes:
         adam = messages.decode_adam(body)
         validate_adam(adam)
-        return codec.packb({"metrics": session.optim_step(adam).metrics})
+        return codec.packb({"metrics": session.optim_step(adam).metrics}), 0
 
     def _sample(self, session: TrainingSession, body: Any) -> bytes:
         sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)
@@ -266,7 +281,8 @@ class WorkerService:
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
         max_tokens = params.max_tokens or (self.max_seq_len - len(tokens))
         sequences = sample(model, tokens, num_samples, params, stop, max_tokens)
-        return codec.packb(messages.encode_sample_response(types.SampleResponse(sequences=sequences)))
+        generated = sum(len(seq.tokens) for seq in sequences)
+        return codec.packb(messages.encode_sample_response(types.SampleResponse(sequences=sequences))), generated
 
     def _default_stop_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None) or self.model.config.eos_token_id
@@ -292,7 +308,7 @@ class WorkerService:
 
     def _save_weights(self, session: TrainingSession, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None
-        return codec.packb({"path": session.save_weights(self.settings.checkpoint_dir, name)})
+        return codec.packb({"path": session.save_weights(self.settings.checkpoint_dir, name)}), 0
 
     # -- wire -------------------------------------------------------------------------------------------------------
 
@@ -300,10 +316,11 @@ class WorkerService:
         return codec.unpackb(self.claim_check.unwrap(ref), max_bytes=self.settings.max_message_bytes)
 
     def _reply(self, outcome: Outcome) -> dict[str, Any]:
-        status, value = outcome
-        if status == "ok":
-            return messages.ok_reply(self.claim_check.wrap(value))
-        return {"ok": False, "error": value}
+        status, value, timing = outcome
+        reply = messages.ok_reply(self.claim_check.wrap(value)) if status == "ok" else {"ok": False, "error": value}
+        if timing:
+            reply["timing"] = timing
+        return reply
 
     def _store_late(self, task_ids: list[str], outcome: Outcome) -> None:
         for task_id in task_ids:

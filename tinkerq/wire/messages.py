@@ -2,9 +2,10 @@
 
 A Celery task of tinkerq takes exactly one argument, the *envelope*::
 
-    {"v": 1, "op": "forward_backward", "model_id": "...", "seq_id": 7, "payload": <payload ref>}
+    {"v": 1, "op": "forward_backward", "model_id": "...", "seq_id": 7, "payload": <payload ref>, "sent_at": t}
 
-and returns a *reply*: ``{"ok": True, "payload": <payload ref>}`` or ``{"ok": False, "error": {...}}``.
+and returns a *reply*: ``{"ok": True, "payload": <payload ref>}`` or ``{"ok": False, "error": {...}}``, both
+with an optional ``"timing"`` map (queue_wait_s, compute_s, tokens, tokens_per_s).
 A payload ref is a claim check (:mod:`tinkerq.wire.claimcheck`) on msgpack bytes of the op's body.
 Keeping the body as separately encoded bytes lets the worker decode it inside the task, so a malformed
 body becomes an error on the caller's future instead of a message Celery drops.
@@ -12,6 +13,7 @@ body becomes an error on the caller's future instead of a message Celery drops.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -26,7 +28,9 @@ WIRE_VERSION = 1
 # -- envelope -----------------------------------------------------------------------------------------
 
 def make_envelope(op: str, model_id: str, seq_id: int, payload_ref: dict[str, Any]) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, "op": op, "model_id": model_id, "seq_id": seq_id, "payload": payload_ref}
+    # sent_at (wall clock) lets the worker report how long the request waited in the queue.
+    return {"v": WIRE_VERSION, "op": op, "model_id": model_id, "seq_id": seq_id, "payload": payload_ref,
+            "sent_at": time.time()}
 
 
 def check_envelope(envelope: Any, expected_op: str) -> tuple[str, int, dict[str, Any]]:

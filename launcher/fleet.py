@@ -1,0 +1,195 @@
+"""`tinkerq fleet up | status | down`: the local fleet without Docker.
+
+`up` starts, as local processes with their logs in one folder: a redis-server (unless --broker names one),
+N workers per model, and Flower; it records what it started in ``<home>/fleet/<name>/state.json``.
+`status` shows what runs and what each worker is doing; `down` stops exactly what `up` started (workers
+get SIGTERM first: Celery's warm shutdown finishes the running task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import processes
+from tinkerq.connection import redact_url
+from tinkerq.errors import UserError
+from tinkerq.settings import Settings
+
+
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="fleet_command", required=True)
+    up = sub.add_parser("up", help="start redis-server, workers and Flower as local processes")
+    up.add_argument("--model", action="append", required=True, help="model directory (repeat for several models)")
+    up.add_argument("--workers", type=int, default=1, help="workers per model (default 1)")
+    up.add_argument("--broker", help="use this Redis instead of starting one")
+    up.add_argument("--redis-port", type=int, default=6380, help="port of the redis-server it starts (default 6380)")
+    up.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555; 0 = no Flower)")
+    up.add_argument("--flower-auth", help="user:password for Flower (default: generated, printed once)")
+    up.add_argument("--threads", type=int, help="torch CPU threads per worker")
+    up.add_argument("--device", help="torch device of the workers (default cpu)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every worker to register")
+    for name, help_ in (("status", "what runs, and what each worker is doing"), ("down", "stop what `up` started")):
+        q = sub.add_parser(name, help=help_)
+        q.set_defaults()
+    for q in sub.choices.values():
+        q.add_argument("--name", default="default", help="fleet name (several fleets can coexist)")
+    sub.choices["down"].add_argument("--timeout", type=float, default=60.0,
+                                     help="seconds a worker gets to finish its task before it is killed")
+
+
+def state_dir(name: str) -> Path:
+    return Path(Settings.from_env().home) / "fleet" / name
+
+
+def _load(name: str) -> dict[str, Any]:
+    path = state_dir(name) / "state.json"
+    if not path.exists():
+        raise UserError(f"no fleet named {name!r} is running (start one with `tinkerq fleet up --model DIR`)")
+    return json.loads(path.read_text())
+
+
+def fleet_up(args: argparse.Namespace) -> int:
+    folder = state_dir(args.name)
+    if (folder / "state.json").exists():
+        raise UserError(f"fleet {args.name!r} is already up (see `tinkerq fleet status`; stop it with "
+                        f"`tinkerq fleet down`)")
+    for model in args.model:
+        if not Path(model).is_dir():
+            raise UserError(f"model path {model!r} is not a directory")
+    logs = folder / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {"name": args.name, "logs": str(logs), "started": time.time(), "workers": []}
+    try:
+        if args.broker:
+            broker = args.broker
+        else:
+            password = secrets.token_urlsafe(16)
+            proc = processes.start_redis(args.redis_port, folder / "redis", password=password, durable=True)
+            broker = f"redis://:{password}@127.0.0.1:{args.redis_port}/0"
+            state["redis"] = {"pid": proc.pid, "port": args.redis_port}
+        state["broker"] = broker
+        _save(folder, state)
+        extra = []
+        if args.device:
+            extra += ["--device", args.device]
+        for model in args.model:
+            for i in range(args.workers):
+                log = logs / f"worker-{Path(model).name}-{i}.log"
+                cmd = processes.worker_command(os.path.abspath(model), broker, threads=args.threads, extra=extra)
+                proc = processes.start_process(cmd, log)
+                state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log)})
+                _save(folder, state)
+        if args.flower_port:
+            auth = args.flower_auth or f"admin:{secrets.token_urlsafe(12)}"
+            log = logs / "flower.log"
+            cmd = processes.flower_command(broker, args.flower_port, db=folder / "flower.db", basic_auth=auth)
+            proc = processes.start_process(cmd, log)
+            state["flower"] = {"pid": proc.pid, "port": args.flower_port, "auth": auth, "log": str(log)}
+            _save(folder, state)
+        _wait_registered(state, args.timeout)
+    except BaseException:
+        _stop_all(state, timeout=10)
+        (folder / "state.json").unlink(missing_ok=True)
+        raise
+    print(f"fleet {args.name!r} is up: {len(state['workers'])} worker(s); logs in {logs}")
+    print(f"  export TINKERQ_BROKER_URL='{broker}'")
+    if "flower" in state:
+        print(f"  Flower: http://127.0.0.1:{state['flower']['port']}/  (basic auth {state['flower']['auth']})")
+    print("  tinkerq fleet status | tinkerq fleet down")
+    return 0
+
+
+def _wait_registered(state: dict[str, Any], timeout: float) -> None:
+    from tinkerq.connection import Connection
+
+    conn = Connection.open(Settings(broker_url=state["broker"]))
+    try:
+        expected: dict[str, int] = {}
+        for w in state["workers"]:
+            expected[w["model"]] = expected.get(w["model"], 0) + 1
+
+        def ready() -> bool:
+            dead = [w for w in state["workers"] if not processes.alive(w["pid"])]
+            if dead:
+                tail = Path(dead[0]["log"]).read_text()[-2000:] if Path(dead[0]["log"]).exists() else ""
+                raise UserError(f"worker for {dead[0]['model']} exited during start-up; its log ends:\n{tail}")
+            return all(len(conn.workers_serving(m)) >= n for m, n in expected.items())
+
+        processes.wait_for(ready, timeout, "the fleet's workers")
+    finally:
+        conn.close()
+
+
+def fleet_status(args: argparse.Namespace) -> int:
+    state = _load(args.name)
+    print(f"fleet {args.name!r}  broker {redact_url(state['broker'])}  logs {state['logs']}")
+    if "redis" in state:
+        print(f"  redis-server  pid {state['redis']['pid']:>7}  {_up(state['redis']['pid'])}  "
+              f"port {state['redis']['port']}")
+    for w in state["workers"]:
+        print(f"  worker        pid {w['pid']:>7}  {_up(w['pid'])}  {w['model']}")
+    if "flower" in state:
+        print(f"  flower        pid {state['flower']['pid']:>7}  {_up(state['flower']['pid'])}  "
+              f"http://127.0.0.1:{state['flower']['port']}/")
+    try:
+        from tinkerq.connection import Connection
+
+        conn = Connection.open(Settings(broker_url=state["broker"], connect_timeout_s=2))
+    except UserError as exc:
+        print(f"  broker unreachable: {exc}")
+        return 1
+    except Exception as exc:
+        print(f"  broker unreachable: {exc}")
+        return 1
+    try:
+        registrations = conn.workers_serving()
+        active = conn.app.control.inspect(timeout=1.0).active() or {}
+        print(f"  {len(registrations)} registered worker(s):")
+        for r in sorted(registrations, key=lambda r: r["worker"]):
+            node = next((n for n in active if r["worker"] in n), None)
+            tasks = active.get(node, []) if node else []
+            doing = ", ".join(f"{t['name'].split('.')[-1]}({t.get('args', '')})" for t in tasks) or "idle"
+            print(f"    {r['worker']}  {r['base_model']}  loss head {r.get('loss_backend', '?')}  -> {doing}")
+    finally:
+        conn.close()
+    return 0
+
+
+def fleet_down(args: argparse.Namespace) -> int:
+    state = _load(args.name)
+    stopped = _stop_all(state, timeout=args.timeout)
+    (state_dir(args.name) / "state.json").unlink(missing_ok=True)
+    print(f"fleet {args.name!r} is down ({stopped} process(es) stopped; logs kept in {state['logs']})")
+    return 0
+
+
+def _stop_all(state: dict[str, Any], timeout: float) -> int:
+    """Flower, then workers (warm shutdown), then Redis: the broker goes last so tasks can be acked."""
+    stopped = 0
+    pids = ([state["flower"]["pid"]] if "flower" in state else []) + [w["pid"] for w in state.get("workers", [])]
+    for pid in pids:
+        stopped += processes.stop(pid, timeout=timeout)
+    if "redis" in state:
+        stopped += processes.stop(state["redis"]["pid"], timeout=10)
+    return stopped
+
+
+def _save(folder: Path, state: dict[str, Any]) -> None:
+    tmp = folder / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    os.chmod(tmp, 0o600)  # holds the Redis password and Flower's credentials
+    tmp.replace(folder / "state.json")
+
+
+def _up(pid: int) -> str:
+    return "running" if processes.alive(pid) else "STOPPED"
+
+
+def main(args: argparse.Namespace) -> int:
+    return {"up": fleet_up, "status": fleet_status, "down": fleet_down}[args.fleet_command](args)

@@ -1,0 +1,92 @@
+"""A real Flower against the real Redis and worker: the worker and its tasks, with readable arguments."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from launcher.processes import flower_command, free_port, start_process, stop, wait_for
+from tests.helpers import make_batch
+
+pytestmark = pytest.mark.timeout(180)
+AUTH = ("operator", "s3cret-for-tests")
+
+
+@pytest.fixture(scope="module")
+def flower(redis_url, worker, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flower")
+    port = free_port()
+    log = folder / "flower.log"
+    proc = start_process(flower_command(redis_url, port, db=folder / "flower.db", basic_auth=":".join(AUTH)), log)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return requests.get(f"{url}/healthcheck", timeout=1).ok
+        except requests.RequestException:
+            return False
+
+    wait_for(healthy, 60, "flower", proc, log)
+    yield url
+    stop(proc.pid, timeout=10)
+
+
+def _poll(fn, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
+    assert requests.get(f"{flower}/api/workers", timeout=5).status_code == 401  # auth is on
+    out = training_client.forward_backward(make_batch(np.random.default_rng(20), 3)).result(timeout=60)
+    assert np.isfinite(out.metrics["loss:sum"])
+
+    workers = _poll(lambda: requests.get(f"{flower}/api/workers?refresh=1", auth=AUTH, timeout=10).json())
+    assert any(training_client.info.worker in name for name in workers), workers
+
+    def our_task():
+        tasks = requests.get(f"{flower}/api/tasks", auth=AUTH, timeout=10).json()
+        return [t for t in tasks.values() if t.get("name") == "tinkerq.forward_backward"
+                and training_client.model_id[:8] in str(t.get("args"))]
+
+    tasks = _poll(our_task)
+    assert tasks, "the forward_backward task never showed up in Flower"
+    args = str(tasks[0]["args"])
+    assert "seq=" in args and "datums=3" in args and "loss_fn=cross_entropy" in args
+    assert "array" not in args and "blob" not in args and len(args) < 300  # never tensor dumps
+    assert tasks[0]["state"] == "SUCCESS"
+
+    metrics = requests.get(f"{flower}/metrics", timeout=10).text  # Prometheus
+    assert "flower_events_total" in metrics and "tinkerq.forward_backward" in metrics
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_dashboard_in_headless_chromium(flower, training_client, tmp_path):
+    training_client.forward(make_batch(np.random.default_rng(21), 1)).result(timeout=60)
+    url = f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{flower.rsplit(':', 1)[1]}/workers"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,720"]
+    dom = subprocess.run([CHROMIUM, *flags, "--virtual-time-budget=8000", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=90).stdout
+    assert training_client.info.worker in dom, dom[-2000:]
+    shot = tmp_path / "flower.png"
+    subprocess.run([CHROMIUM, *flags, "--virtual-time-budget=8000", f"--screenshot={shot}", url],
+                   capture_output=True, timeout=90)
+    assert shot.read_bytes()[:4] == b"\x89PNG"
+    keep = Path(__file__).resolve().parent.parent / "docs" / "img" / "flower-workers.png"
+    if not keep.exists():  # the README's screenshot; refreshed by deleting it and running this test
+        shutil.copy(shot, keep)
