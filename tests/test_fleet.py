@@ -1,0 +1,93 @@
+"""The fleet as operators run it: `tinkerq fleet up/status/down`, two models on one Redis, warm shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from launcher.processes import ROOT, alive, free_port, wait_for
+from tests.helpers import build_tiny_llama, make_batch
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _tinkerq(*args: str, env: dict[str, str], timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
+    from producer import ServiceClient
+    from tinkerq.errors import UnknownModelError
+
+    other = build_tiny_llama(tmp_path / "other-model", seed=1)
+    env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
+    up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other),
+                  "--redis-port", str(free_port()), "--flower-port", str(free_port()), "--threads", "1", env=env)
+    assert up.returncode == 0, up.stderr[-3000:]
+    broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
+    assert "Flower: http://127.0.0.1:" in up.stdout
+    try:
+        status = _tinkerq("fleet", "status", "--name", "t", env=env)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count("running") == 4  # redis, two workers, flower
+        assert "2 registered worker(s)" in status.stdout and "idle" in status.stdout
+        assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
+
+        # Two models share one Redis without interfering: each session lands on its own model's worker.
+        with ServiceClient(broker_url=broker) as sc:
+            assert sc.get_server_capabilities() == sorted([str(model_dir), str(other)])
+            a, b = sc.create_training_client(str(model_dir)), sc.create_training_client(str(other))
+            assert a.info.worker != b.info.worker
+            data = make_batch(np.random.default_rng(40), 2)
+            la = a.forward(data).result(timeout=60).metrics["loss:sum"]
+            lb = b.forward(data).result(timeout=60).metrics["loss:sum"]
+            assert la != lb  # different weights answered
+            with pytest.raises(UnknownModelError):
+                sc.create_training_client(str(tmp_path / "nobody-serves-this"))
+            a.close()
+            b.close()
+    finally:
+        down = _tinkerq("fleet", "down", "--name", "t", env=env)
+    assert down.returncode == 0, down.stderr
+    assert "5 process(es) stopped" in down.stdout or "4 process(es) stopped" in down.stdout
+    again = _tinkerq("fleet", "status", "--name", "t", env=env)
+    assert again.returncode == 2 and "no fleet named 't'" in again.stderr
+
+
+def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url):
+    """SIGTERM while a forward_backward runs: the task completes, its answer arrives, the worker exits 0."""
+    from launcher.processes import start_process, worker_command
+    from producer import ServiceClient
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+
+    log = tmp_path / "worker.log"
+    # A private worker, serving the model under its own name so the shared test worker cannot take the task.
+    proc = start_process(worker_command(str(model_dir), redis_url, threads=1,
+                                        extra=["--name", "warm-shutdown-model"]), log,
+                         {"TINKERQ_HEARTBEAT_S": "1", "TINKERQ_MICROBATCH_TOKENS": "64"})
+    conn = Connection.open(Settings(broker_url=redis_url))
+    wait_for(lambda: bool(conn.workers_serving("warm-shutdown-model")), 90, "worker", proc, log)
+    with ServiceClient(broker_url=redis_url) as sc:
+        tc = sc.create_training_client("warm-shutdown-model")
+        big = make_batch(np.random.default_rng(41), 300, min_len=150, max_len=200)  # seconds of work
+        fb = tc.forward_backward(big)
+        wait_for(lambda: "forward_backward" in log.read_text() and "received" in log.read_text(), 30, "task start")
+        os.kill(proc.pid, signal.SIGTERM)
+        out = fb.result(timeout=120)
+        assert len(out.loss_fn_outputs) == 300 and np.isfinite(out.metrics["loss:sum"])
+        assert proc.wait(timeout=60) == 0
+        assert not alive(proc.pid)
+        # Its registration is withdrawn: new sessions for that model now fail fast.
+        wait_for(lambda: not conn.workers_serving("warm-shutdown-model"), 10, "deregistration")
+        from tinkerq.errors import UnknownModelError
+
+        with pytest.raises(UnknownModelError):
+            sc.create_training_client("warm-shutdown-model")
+    conn.close()
