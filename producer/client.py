@@ -88,6 +88,14 @@ class ServiceClient:
         """msgpack-encode a request body and claim-check it if large (raises on oversized bodies)."""
         return self.connection.claim_check().wrap(codec.packb(body))
 
+    def create_training_client_from_state(self, path: str, base_model: str | None = None, *,
+                                          timeout: float | None = None) -> TrainingClient:
+        """A new training session resumed from ``save_state``'s directory (weights + optimizer state)."""
+        base_model = base_model or _state_base_model(path)
+        tc = self.create_training_client(base_model, timeout=timeout)
+        tc.load_state(path).result(timeout=timeout)
+        return tc
+
     def _post(
         self,
         op: str,
@@ -178,6 +186,18 @@ class TrainingClient:
             lambda body: types.SaveWeightsResponse(path=str(body["path"])), argsrepr=f"name={name}",
         )
 
+    def save_state(self, name: str) -> APIFuture[types.SaveWeightsResponse]:
+        """Save weights, AdamW state and pending gradients after every earlier request; the future holds the path.
+
+        ``load_state(path)`` or ``ServiceClient.create_training_client_from_state(path)`` resume from it exactly.
+        """
+        return self._submit("save_state", {"name": name},
+                            lambda body: types.SaveWeightsResponse(path=str(body["path"])), argsrepr=f"name={name}")
+
+    def load_state(self, path: str) -> APIFuture[dict[str, Any]]:
+        """Replace this session's weights and optimizer state with a saved state (in request order)."""
+        return self._submit("load_state", {"path": path}, lambda body: body, argsrepr=f"path={path}")
+
     def save_weights_and_get_sampling_client(self, name: str | None = None, *,
                                              timeout: float | None = None) -> SamplingClient:
         """Freeze the weights as of every request submitted so far and return a client that samples them.
@@ -257,6 +277,20 @@ class TrainingClient:
     def next_seq_id(self) -> int:
         with self._seq_lock:
             return next(self._seq)
+
+
+def _state_base_model(path: str) -> str:
+    """The base model a saved state was trained from (its tinkerq_state.json), for resuming."""
+    import json
+
+    meta = os.path.join(path, "tinkerq_state.json")
+    try:
+        with open(meta) as f:
+            return str(json.load(f)["base_model"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(
+            f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by save_state()"
+        ) from None
 
 
 def normalize_model_name(base_model: str) -> str:

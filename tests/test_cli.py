@@ -89,3 +89,13 @@ def test_rl_reward_rule():
     assert reward("abcdef>", "fed") == 1.0
     assert reward("abcdef>", "fedcba") == pytest.approx(0.5)  # the whole reversal: too long
     assert reward("abcdef>", "") == 0.0 and reward("abcdef>", "xyz") == 0.0
+
+
+def test_plot_command(tmp_path: Path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "loss": 4.0 / i, "grad_norm": 1.0}) + "\n" for i in range(1, 30)))
+    out = _run("plot", str(metrics), "--keys", "loss", "grad_norm", "--out", str(tmp_path / "curve.png"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    missing = _run("plot", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

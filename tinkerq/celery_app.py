@@ -15,6 +15,8 @@ OPS = (
     "forward",
     "optim_step",
     "save_weights_for_sampler",
+    "save_state",
+    "load_state",
     "create_sampler",
     "sample",
     "echo",

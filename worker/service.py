@@ -29,6 +29,7 @@ from tinkerq.errors import (
 )
 from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_sampling
 from tinkerq.wire import codec, messages
+from worker import checkpoints
 from worker.logprobs import LogprobComputer
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
@@ -74,6 +75,8 @@ class WorkerService:
             "forward": lambda s, body: self._loss(s, body, backward=False),
             "optim_step": self._optim_step,
             "save_weights_for_sampler": self._save_weights,
+            "save_state": self._save_state,
+            "load_state": self._load_state,
             "create_sampler": lambda s, body: (codec.packb({"sampler_id": s.create_sampler()}), 0),
             "sample": self._sample,
             "echo": lambda s, body: (codec.packb(body), 0),
@@ -305,6 +308,19 @@ class WorkerService:
                     f"({exc}); pass stop token ids instead"
                 ) from exc
         return self._tokenizer
+
+    def _save_state(self, session: TrainingSession, body: Any) -> tuple[bytes, int]:
+        name = body.get("name") if isinstance(body, dict) else None
+        seq_id = self.slots[session.model_id].ordering.next_seq - 1  # this request's own position
+        path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model, seq_id=seq_id)
+        return codec.packb({"path": path}), 0
+
+    def _load_state(self, session: TrainingSession, body: Any) -> tuple[bytes, int]:
+        path = body.get("path") if isinstance(body, dict) else None
+        directory = checkpoints.resolve_state_path(path, self.settings.checkpoint_dir)
+        meta = checkpoints.load_state(session, directory)
+        return codec.packb({"path": str(directory), "optimizer_steps": meta["optimizer_steps"],
+                            "seq_id": meta["seq_id"]}), 0
 
     def _save_weights(self, session: TrainingSession, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None

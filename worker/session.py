@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import re
-import shutil
-import tempfile
 import time
 import uuid
 from collections import OrderedDict
@@ -27,13 +23,9 @@ from transformers import PreTrainedModel
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import resolve_loss_config
+from worker import checkpoints
 from worker.logprobs import LogprobComputer
 from worker.losses import LOSSES, MetricTotals
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-# Files that make a saved directory a complete model for from_pretrained (weights come from the session).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
 class TrainingSession:
@@ -49,7 +41,9 @@ class TrainingSession:
         self._blank_model = blank_model
         self.base_dir = base_dir
         self.microbatch_tokens = microbatch_tokens
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         # Pending gradients start at zero so every optim_step updates every parameter, as torch.optim.AdamW
         # does after a backward pass that reached all of them.
         for p in self.params:
@@ -186,23 +180,16 @@ class TrainingSession:
 
     def save_weights(self, checkpoint_dir: str, name: str) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
-        if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
-            raise ValidationError(f"checkpoint name {name!r} must be 1-128 characters of [A-Za-z0-9_.-]")
-        final = Path(checkpoint_dir) / self.model_id / name
-        final.parent.mkdir(parents=True, exist_ok=True)
-        # Write beside the target, then rename: a crash never leaves a directory that looks complete.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
-        try:
-            self.model.save_pretrained(tmp)
-            for fname in _TOKENIZER_FILES:
-                src = Path(self.base_dir) / fname
-                if src.is_file():
-                    shutil.copy2(src, tmp / fname)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        final = Path(checkpoint_dir) / self.model_id / checkpoints.check_name(name)
+        checkpoints.write_atomically(final, lambda tmp: checkpoints.save_hf_weights(self, tmp))
+        self.last_used = time.monotonic()
+        return str(final)
+
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
+        """Weights + AdamW state + pending gradients + request position, for load_state."""
+        final = Path(checkpoint_dir) / self.model_id / "state" / checkpoints.check_name(name)
+        checkpoints.write_atomically(
+            final, lambda tmp: checkpoints.save_state(self, tmp, base_model=base_model, seq_id=seq_id))
         self.last_used = time.monotonic()
         return str(final)
 
