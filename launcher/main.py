@@ -26,7 +26,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.runtime import run_worker
 
     settings = _settings(args, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
-                         checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend)
+                         checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
+                         metrics_port=args.metrics_port)
     if settings.broker_url is None:
         raise TinkerqError("no broker: pass --broker redis://host:6379/0 or set TINKERQ_BROKER_URL")
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loss-backend", choices=["auto", "apex", "torch", "reference"],
                    help="loss head: auto = apex on CUDA when installed, else chunked torch (default)")
     w.add_argument("--threads", type=int, help="torch CPU threads")
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
 

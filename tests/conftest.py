@@ -53,7 +53,8 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
     from tinkerq.settings import Settings
 
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    proc = start_worker_process(model_dir, redis_url, log, env={
+    metrics_port = free_port()
+    proc = start_worker_process(model_dir, redis_url, log, extra=["--metrics-port", str(metrics_port)], env={
         "TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir),
         "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS),
         "TINKERQ_MAX_MESSAGE_BYTES": str(WORKER_MAX_MESSAGE_BYTES),
@@ -63,6 +64,7 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
     conn = Connection.open(Settings(broker_url=redis_url))
     wait_for(lambda: bool(conn.workers_serving(str(model_dir))), 90, "tinkerq worker", proc, log)
     proc.log_path = log  # type: ignore[attr-defined]
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
     yield proc
     proc.terminate()
     try:

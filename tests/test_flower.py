@@ -90,3 +90,15 @@ def test_dashboard_in_headless_chromium(flower, training_client, tmp_path):
     keep = Path(__file__).resolve().parent.parent / "docs" / "img" / "flower-workers.png"
     if not keep.exists():  # the README's screenshot; refreshed by deleting it and running this test
         shutil.copy(shot, keep)
+
+
+def test_worker_prometheus_metrics(worker, training_client):
+    data = make_batch(np.random.default_rng(22), 2)
+    training_client.forward_backward(data).result(timeout=60)
+    text = requests.get(worker.metrics_url, timeout=10).text
+    tokens = sum(d.model_input.length for d in data)
+    assert 'tinkerq_requests_total{op="forward_backward",outcome="ok"}' in text
+    assert 'tinkerq_tokens_per_second{op="forward_backward"}' in text
+    assert "tinkerq_queue_wait_seconds_bucket" in text and "tinkerq_compute_seconds_count" in text
+    counted = float(text.split('tinkerq_tokens_total{op="forward_backward"} ')[1].split()[0])
+    assert counted >= tokens

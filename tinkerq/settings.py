@@ -59,6 +59,8 @@ class Settings:
     # A request that waits this long for a missing predecessor fails (with every request after it), and
     # the session refuses further work: its order can no longer be kept. Bounded, never a silent hang.
     gap_timeout_s: float = 300.0
+    # Port of the worker's own Prometheus endpoint (tokens, queue wait, tokens/s); 0 = off.
+    metrics_port: int = 0
     # Loss head: auto (apex on CUDA when installed, else chunked torch), apex, torch, or reference.
     loss_backend: str = "auto"
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).

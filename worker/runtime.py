@@ -71,6 +71,9 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.
     signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
     w.service.start_watchdog()
+    if settings.metrics_port:
+        w.service.metrics.serve(settings.metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", settings.metrics_port)
     signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
     app.worker_main([
         "worker",

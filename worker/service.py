@@ -31,6 +31,7 @@ from tinkerq.validation import Limits, validate_adam, validate_loss_request, val
 from tinkerq.wire import codec, messages
 from worker import checkpoints
 from worker.logprobs import LogprobComputer
+from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
 from worker.sampling import StopRule, sample
@@ -68,6 +69,7 @@ class WorkerService:
         self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
         self.slots: dict[str, _Slot] = {}
         self._tokenizer: Any = None
+        self.metrics = WorkerMetrics()
         self._lock = threading.RLock()
         # op -> (session, body) -> (reply body bytes, tokens processed)
         self._ops: dict[str, Callable[[TrainingSession, Any], tuple[bytes, int]]] = {
@@ -258,6 +260,8 @@ class WorkerService:
         slot.ordering.applied(seq_id, outcome)
         if op == "close_model" and outcome[0] == "ok":
             self._close(model_id)
+        self.metrics.observe(op, outcome[0], timing)
+        self.metrics.sessions.set(len(self.slots))
         return outcome
 
     # -- operations ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""The worker's own Prometheus metrics: what Flower's endpoint cannot know (tokens, queue wait, tokens/s).
+
+Served over HTTP by ``tinkerq worker --metrics-port PORT`` (``TINKERQ_METRICS_PORT``); each worker has its
+own registry, so several services in one process (the embedded fleet, tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tinkerq_requests", "Requests applied, by operation and outcome",
+                                ["op", "outcome"], registry=r)
+        self.queue_wait = Histogram("tinkerq_queue_wait_seconds", "From the producer's send to the start of "
+                                    "application (includes waiting for predecessors)", ["op"], buckets=_SECONDS,
+                                    registry=r)
+        self.compute = Histogram("tinkerq_compute_seconds", "Time applying a request", ["op"], buckets=_SECONDS,
+                                 registry=r)
+        self.tokens = Counter("tinkerq_tokens", "Tokens processed (loss calls) or generated (sampling)", ["op"],
+                              registry=r)
+        self.tokens_per_second = Gauge("tinkerq_tokens_per_second", "Throughput of the latest request", ["op"],
+                                       registry=r)
+        self.sessions = Gauge("tinkerq_sessions", "Training sessions held by this worker", registry=r)
+
+    def observe(self, op: str, status: str, timing: dict[str, float]) -> None:
+        self.requests.labels(op=op, outcome=status).inc()
+        if "queue_wait_s" in timing:
+            self.queue_wait.labels(op=op).observe(timing["queue_wait_s"])
+        if "compute_s" in timing:
+            self.compute.labels(op=op).observe(timing["compute_s"])
+        if timing.get("tokens"):
+            self.tokens.labels(op=op).inc(timing["tokens"])
+            self.tokens_per_second.labels(op=op).set(timing.get("tokens_per_s", 0.0))
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=address, registry=self.registry)
