@@ -48,23 +48,26 @@ def _poll(fn, timeout=30.0):
 
 def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
     assert requests.get(f"{flower}/api/workers", timeout=5).status_code == 401  # auth is on
-    out = training_client.forward_backward(make_batch(np.random.default_rng(20), 3)).result(timeout=60)
-    assert np.isfinite(out.metrics["loss:sum"])
 
     workers = _poll(lambda: requests.get(f"{flower}/api/workers?refresh=1", auth=AUTH, timeout=10).json())
     assert any(training_client.info.worker in name for name in workers), workers
 
-    def our_task():
+    def our_tasks():
         tasks = requests.get(f"{flower}/api/tasks", auth=AUTH, timeout=10).json()
         return [t for t in tasks.values() if t.get("name") == "tinkerq.forward_backward"
-                and training_client.model_id[:8] in str(t.get("args"))]
+                and training_client.model_id[:8] in str(t.get("args")) and t.get("state") == "SUCCESS"]
 
-    tasks = _poll(our_task)
-    assert tasks, "the forward_backward task never showed up in Flower"
+    # Flower's HTTP server answers before its event receiver has subscribed; events sent before that are
+    # never delivered to it. So keep submitting until one of our tasks shows up (bounded).
+    tasks, deadline = [], time.monotonic() + 60
+    while not tasks and time.monotonic() < deadline:
+        out = training_client.forward_backward(make_batch(np.random.default_rng(20), 3)).result(timeout=60)
+        assert np.isfinite(out.metrics["loss:sum"])
+        tasks = _poll(our_tasks, timeout=5)
+    assert tasks, "no forward_backward task showed up in Flower within 60 s"
     args = str(tasks[0]["args"])
     assert "seq=" in args and "datums=3" in args and "loss_fn=cross_entropy" in args
     assert "array" not in args and "blob" not in args and len(args) < 300  # never tensor dumps
-    assert tasks[0]["state"] == "SUCCESS"
 
     metrics = requests.get(f"{flower}/metrics", timeout=10).text  # Prometheus
     assert "flower_events_total" in metrics and "tinkerq.forward_backward" in metrics
@@ -76,6 +79,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_dashboard_in_headless_chromium(flower, training_client, tmp_path):
     training_client.forward(make_batch(np.random.default_rng(21), 1)).result(timeout=60)
+    # The page lists the workers Flower knows from events; wait until it knows ours.
+    assert _poll(lambda: any(training_client.info.worker in name for name in
+                             requests.get(f"{flower}/api/workers", auth=AUTH, timeout=10).json()), timeout=60)
     url = f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{flower.rsplit(':', 1)[1]}/workers"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
