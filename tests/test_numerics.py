@@ -175,7 +175,7 @@ def test_rl_losses_through_the_fleet_match_reference(training_client, model_dir,
         np.testing.assert_allclose(o["logprobs"].to_numpy(), t.detach().numpy(), atol=1e-5)
         np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), per_token.detach().numpy(), atol=1e-5)
         total = total + per_token.sum()
-    assert out.metrics["loss:sum"] == pytest.approx(float(total), rel=1e-5, abs=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
     assert all(k.count(":") == 1 for k in out.metrics)
     if loss_fn in ("ppo", "cispo"):
         assert 0 < out.metrics["clip_fraction:mean"] < 1
