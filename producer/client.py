@@ -88,6 +88,13 @@ class ServiceClient:
         """msgpack-encode a request body and claim-check it if large (raises on oversized bodies)."""
         return self.connection.claim_check().wrap(codec.packb(body))
 
+    def create_lora_training_client(self, base_model: str, rank: int = 32, **_: Any) -> TrainingClient:
+        """Tinker's LoRA entry point. tinkerq trains every parameter; this says so instead of pretending."""
+        raise UserError(
+            f"LoRA training (rank={rank}) is not supported: tinkerq trains all parameters. Use "
+            f"create_training_client({base_model!r}) (same API, full-parameter)"
+        )
+
     def create_training_client_from_state(self, path: str, base_model: str | None = None, *,
                                           timeout: float | None = None) -> TrainingClient:
         """A new training session resumed from ``save_state``'s directory (weights + optimizer state)."""
@@ -214,6 +221,20 @@ class TrainingClient:
 
     def get_info(self) -> types.ModelInfo:
         return self.info
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer (``transformers.AutoTokenizer``), when its directory is visible here."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError("get_tokenizer() needs transformers: pip install 'tinkerq[jobs]'") from None
+        try:
+            return AutoTokenizer.from_pretrained(self.info.base_model)
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"cannot load the tokenizer of {self.info.base_model!r} on this machine ({exc}); the model "
+                f"directory must be readable here"
+            ) from None
 
     def close(self, timeout: float = 30.0) -> None:
         """Release the session's memory on the worker (after every earlier request has been applied)."""

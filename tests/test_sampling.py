@@ -118,3 +118,10 @@ def test_worker_checks_sampling_too(training_client):
     assert isinstance(err, errors.UserError) and "no longer held" in err.message
     ok = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=2, seed=0)).result(timeout=30)
     assert len(ok.sequences[0].tokens) == 2 or ok.sequences[0].stop_reason == "stop"
+
+
+def test_tinker_conveniences(service, training_client, model_dir):
+    tok = training_client.get_tokenizer()
+    assert tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"
+    with pytest.raises(errors.UserError, match="create_training_client"):
+        service.create_lora_training_client(str(model_dir), rank=16)
