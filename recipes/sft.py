@@ -95,7 +95,9 @@ def open_fleet(broker: str | None, model_dir: str, threads: int | None) -> Itera
     """A client on the fleet at ``broker``, or on an embedded fleet started here."""
     settings = Settings.from_env(broker_url=broker)
     if settings.broker_url is not None and not settings.is_embedded:
-        print(f"using the fleet at {settings.broker_url.split('@')[-1]}")
+        from tinkerq.connection import redact_url
+
+        print(f"using the fleet at {redact_url(settings.broker_url)}")
         with ServiceClient(settings=settings) as sc:
             yield sc
         return

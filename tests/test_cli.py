@@ -99,3 +99,13 @@ def test_plot_command(tmp_path: Path):
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     missing = _run("plot", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_sft_job_against_a_running_fleet(tmp_path: Path, redis_url, worker, model_dir):
+    """`tinkerq sft --broker redis://...` drives the real worker process instead of an embedded fleet."""
+    out = _run("sft", "--broker", redis_url, "--model", str(model_dir), "--steps", "4", "--batch-size", "8",
+               "--eval-examples", "5", "--out", str(tmp_path / "run"), timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "using the fleet at redis://127.0.0.1" in out.stdout and "embedded" not in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["fb_tokens_per_s"] > 0 for r in rows)  # the worker's timing, logged
