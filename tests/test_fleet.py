@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from launcher.processes import ROOT, alive, free_port, wait_for
+from launcher.processes import ROOT, alive, free_port, stop, wait_for
 from tests.helpers import build_tiny_llama, make_batch
 
 pytestmark = pytest.mark.timeout(240)
@@ -74,26 +74,29 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
                                         extra=["--name", "warm-shutdown-model"]), log,
                          {"TINKERQ_HEARTBEAT_S": "1", "TINKERQ_MICROBATCH_TOKENS": "64"})
     conn = Connection.open(Settings(broker_url=redis_url))
-    wait_for(lambda: bool(conn.workers_serving("warm-shutdown-model")), 90, "worker", proc, log)
-    with ServiceClient(broker_url=redis_url) as sc:
-        tc = sc.create_training_client("warm-shutdown-model")
-        big = make_batch(np.random.default_rng(41), 1000, min_len=100, max_len=150)  # ~10 s of work
-        fb = tc.forward_backward(big)
-        wait_for(lambda: "forward_backward" in log.read_text() and "received" in log.read_text(), 30, "task start")
-        # The container healthcheck answers while the long task runs (the heartbeat is its own thread).
-        time.sleep(3.5)  # longer than the registration TTL (3 s): it must have been refreshed meanwhile
-        health = _tinkerq("healthcheck", "--broker", redis_url, env={}, timeout=30)
-        assert health.returncode == 0 and "warm-shutdown-model" in health.stdout, health.stderr
-        assert fb.done() is False  # still running: the check above happened during the task
-        os.kill(proc.pid, signal.SIGTERM)
-        out = fb.result(timeout=120)
-        assert len(out.loss_fn_outputs) == 1000 and np.isfinite(out.metrics["loss:sum"])
-        assert proc.wait(timeout=60) == 0
-        assert not alive(proc.pid)
-        # Its registration is withdrawn: new sessions for that model now fail fast.
-        wait_for(lambda: not conn.workers_serving("warm-shutdown-model"), 10, "deregistration")
-        from tinkerq.errors import UnknownModelError
+    try:
+        wait_for(lambda: bool(conn.workers_serving("warm-shutdown-model")), 90, "worker", proc, log)
+        with ServiceClient(broker_url=redis_url) as sc:
+            tc = sc.create_training_client("warm-shutdown-model")
+            big = make_batch(np.random.default_rng(41), 1000, min_len=100, max_len=150)  # ~10 s of work
+            fb = tc.forward_backward(big)
+            wait_for(lambda: "forward_backward" in log.read_text() and "received" in log.read_text(), 30, "task start")
+            # The container healthcheck answers while the long task runs (the heartbeat is its own thread).
+            time.sleep(3.5)  # longer than the registration TTL (3 s): it must have been refreshed meanwhile
+            health = _tinkerq("healthcheck", "--broker", redis_url, env={}, timeout=30)
+            assert health.returncode == 0 and "warm-shutdown-model" in health.stdout, health.stderr
+            assert fb.done() is False  # still running: the check above happened during the task
+            os.kill(proc.pid, signal.SIGTERM)
+            out = fb.result(timeout=120)
+            assert len(out.loss_fn_outputs) == 1000 and np.isfinite(out.metrics["loss:sum"])
+            assert proc.wait(timeout=60) == 0
+            assert not alive(proc.pid)
+            # Its registration is withdrawn: new sessions for that model now fail fast.
+            wait_for(lambda: not conn.workers_serving("warm-shutdown-model"), 10, "deregistration")
+            from tinkerq.errors import UnknownModelError
 
-        with pytest.raises(UnknownModelError):
-            sc.create_training_client("warm-shutdown-model")
-    conn.close()
+            with pytest.raises(UnknownModelError):
+                sc.create_training_client("warm-shutdown-model")
+    finally:  # a failed assertion must not leave the private worker running
+        stop(proc.pid, timeout=10)
+        conn.close()
