@@ -57,7 +57,6 @@ class Fleet:
         self.redis: redis.Redis = redis.Redis(port=self.port)
         self._redis_proc: subprocess.Popen | None = None
         self._worker_proc: subprocess.Popen | None = None
-        self._worker_out: Any = None
         self.registration: dict[str, Any] = {}  # the worker's heartbeat record, once it is up
 
     def __enter__(self) -> Fleet:
@@ -120,8 +119,6 @@ class Fleet:
                 proc.kill()
                 proc.wait(5)
         self.redis.close()
-        if self._worker_out is not None:
-            self._worker_out.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -140,19 +140,20 @@ def _validate_tokens(i: int, tokens: np.ndarray, vocab_size: int | None, max_seq
         raise ValidationError(
             f"datum {i}: model_input has {n} tokens, longer than the model's maximum of {max_seq_len}"
         )
-    _check_ids(i, "model_input", tokens, vocab_size)
+    _check_ids(f"datum {i}: model_input", tokens, vocab_size)
     return n
 
 
-def _check_ids(i: int, field: str, ids: np.ndarray, vocab_size: int | None) -> None:
+def _check_ids(where: str, ids: np.ndarray, vocab_size: int | None) -> None:
+    """Token ids must be in [0, vocab_size); ``where`` names the field, e.g. "datum 3: model_input"."""
     low = int(ids.min())
     if low < 0:
-        raise ValidationError(f"datum {i}: {field} has a negative token id {low} at position {int(ids.argmin())}")
+        raise ValidationError(f"{where} has a negative token id {low} at position {int(ids.argmin())}")
     if vocab_size is not None:
         high = int(ids.max())
         if high >= vocab_size:
             raise ValidationError(
-                f"datum {i}: {field} has token id {high} at position {int(ids.argmax())}, "
+                f"{where} has token id {high} at position {int(ids.argmax())}, "
                 f"outside the model's vocabulary of {vocab_size}"
             )
 
@@ -171,7 +172,7 @@ def _validate_input(i: int, key: str, values: np.ndarray, n: int, vocab_size: in
             f"it must have shape ({n},), one value per input position"
         )
     if expected == "int64":
-        _check_ids(i, field, values, vocab_size)
+        _check_ids(f"datum {i}: {field}", values, vocab_size)
     elif not np.isfinite(values).all():
         bad = int(np.flatnonzero(~np.isfinite(values))[0])
         raise ValidationError(f"datum {i}: {field} has a non-finite value {values[bad]} at position {bad}")
@@ -210,7 +211,7 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
         raise ValidationError("prompt is empty: sampling needs at least one prompt token")
     if tokens.dtype.kind not in "iu":
         raise ValidationError(f"prompt tokens must be integers, got dtype {tokens.dtype}")
-    _check_ids_named("prompt", tokens, vocab_size)
+    _check_ids("prompt", tokens, vocab_size)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_SAMPLES:
         raise ValidationError(f"num_samples must be an integer in [1, {MAX_SAMPLES}], got {num_samples!r}")
     if not isinstance(params, types.SamplingParams):
@@ -245,12 +246,7 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
     if all(isinstance(x, str) and x for x in stop):
         return
     if all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
-        _check_ids_named("SamplingParams.stop", np.asarray(stop), vocab_size)
+        _check_ids("SamplingParams.stop", np.asarray(stop), vocab_size)
         return
     raise ValidationError("SamplingParams.stop must be all (non-empty) strings or all token ids, not a mix")
 
-
-def _check_ids_named(field: str, ids: np.ndarray, vocab_size: int | None) -> None:
-    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValidationError(f"{field} has token id {bad}, outside the model's vocabulary of {vocab_size}")
