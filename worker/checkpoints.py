@@ -20,16 +20,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from tinkerq.errors import ValidationError
-
-if TYPE_CHECKING:
-    from worker.session import TrainingSession
 
 STATE_FORMAT = 1
 STATE_FILE = "tinkerq_state.json"
@@ -59,30 +57,41 @@ def write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
     return final
 
 
-def save_hf_weights(session: TrainingSession, directory: Path) -> None:
-    session.model.save_pretrained(directory)
+def copy_tokenizer_files(model_dir: str, directory: Path) -> None:
+    """Copy the base model's tokenizer files, so the saved directory is a complete model."""
     for fname in _TOKENIZER_FILES:
-        src = Path(session.base_dir) / fname
+        src = Path(model_dir) / fname
         if src.is_file():
             shutil.copy2(src, directory / fname)
 
 
-def save_state(session: TrainingSession, directory: Path, *, base_model: str, seq_id: int) -> None:
-    names = session.param_names
-    session.model.save_pretrained(directory)
-    moments: dict[str, torch.Tensor] = {}
-    for name, p in zip(names, session.params, strict=True):
-        state = session.optimizer.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            if key in state:
-                moments[f"{name}::{key}"] = state[key].detach().cpu().contiguous()
-    save_file(moments, str(directory / "optimizer.safetensors"))
-    if any(bool(p.grad.any()) for p in session.params):
-        save_file({n: p.grad.detach().cpu().contiguous() for n, p in zip(names, session.params, strict=True)},
+@dataclass
+class SavedState:
+    """A training state as full (unsharded) CPU tensors, keyed by parameter name."""
+
+    weights: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor]  # "<name>::exp_avg" / "::exp_avg_sq" / "::step"
+    grads: dict[str, torch.Tensor]  # empty when no gradient is pending
+    meta: dict[str, Any]
+
+
+def optimizer_entries(name: str, state: dict[str, Any], full: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """One parameter's AdamW state as ``{"<name>::<key>": tensor}`` (``full`` gathers a shard, if any)."""
+    return {f"{name}::{key}": full(state[key]) for key in ("exp_avg", "exp_avg_sq", "step") if key in state}
+
+
+def write_state(directory: Path, *, write_weights: Callable[[Path], None], shapes: dict[str, list[int]],
+                moments: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], base_model: str,
+                model_id: str, steps: int, seq_id: int, shards: int = 1) -> None:
+    """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json."""
+    write_weights(directory)
+    save_file({k: v.detach().cpu().contiguous() for k, v in moments.items()},
+              str(directory / "optimizer.safetensors"))
+    if grads:
+        save_file({k: v.detach().cpu().contiguous() for k, v in grads.items()},
                   str(directory / "gradients.safetensors"))
-    meta = {"format": STATE_FORMAT, "base_model": base_model, "model_id": session.model_id,
-            "optimizer_steps": session.steps, "seq_id": seq_id, "created": time.time(),
-            "parameters": {n: list(p.shape) for n, p in zip(names, session.params, strict=True)}}
+    meta = {"format": STATE_FORMAT, "base_model": base_model, "model_id": model_id, "optimizer_steps": steps,
+            "seq_id": seq_id, "created": time.time(), "saved_by_shards": shards, "parameters": shapes}
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
 
 
@@ -104,44 +113,36 @@ def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
     return resolved
 
 
-def load_state(session: TrainingSession, directory: Path) -> dict[str, Any]:
-    """Replace the session's weights, AdamW state and pending gradients with the checkpoint's."""
-    meta = json.loads((directory / STATE_FILE).read_text())
-    if meta.get("format") != STATE_FORMAT:
-        raise ValidationError(f"checkpoint format {meta.get('format')!r} is not supported (expected {STATE_FORMAT})")
-    names = session.param_names
-    expected = {n: list(p.shape) for n, p in zip(names, session.params, strict=True)}
-    if meta.get("parameters") != expected:
+def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """The state's metadata, after checking it fits a model with these parameter shapes."""
+    try:
+        meta = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValidationError(f"cannot read {directory / STATE_FILE}: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ValidationError(f"checkpoint format {found!r} is not supported (expected {STATE_FORMAT})")
+    if meta.get("parameters") != shapes:
         saved = meta.get("parameters") or {}
-        diff = next((n for n in sorted(set(saved) | set(expected)) if saved.get(n) != expected.get(n)), None)
+        diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), None)
         raise ValidationError(
             f"checkpoint was saved from a model with other parameters than this worker serves "
-            f"(first difference: {diff}: saved {saved.get(diff)}, here {expected.get(diff)})"
+            f"(first difference: {diff}: saved {saved.get(diff)}, here {shapes.get(diff)})"
         )
+    return meta
+
+
+def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str]) -> SavedState:
+    """Every tensor of a training state (full tensors, on the CPU). ``tied`` maps a parameter that shares
+    its storage with another to the other's name (tied embeddings are stored once)."""
+    meta = check_state(directory, shapes)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("model*.safetensors")):
         weights.update(load_file(str(file)))
+    for name in shapes:
+        if name not in weights and tied.get(name) not in weights:
+            raise ValidationError(f"checkpoint {directory} has no weights for {name}")
     moments = load_file(str(directory / "optimizer.safetensors"))
     grads_file = directory / "gradients.safetensors"
     grads = load_file(str(grads_file)) if grads_file.is_file() else {}
-    with torch.no_grad():
-        by_name = dict(session.model.named_parameters())
-        for name, p in by_name.items():
-            if name in weights:
-                p.copy_(weights[name])
-            elif not any(q is p for n, q in by_name.items() if n in weights):
-                raise ValidationError(f"checkpoint has no weights for {name}")
-        for name, p in zip(names, session.params, strict=True):
-            p.grad.copy_(grads[name]) if name in grads else p.grad.zero_()
-            # torch keeps AdamW's step counter on the CPU (unless capturable); the moments live with p.
-            state = {k: moments[f"{name}::{k}"].to(p.device, p.dtype) for k in ("exp_avg", "exp_avg_sq")
-                     if f"{name}::{k}" in moments}
-            if f"{name}::step" in moments:
-                state["step"] = moments[f"{name}::step"]
-            if state:
-                session.optimizer.state[p] = state
-            else:
-                session.optimizer.state.pop(p, None)
-    session.steps = int(meta["optimizer_steps"])
-    session.last_used = time.monotonic()
-    return meta
+    return SavedState(weights, moments, grads, meta)

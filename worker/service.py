@@ -322,7 +322,7 @@ class WorkerService:
     def _load_state(self, session: TrainingSession, body: Any) -> tuple[bytes, int]:
         path = body.get("path") if isinstance(body, dict) else None
         directory = checkpoints.resolve_state_path(path, self.settings.checkpoint_dir)
-        meta = checkpoints.load_state(session, directory)
+        meta = session.load_state(directory)
         return codec.packb({"path": str(directory), "optimizer_steps": meta["optimizer_steps"],
                             "seq_id": meta["seq_id"]}), 0
 

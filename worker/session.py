@@ -181,17 +181,71 @@ class TrainingSession:
     def save_weights(self, checkpoint_dir: str, name: str) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
         final = Path(checkpoint_dir) / self.model_id / checkpoints.check_name(name)
-        checkpoints.write_atomically(final, lambda tmp: checkpoints.save_hf_weights(self, tmp))
+
+        def fill(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            checkpoints.copy_tokenizer_files(self.base_dir, tmp)
+
+        checkpoints.write_atomically(final, fill)
         self.last_used = time.monotonic()
         return str(final)
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
         """Weights + AdamW state + pending gradients + request position, for load_state."""
         final = Path(checkpoint_dir) / self.model_id / "state" / checkpoints.check_name(name)
-        checkpoints.write_atomically(
-            final, lambda tmp: checkpoints.save_state(self, tmp, base_model=base_model, seq_id=seq_id))
+        moments: dict[str, torch.Tensor] = {}
+        for n, p in zip(self.param_names, self.params, strict=True):
+            moments.update(checkpoints.optimizer_entries(n, self.optimizer.state.get(p, {}), lambda t: t))
+        pending = any(bool(p.grad.any()) for p in self.params)
+        grads = {n: p.grad for n, p in zip(self.param_names, self.params, strict=True)} if pending else {}
+        checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
+            tmp, write_weights=self.model.save_pretrained, shapes=self.shapes(), moments=moments, grads=grads,
+            base_model=base_model, model_id=self.model_id, steps=self.steps, seq_id=seq_id))
         self.last_used = time.monotonic()
         return str(final)
+
+    def load_state(self, directory: Path) -> dict[str, Any]:
+        """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count)."""
+        saved = checkpoints.read_state(directory, self.shapes(), tied_names(self.model))
+        with torch.no_grad():
+            for n, p in zip(self.param_names, self.params, strict=True):
+                p.copy_(saved.weights[n] if n in saved.weights else saved.weights[tied_names(self.model)[n]])
+                p.grad.copy_(saved.grads[n]) if n in saved.grads else p.grad.zero_()
+                state = adam_state(n, saved.moments, p.device, p.dtype, lambda t: t)
+                if state:
+                    self.optimizer.state[p] = state
+                else:
+                    self.optimizer.state.pop(p, None)
+        self.steps = int(saved.meta["optimizer_steps"])
+        self.last_used = time.monotonic()
+        return saved.meta
+
+    def shapes(self) -> dict[str, list[int]]:
+        return {n: list(p.shape) for n, p in zip(self.param_names, self.params, strict=True)}
+
+    def close(self) -> None:
+        """Nothing to release beyond dropping the session (its tensors are freed with it)."""
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """For each parameter name, the other names of the same tensor (tied embeddings), one level deep."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return {n: other for names in by_id.values() for n in names for other in names if other != n}
+
+
+def adam_state(name: str, moments: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+               place: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One parameter's AdamW state from a checkpoint; ``place`` turns a full moment into this rank's piece.
+
+    torch keeps AdamW's step counter on the CPU (unless capturable); the moments live with the parameter.
+    """
+    state = {k: place(moments[f"{name}::{k}"].to(device, dtype)) for k in ("exp_avg", "exp_avg_sq")
+             if f"{name}::{k}" in moments}
+    if f"{name}::step" in moments:
+        state["step"] = moments[f"{name}::step"]
+    return state
 
 
 def _pad_batch(data: list[types.Datum], device: torch.device) -> dict[str, Any]:
