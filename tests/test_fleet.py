@@ -78,7 +78,8 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
         wait_for(lambda: bool(conn.workers_serving("warm-shutdown-model")), 90, "worker", proc, log)
         with ServiceClient(broker_url=redis_url) as sc:
             tc = sc.create_training_client("warm-shutdown-model")
-            big = make_batch(np.random.default_rng(41), 1000, min_len=100, max_len=150)  # ~10 s of work
+            # ~10 s of work (3 s per 1000 datums on a 2-core machine): outlasts the 3.5 s wait below with room.
+            big = make_batch(np.random.default_rng(41), 3000, min_len=100, max_len=150)
             fb = tc.forward_backward(big)
             wait_for(lambda: "forward_backward" in log.read_text() and "received" in log.read_text(), 30, "task start")
             # The container healthcheck answers while the long task runs (the heartbeat is its own thread).
@@ -88,7 +89,7 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
             assert fb.done() is False  # still running: the check above happened during the task
             os.kill(proc.pid, signal.SIGTERM)
             out = fb.result(timeout=120)
-            assert len(out.loss_fn_outputs) == 1000 and np.isfinite(out.metrics["loss:sum"])
+            assert len(out.loss_fn_outputs) == len(big) and np.isfinite(out.metrics["loss:sum"])
             assert proc.wait(timeout=60) == 0
             assert not alive(proc.pid)
             # Its registration is withdrawn: new sessions for that model now fail fast.
