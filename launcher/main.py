@@ -23,11 +23,16 @@ def _settings(args: argparse.Namespace, **extra: object) -> Settings:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.runtime import run_worker
-
     settings = _settings(args, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
-                         metrics_port=args.metrics_port)
+                         metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
+                         rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout)
+    if settings.shard_rank > 0:  # a follower shard: no broker, it takes its commands from rank 0
+        from worker.sharding.follower import run_follower
+
+        return run_follower(args.model, settings, threads=args.threads)
+    from worker.runtime import run_worker
+
     if settings.broker_url is None:
         raise TinkerqError("no broker: pass --broker redis://host:6379/0 or set TINKERQ_BROKER_URL")
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
@@ -116,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loss head: auto = apex on CUDA when installed, else chunked torch (default)")
     w.add_argument("--threads", type=int, help="torch CPU threads")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    w.add_argument("--shards", type=int, help="serve the model sharded over this many processes (default 1)")
+    w.add_argument("--rank", type=int, help="this process's shard, 0..shards-1; rank 0 takes the requests")
+    w.add_argument("--rendezvous", help="tcp://HOST:PORT where the shards meet: rank 0's host, a free port")
+    w.add_argument("--rendezvous-timeout", type=float, help="seconds to wait for the other shards (default 300)")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
 

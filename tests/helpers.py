@@ -85,3 +85,31 @@ def max_weight_diff(model: torch.nn.Module, other_dir: str) -> float:
     ref = dict(model.named_parameters())
     with torch.no_grad():
         return max(float((ref[name] - p).abs().max()) for name, p in other.named_parameters())
+
+
+RL_CONFIGS = {
+    "importance_sampling": None,
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
+}
+
+
+def rl_batch(ref, rng):
+    """RL datums as the cookbook builds them: prompt positions carry zero logprobs and advantages; the
+    sampler's logprobs are the reference's, perturbed so that ratios differ from 1 (clipping triggers)."""
+    data = []
+    for i, d in enumerate(make_batch(rng, 5, min_len=6, max_len=30)):
+        n = d.model_input.length
+        prompt = int(rng.integers(1, n - 2))
+        with torch.no_grad():
+            t = reference_logprobs(ref, d).numpy()
+        s = (t + rng.normal(0, 0.3, n)).astype(np.float32)
+        s[:prompt] = 0.0
+        adv = np.zeros(n, np.float32)
+        adv[prompt:] = 0.0 if i == 1 else rng.normal()  # datum 1 is fully masked
+        mask = (np.arange(n) >= prompt).astype(np.float32)
+        inputs = {"target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": s, "advantages": adv}
+        data.append((d.model_input, inputs, mask))
+    return data

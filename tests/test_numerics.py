@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from tests.conftest import WORKER_MICROBATCH_TOKENS
-from tests.helpers import load_reference, make_batch, max_weight_diff, reference_logprobs, reference_step
+from tests.helpers import (
+    RL_CONFIGS,
+    load_reference,
+    make_batch,
+    max_weight_diff,
+    reference_logprobs,
+    reference_step,
+    rl_batch,
+)
 from tinkerq import types
 
 pytestmark = pytest.mark.timeout(180)
@@ -104,34 +112,6 @@ def test_thirty_pipelined_steps_match_sequential_reference(training_client, mode
     assert max_weight_diff(ref, saved) < 1e-5
 
 
-RL_CONFIGS = {
-    "importance_sampling": None,
-    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
-    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
-    "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
-}
-
-
-def _rl_batch(ref, rng):
-    """RL datums as the cookbook builds them: prompt positions carry zero logprobs and advantages; the
-    sampler's logprobs are the reference's, perturbed so that ratios differ from 1 (clipping triggers)."""
-    data = []
-    for i, d in enumerate(make_batch(rng, 5, min_len=6, max_len=30)):
-        n = d.model_input.length
-        prompt = int(rng.integers(1, n - 2))
-        with torch.no_grad():
-            t = reference_logprobs(ref, d).numpy()
-        s = (t + rng.normal(0, 0.3, n)).astype(np.float32)
-        s[:prompt] = 0.0
-        adv = np.zeros(n, np.float32)
-        adv[prompt:] = 0.0 if i == 1 else rng.normal()  # datum 1 is fully masked
-        mask = (np.arange(n) >= prompt).astype(np.float32)
-        inputs = {"target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": s, "advantages": adv}
-        data.append((d.model_input, inputs, mask))
-    return data
-
-
 def _reference_rl_loss(loss_fn, config, t, inputs, mask):
     s = torch.from_numpy(np.array(inputs["logprobs"].to_numpy()))
     A = torch.from_numpy(np.array(inputs["advantages"].to_numpy()))
@@ -154,7 +134,7 @@ def _reference_rl_loss(loss_fn, config, t, inputs, mask):
 def test_rl_losses_through_the_fleet_match_reference(training_client, model_dir, loss_fn):
     config = RL_CONFIGS[loss_fn]
     ref = load_reference(model_dir)
-    rows = _rl_batch(ref, np.random.default_rng(13))
+    rows = rl_batch(ref, np.random.default_rng(13))
     data = []
     for model_input, inputs, mask in rows:
         if loss_fn == "gspo":

@@ -70,6 +70,17 @@ class Settings:
     # Where workers write weights (save_weights_for_sampler); must be shared by workers and users.
     # Empty: <home>/checkpoints.
     checkpoint_dir: str = ""
+    # -- sharded models (docs/sharding.md) -----------------------------------------------------------------
+    # A model served by N processes, each holding 1/N of the parameters, gradients and AdamW state.
+    # Rank 0 is the Celery worker; ranks 1..N-1 follow it. All ranks name the same rendezvous: rank 0's
+    # host and a free port, tcp://host:port.
+    shards: int = 1
+    shard_rank: int = 0
+    rendezvous: str = ""
+    # Seconds the ranks wait for each other when a group forms; then they say which ranks are missing.
+    rendezvous_timeout_s: float = 300.0
+    # Seconds any one collective may wait for a peer: a dead or hung shard fails requests within this.
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
@@ -109,6 +120,19 @@ class Settings:
                      "max_batch_tokens", "max_sessions", "microbatch_tokens"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
+        if self.shards < 1 or not 0 <= self.shard_rank < self.shards:
+            raise SettingsError(
+                f"shard rank {self.shard_rank} does not fit {self.shards} shards: ranks are 0..{self.shards - 1}"
+            )
+        if self.shards > 1 and not _is_tcp_address(self.rendezvous):
+            raise SettingsError(
+                f"a model in {self.shards} shards needs a rendezvous: pass --rendezvous tcp://HOST:PORT (rank "
+                f"0's host and a free port, the same on every rank) or set TINKERQ_RENDEZVOUS"
+                + (f"; got {self.rendezvous!r}" if self.rendezvous else "")
+            )
+        for name in ("rendezvous_timeout_s", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"TINKERQ_DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.loss_backend not in ("auto", "apex", "torch", "reference"):
@@ -121,6 +145,11 @@ class Settings:
                     f"broker/result URL {url!r} is not supported: use redis://[:password@]host:port/db "
                     f"(or rediss:// for TLS)"
                 )
+
+
+def _is_tcp_address(url: str) -> bool:
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    return url.startswith("tcp://") and bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _parse(name: str, raw: str, type_: Any) -> Any:

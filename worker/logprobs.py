@@ -42,8 +42,10 @@ def fused_head_support(model: PreTrainedModel) -> str | None:
 class LogprobComputer:
     """Target logprobs for one worker: the backend is chosen once, and reported."""
 
-    def __init__(self, model: PreTrainedModel, requested_backend: str = "auto") -> None:
-        device = next(model.parameters()).device
+    def __init__(self, model: PreTrainedModel, requested_backend: str = "auto",
+                 device: torch.device | str | None = None) -> None:
+        # A sharded worker keeps its base model on the CPU; its shards compute on ``device``.
+        device = device if device is not None else next(model.parameters()).device
         self.backend = resolve_backend(requested_backend, device)
         self.fallback_reason = fused_head_support(model)
         if self.fallback_reason is not None:

@@ -56,6 +56,26 @@ class MetricTotals:
                 total[0] = min(total[0], value) if m.reduction == "min" else max(total[0], value)
             total[1] += values.numel()
 
+    def raw(self) -> dict[str, list[float]]:
+        """Running totals (name -> [value, token count]), to merge with another rank's."""
+        return {name: list(v) for name, v in self._totals.items()}
+
+    def merge(self, raw: dict[str, list[float]]) -> None:
+        """Fold in another :meth:`raw` (the reduction is the name's suffix: sum, mean, min or max)."""
+        for name, (value, count) in raw.items():
+            if name not in self._totals:
+                self._totals[name] = [float(value), int(count)]
+                continue
+            total = self._totals[name]
+            reduction = name.rsplit(":", 1)[-1]
+            if reduction == "min":
+                total[0] = min(total[0], value)
+            elif reduction == "max":
+                total[0] = max(total[0], value)
+            else:
+                total[0] += value
+            total[1] += int(count)
+
     def result(self) -> dict[str, float]:
         return {name: (v / n if name.endswith(":mean") else v) for name, (v, n) in self._totals.items()}
 

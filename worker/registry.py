@@ -33,6 +33,7 @@ class Registration:
             **(info or {}),
         }
         self._stop = threading.Event()
+        self._withdrawn = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
@@ -45,10 +46,25 @@ class Registration:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
+            if self._withdrawn.is_set():
+                continue
             try:
                 self.beat()
             except Exception as exc:  # Redis blips must not kill the worker; the TTL covers us
                 log.warning("heartbeat failed: %s", exc)
+
+    def withdraw(self) -> None:
+        """Stop announcing the model for now (e.g. while a shard group re-forms); :meth:`resume` undoes it."""
+        self._withdrawn.set()
+        try:
+            self.store.delete(self.key)
+        except Exception as exc:
+            log.warning("could not withdraw registration %s: %s", self.key, exc)
+
+    def resume(self) -> None:
+        self._withdrawn.clear()
+        if self._thread is not None:  # announced only once the worker consumes its queues
+            self.beat()
 
     def stop(self) -> None:
         self._stop.set()

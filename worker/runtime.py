@@ -21,6 +21,8 @@ from tinkerq.settings import Settings
 from worker.model_loading import load_causal_lm
 from worker.registry import Registration
 from worker.service import WorkerService
+from worker.sharding.follower import build_host
+from worker.sharding.group import ShardSpec
 from worker.tasks import register_tasks
 
 log = logging.getLogger("tinkerq.worker")
@@ -45,17 +47,31 @@ def served_name(model_path: str, name: str | None = None) -> str:
 
 def assemble(model_path: str, settings: Settings, *, name: str | None = None) -> AssembledWorker:
     """Load and connect everything; raises UserError / BrokerUnavailableError with a clear message."""
-    model = load_causal_lm(model_path, device=settings.device, dtype=settings.dtype)
+    shards = None
+    if ShardSpec.from_settings(settings) is None:
+        model = load_causal_lm(model_path, device=settings.device, dtype=settings.dtype)
+    else:  # rank 0 of a shard group: wait (bounded) for the other ranks before taking requests
+        shards = build_host(model_path, settings)
+        model = shards.base_model
+        shards.group.form()
     connection = Connection.open(settings)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     base_model = served_name(model_path, name)
-    service = WorkerService(connection, base_model, os.path.abspath(model_path), model, worker_id)
+    service = WorkerService(connection, base_model, os.path.abspath(model_path), model, worker_id, shards=shards)
     register_tasks(connection.app, service)
     registration = Registration(
         connection.store, base_model, worker_id, settings.heartbeat_s,
         info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype,
-              "loss_backend": service.logprobs.backend},
+              "loss_backend": service.logprobs.backend, "shards": settings.shards},
     )
+    if shards is not None:
+        # While the group re-forms, producers see no worker for the model instead of a silent queue.
+        def group_failed(reason: str) -> None:
+            registration.withdraw()
+            service.shard_group_failed(reason)
+
+        shards.on_failure = group_failed
+        shards.on_formed = registration.resume
     log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, worker_id, service.logprobs.backend)
     return AssembledWorker(connection, service, registration, worker_id)
@@ -71,6 +87,9 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.
     signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
     w.service.start_watchdog()
+    if w.service.shards is not None:
+        w.service.shards.start_pings()
+        signals.worker_shutdown.connect(lambda **_: w.service.shards.shutdown(), weak=False)
     if settings.metrics_port:
         w.service.metrics.serve(settings.metrics_port)
         log.info("Prometheus metrics on :%d/metrics", settings.metrics_port)

@@ -36,6 +36,8 @@ from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
 from worker.sampling import StopRule, sample
 from worker.session import TrainingSession
+from worker.sharding.group import ShardGroupError
+from worker.sharding.host import LeaderSession, ShardHost
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -45,16 +47,19 @@ Outcome = tuple[str, Any, dict[str, float]]
 NO_TIMING: dict[str, float] = {}
 
 
+Session = TrainingSession | LeaderSession
+
+
 @dataclass
 class _Slot:
-    session: TrainingSession
+    session: Session
     ordering: Ordering
     broken: str | None = None
 
 
 class WorkerService:
     def __init__(self, connection: Connection, base_model: str, model_dir: str, model: PreTrainedModel,
-                 worker_id: str) -> None:
+                 worker_id: str, shards: ShardHost | None = None) -> None:
         self.connection = connection
         self.settings = connection.settings
         self.claim_check = connection.claim_check()
@@ -65,14 +70,16 @@ class WorkerService:
         self.vocab_size = vocab_size(model)
         self.max_seq_len = max_seq_len(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        self.logprobs = LogprobComputer(model, self.settings.loss_backend)
+        self.logprobs = LogprobComputer(model, self.settings.loss_backend, device=self.settings.device)
+        # A sharded worker (rank 0 of a group): sessions are LeaderSessions driving every shard.
+        self.shards = shards
         self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
         self.slots: dict[str, _Slot] = {}
         self._tokenizer: Any = None
         self.metrics = WorkerMetrics()
         self._lock = threading.RLock()
         # op -> (session, body) -> (reply body bytes, tokens processed)
-        self._ops: dict[str, Callable[[TrainingSession, Any], tuple[bytes, int]]] = {
+        self._ops: dict[str, Callable[[Session, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
             "forward": lambda s, body: self._loss(s, body, backward=False),
             "optim_step": self._optim_step,
@@ -117,25 +124,40 @@ class WorkerService:
             raise UnknownModelError(f"this worker serves {self.base_model!r}, not {requested!r}")
         if model_id not in self.slots:
             self._make_room()
-            model = copy.deepcopy(self.model)
-            session = TrainingSession(model_id, model, base_dir=self.model_dir,
-                                      microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs,
-                                      blank_model=lambda: copy.deepcopy(self.model),
-                                      max_samplers=self.settings.max_samplers)
-            self.slots[model_id] = _Slot(session, Ordering())
+            self.slots[model_id] = _Slot(self._new_session(model_id), Ordering())
             log.info("opened session %s (%d open)", model_id, len(self.slots))
         info = types.ModelInfo(
             model_id=model_id, base_model=self.base_model, vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id,
             extra={"device": self.settings.device, "dtype": self.settings.dtype,
-                   "loss_backend": self.logprobs.backend},
+                   "loss_backend": self.logprobs.backend, "shards": self.settings.shards},
         )
         return ("ok", codec.packb(info.__dict__), NO_TIMING)
+
+    def _new_session(self, model_id: str) -> Session:
+        if self.shards is not None:
+            return LeaderSession(self.shards, model_id, max_samplers=self.settings.max_samplers)
+        return TrainingSession(model_id, copy.deepcopy(self.model), base_dir=self.model_dir,
+                               microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs,
+                               blank_model=lambda: copy.deepcopy(self.model), max_samplers=self.settings.max_samplers)
+
+    def shard_group_failed(self, reason: str) -> None:
+        """The shard group broke: every session it held is gone. Answer their waiting requests now."""
+        with self._lock:
+            outcome = ("error", ShardGroupError(reason).to_wire(), NO_TIMING)
+            for slot in self.slots.values():
+                slot.broken = reason
+                for pending in slot.ordering.drop_buffered():
+                    self._store_late(pending.task_ids, outcome)
 
     def _make_room(self) -> None:
         if len(self.slots) < self.settings.max_sessions:
             return
         now = time.monotonic()
+        broken = [mid for mid, s in self.slots.items() if s.broken is not None]
+        if broken:  # a session that can no longer serve goes first
+            self._close(broken[0])
+            return
         idle = [mid for mid, s in self.slots.items() if now - s.session.last_used > self.settings.session_idle_ttl_s]
         if idle:
             oldest = min(idle, key=lambda mid: self.slots[mid].session.last_used)
@@ -149,6 +171,7 @@ class WorkerService:
 
     def _close(self, model_id: str) -> None:
         slot = self.slots.pop(model_id)
+        slot.session.close()
         gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), NO_TIMING)
         for pending in slot.ordering.buffered.values():
             self._store_late(pending.task_ids, gone)
@@ -266,7 +289,7 @@ class WorkerService:
 
     # -- operations ----------------------------------------------------------------------------------------------------
 
-    def _loss(self, session: TrainingSession, body: Any, *, backward: bool) -> bytes:
+    def _loss(self, session: Session, body: Any, *, backward: bool) -> bytes:
         data, loss_fn, config = messages.decode_loss_request(body)
         # Validate the whole batch before anything touches the model.
         validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
@@ -275,12 +298,12 @@ class WorkerService:
         tokens = sum(d.model_input.length for d in data)
         return codec.packb(messages.encode_forward_backward_output(out)), tokens
 
-    def _optim_step(self, session: TrainingSession, body: Any) -> bytes:
+    def _optim_step(self, session: Session, body: Any) -> bytes:
         adam = messages.decode_adam(body)
         validate_adam(adam)
         return codec.packb({"metrics": session.optim_step(adam).metrics}), 0
 
-    def _sample(self, session: TrainingSession, body: Any) -> bytes:
+    def _sample(self, session: Session, body: Any) -> bytes:
         sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)
         validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
         model = session.sampler(sampler_id)
@@ -313,20 +336,20 @@ class WorkerService:
                 ) from exc
         return self._tokenizer
 
-    def _save_state(self, session: TrainingSession, body: Any) -> tuple[bytes, int]:
+    def _save_state(self, session: Session, body: Any) -> tuple[bytes, int]:
         name = body.get("name") if isinstance(body, dict) else None
         seq_id = self.slots[session.model_id].ordering.next_seq - 1  # this request's own position
         path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model, seq_id=seq_id)
         return codec.packb({"path": path}), 0
 
-    def _load_state(self, session: TrainingSession, body: Any) -> tuple[bytes, int]:
+    def _load_state(self, session: Session, body: Any) -> tuple[bytes, int]:
         path = body.get("path") if isinstance(body, dict) else None
         directory = checkpoints.resolve_state_path(path, self.settings.checkpoint_dir)
         meta = session.load_state(directory)
         return codec.packb({"path": str(directory), "optimizer_steps": meta["optimizer_steps"],
                             "seq_id": meta["seq_id"]}), 0
 
-    def _save_weights(self, session: TrainingSession, body: Any) -> bytes:
+    def _save_weights(self, session: Session, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None
         return codec.packb({"path": session.save_weights(self.settings.checkpoint_dir, name)}), 0
 

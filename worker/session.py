@@ -12,11 +12,10 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -24,6 +23,7 @@ from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import resolve_loss_config
 from worker import checkpoints
+from worker.batching import microbatch_ranges, pad_batch
 from worker.logprobs import LogprobComputer
 from worker.losses import LOSSES, MetricTotals
 
@@ -36,8 +36,7 @@ class TrainingSession:
         self.model = model
         self.logprobs = logprobs
         # Sampling snapshots: frozen copies of the weights as of the request that made them (oldest evicted).
-        self.samplers: OrderedDict[str, PreTrainedModel] = OrderedDict()
-        self.max_samplers = max_samplers
+        self.samplers = SamplerCache(max_samplers)
         self._blank_model = blank_model
         self.base_dir = base_dir
         self.microbatch_tokens = microbatch_tokens
@@ -64,9 +63,9 @@ class TrainingSession:
         outputs: list[dict[str, types.TensorData]] = [{} for _ in data]
         loss_sum = 0.0
         grads = [torch.zeros_like(p) for p in self.params] if backward else None
-        for start, stop in self._microbatches(data):
+        for start, stop in microbatch_ranges([d.model_input.length for d in data], self.microbatch_tokens):
             chunk = data[start:stop]
-            batch = _pad_batch(chunk, self.device)
+            batch = pad_batch(chunk, self.device)
             with torch.set_grad_enabled(backward):
                 logprobs = self.logprobs(
                     self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"]
@@ -110,18 +109,6 @@ class TrainingSession:
             metrics={"loss:sum": loss_sum, **totals.result()},
         )
 
-    def _microbatches(self, data: list[types.Datum]) -> Iterator[tuple[int, int]]:
-        """Consecutive [start, stop) ranges whose padded size stays within ``microbatch_tokens``."""
-        start, longest = 0, 0
-        for i, d in enumerate(data):
-            n = d.model_input.length
-            grown = max(longest, n)
-            if i > start and grown * (i + 1 - start) > self.microbatch_tokens:
-                yield start, i
-                start, grown = i, n
-            longest = grown
-        yield start, len(data)
-
     # -- optim_step --------------------------------------------------------------------------------------------
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
@@ -154,27 +141,12 @@ class TrainingSession:
         """Freeze the current weights for sampling; returns the snapshot's id."""
         snapshot = self._blank_model() if self._blank_model else copy.deepcopy(self.model)
         snapshot.load_state_dict(self.model.state_dict())
-        for p in snapshot.parameters():
-            p.requires_grad_(False)
-            p.grad = None
-        snapshot.eval()
-        sampler_id = f"{self.model_id}:{self.steps}:{uuid.uuid4().hex[:8]}"
-        self.samplers[sampler_id] = snapshot
-        while len(self.samplers) > self.max_samplers:
-            self.samplers.popitem(last=False)
         self.last_used = time.monotonic()
-        return sampler_id
+        return self.samplers.add(f"{self.model_id}:{self.steps}", snapshot)
 
     def sampler(self, sampler_id: str) -> PreTrainedModel:
-        model = self.samplers.get(sampler_id)
-        if model is None:
-            raise ValidationError(
-                f"sampling client {sampler_id} is no longer held by the worker (it keeps the {self.max_samplers} "
-                f"newest per training client); call save_weights_and_get_sampling_client() again"
-            )
-        self.samplers.move_to_end(sampler_id)
         self.last_used = time.monotonic()
-        return model
+        return self.samplers.get(sampler_id)
 
     # -- weights out -------------------------------------------------------------------------------------------
 
@@ -227,6 +199,35 @@ class TrainingSession:
         """Nothing to release beyond dropping the session (its tensors are freed with it)."""
 
 
+class SamplerCache:
+    """Sampling snapshots of one session: frozen copies of the weights, the newest ``size`` kept."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._models: OrderedDict[str, PreTrainedModel] = OrderedDict()
+
+    def add(self, prefix: str, snapshot: PreTrainedModel) -> str:
+        for p in snapshot.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+        snapshot.eval()
+        sampler_id = f"{prefix}:{uuid.uuid4().hex[:8]}"
+        self._models[sampler_id] = snapshot
+        while len(self._models) > self.size:
+            self._models.popitem(last=False)
+        return sampler_id
+
+    def get(self, sampler_id: str) -> PreTrainedModel:
+        model = self._models.get(sampler_id)
+        if model is None:
+            raise ValidationError(
+                f"sampling client {sampler_id} is no longer held by the worker (it keeps the {self.size} "
+                f"newest per training client); call save_weights_and_get_sampling_client() again"
+            )
+        self._models.move_to_end(sampler_id)
+        return model
+
+
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
     """For each parameter name, the other names of the same tensor (tied embeddings), one level deep."""
     by_id: dict[int, list[str]] = {}
@@ -246,25 +247,3 @@ def adam_state(name: str, moments: dict[str, torch.Tensor], device: torch.device
     if f"{name}::step" in moments:
         state["step"] = moments[f"{name}::step"]
     return state
-
-
-def _pad_batch(data: list[types.Datum], device: torch.device) -> dict[str, Any]:
-    """Right-pad a batch to (B, T): tokens, mask, and every loss input (zeros at padding)."""
-    lengths = [d.model_input.length for d in data]
-    B, T = len(data), max(lengths)
-    tokens = np.zeros((B, T), dtype=np.int64)
-    mask = np.zeros((B, T), dtype=np.float32)
-    inputs: dict[str, np.ndarray] = {}
-    for row, (d, n) in enumerate(zip(data, lengths, strict=True)):
-        tokens[row, :n] = d.model_input.to_numpy()
-        mask[row, :n] = 1.0
-        for key, tensor in d.loss_fn_inputs.items():
-            values = tensor.to_numpy()
-            if key not in inputs:
-                inputs[key] = np.zeros((B, T), dtype=values.dtype)
-            inputs[key][row, :n] = values
-    batch: dict[str, Any] = {k: torch.from_numpy(v).to(device) for k, v in inputs.items()}
-    batch["tokens"] = torch.from_numpy(tokens).to(device)
-    batch["mask"] = torch.from_numpy(mask).to(device)
-    batch["lengths"] = lengths
-    return batch

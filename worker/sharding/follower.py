@@ -1,0 +1,77 @@
+"""Ranks 1..N-1 of a sharded worker: join the group, then run rank 0's commands until told to stop.
+
+A follower never talks to Redis or Celery. When its group breaks (a peer died or hung, or this rank
+failed), it drops its sessions and joins the next generation rank 0 opens; when rank 0 itself is gone
+it exits non-zero, for its supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tinkerq.errors import TinkerqError
+from tinkerq.settings import Settings
+from worker.logprobs import LogprobComputer
+from worker.model_loading import load_causal_lm
+from worker.sharding.group import ShardGroup, ShardGroupError, ShardSpec
+from worker.sharding.host import ShardHost
+
+log = logging.getLogger("tinkerq.shards")
+
+
+def build_host(model_path: str, settings: Settings) -> ShardHost:
+    """The group membership and the base model (on the CPU: sessions copy it, then shard it to the device)."""
+    spec = ShardSpec.from_settings(settings)
+    assert spec is not None
+    model = load_causal_lm(model_path, device="cpu", dtype=settings.dtype)
+    group = ShardGroup(spec)
+    logprobs = LogprobComputer(model, settings.loss_backend, device=settings.device)
+    return ShardHost(group, model, model_dir=os.path.abspath(model_path), logprobs=logprobs,
+                     microbatch_tokens=settings.microbatch_tokens)
+
+
+def run_follower(model_path: str, settings: Settings, *, threads: int | None = None) -> int:
+    """Serve as rank ``settings.shard_rank`` (>= 1) until rank 0 says stop; returns the exit status."""
+    if threads:
+        torch.set_num_threads(threads)
+    host = build_host(model_path, settings)
+    group = host.group
+    group.form()  # at start-up a missing rank is an error (ShardGroupError says which)
+    while True:
+        try:
+            op, args = group.receive_command()
+        except Exception as exc:
+            _rejoin(host, f"lost rank 0's command stream ({type(exc).__name__}: {str(exc)[:200]})")
+            continue
+        if op == "shutdown":
+            log.info("rank 0 stopped; rank %d stops too", group.rank)
+            group.leave("rank 0 stopped")
+            return 0
+        try:
+            host.execute(op, args)
+        except TinkerqError:
+            pass  # every rank raised it alike (agreed); rank 0 answers the caller
+        except Exception as exc:
+            log.exception("shard %d failed in %s", group.rank, op)
+            _rejoin(host, f"shard {group.rank} failed in {op}: {exc}")
+
+
+def _rejoin(host: ShardHost, reason: str) -> None:
+    group = host.group
+    log.error("%s; dropping this shard's sessions and waiting for the group to re-form", reason)
+    host.drop_sessions()
+    group.leave(reason)
+    while True:
+        try:
+            group.form()
+            return
+        except ShardGroupError as exc:
+            log.error("the shard group has not re-formed yet: %s", exc.message)
+        except Exception as exc:  # the rendezvous store lives in rank 0: it is gone
+            raise ShardGroupError(
+                f"rank 0 at {group.spec.address} is gone ({type(exc).__name__}: {exc}); restart it, and this "
+                f"shard (exiting now)"
+            ) from None
