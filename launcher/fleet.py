@@ -27,6 +27,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up = sub.add_parser("up", help="start redis-server, workers and Flower as local processes")
     up.add_argument("--model", action="append", required=True, help="model directory (repeat for several models)")
     up.add_argument("--workers", type=int, default=1, help="workers per model (default 1)")
+    up.add_argument("--shards", type=int, default=1,
+                    help="processes per worker, each holding 1/N of the model (default 1; with --device cuda, "
+                         "shard r uses cuda:r)")
     up.add_argument("--broker", help="use this Redis instead of starting one")
     up.add_argument("--redis-port", type=int, default=6380, help="port of the redis-server it starts (default 6380)")
     up.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555; 0 = no Flower)")
@@ -75,16 +78,20 @@ def fleet_up(args: argparse.Namespace) -> int:
             state["redis"] = {"pid": proc.pid, "port": args.redis_port}
         state["broker"] = broker
         _save(folder, state)
-        extra = []
-        if args.device:
-            extra += ["--device", args.device]
+        if args.shards < 1:
+            raise UserError(f"--shards must be at least 1, got {args.shards}")
+        state["shards"] = args.shards
         for model in args.model:
             for i in range(args.workers):
-                log = logs / f"worker-{Path(model).name}-{i}.log"
-                cmd = processes.worker_command(os.path.abspath(model), broker, threads=args.threads, extra=extra)
-                proc = processes.start_process(cmd, log)
-                state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log)})
-                _save(folder, state)
+                for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
+                    suffix = f"-rank{rank}" if args.shards > 1 else ""
+                    log = logs / f"worker-{Path(model).name}-{i}{suffix}.log"
+                    cmd = processes.worker_command(os.path.abspath(model), broker, threads=args.threads,
+                                                   extra=extra)
+                    proc = processes.start_process(cmd, log)
+                    state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log),
+                                             "rank": rank})
+                    _save(folder, state)
         if args.flower_port:
             auth = args.flower_auth or f"admin:{secrets.token_urlsafe(12)}"
             log = logs / "flower.log"
@@ -105,6 +112,20 @@ def fleet_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def shard_arguments(shards: int, device: str | None) -> list[list[str]]:
+    """The worker flags of each rank of one (possibly sharded) worker; shard r of a CUDA worker gets cuda:r."""
+    if shards == 1:
+        return [["--device", device] if device else []]
+    rendezvous = f"tcp://127.0.0.1:{processes.free_port()}"
+    out = []
+    for rank in range(shards):
+        extra = ["--shards", str(shards), "--rank", str(rank), "--rendezvous", rendezvous]
+        if device:
+            extra += ["--device", f"cuda:{rank}" if device == "cuda" else device]
+        out.append(extra)
+    return out
+
+
 def _wait_registered(state: dict[str, Any], timeout: float) -> None:
     from tinkerq.connection import Connection
 
@@ -112,7 +133,8 @@ def _wait_registered(state: dict[str, Any], timeout: float) -> None:
     try:
         expected: dict[str, int] = {}
         for w in state["workers"]:
-            expected[w["model"]] = expected.get(w["model"], 0) + 1
+            if w.get("rank", 0) == 0:  # only rank 0 of a shard group registers; it forms the group first
+                expected[w["model"]] = expected.get(w["model"], 0) + 1
 
         def ready() -> bool:
             dead = [w for w in state["workers"] if not processes.alive(w["pid"])]
@@ -133,7 +155,8 @@ def fleet_status(args: argparse.Namespace) -> int:
         print(f"  redis-server  pid {state['redis']['pid']:>7}  {_up(state['redis']['pid'])}  "
               f"port {state['redis']['port']}")
     for w in state["workers"]:
-        print(f"  worker        pid {w['pid']:>7}  {_up(w['pid'])}  {w['model']}")
+        shard = f"  (shard {w['rank']} of {state['shards']})" if state.get("shards", 1) > 1 else ""
+        print(f"  worker        pid {w['pid']:>7}  {_up(w['pid'])}  {w['model']}{shard}")
     if "flower" in state:
         print(f"  flower        pid {state['flower']['pid']:>7}  {_up(state['flower']['pid'])}  "
               f"http://127.0.0.1:{state['flower']['port']}/")
@@ -170,9 +193,13 @@ def fleet_down(args: argparse.Namespace) -> int:
 
 
 def _stop_all(state: dict[str, Any], timeout: float) -> int:
-    """Flower, then workers (warm shutdown), then Redis: the broker goes last so tasks can be acked."""
+    """Flower, then workers (warm shutdown), then Redis: the broker goes last so tasks can be acked.
+
+    Rank 0 of a shard group stops before its other ranks: it finishes its task, then tells them to exit.
+    """
     stopped = 0
-    pids = ([state["flower"]["pid"]] if "flower" in state else []) + [w["pid"] for w in state.get("workers", [])]
+    workers = sorted(state.get("workers", []), key=lambda w: w.get("rank", 0))
+    pids = ([state["flower"]["pid"]] if "flower" in state else []) + [w["pid"] for w in workers]
     for pid in pids:
         stopped += processes.stop(pid, timeout=timeout)
     if "redis" in state:

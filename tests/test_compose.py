@@ -81,6 +81,26 @@ def test_gpu_reservation_is_well_formed(compose):
     assert "--device" in compose["services"]["worker"]["command"]
 
 
+def test_sharded_services_form_one_group(compose):
+    """Ranks 0..N-1, the same --shards, rendezvous and name, one distinct GPU each, a shared checkpoint volume."""
+    shards = {name: s for name, s in compose["services"].items() if "--shards" in s["command"]}
+    assert shards, "no sharded services"
+    args = {name: _parse(s["command"]) for name, s in shards.items()}
+    n = {a.shards for a in args.values()}
+    assert len(n) == 1 and sorted(a.rank for a in args.values()) == list(range(n.pop()))
+    assert len({a.rendezvous for a in args.values()}) == 1 and len({a.name for a in args.values()}) == 1
+    leader = next(name for name, a in args.items() if a.rank == 0)
+    host = next(iter(args.values())).rendezvous.removeprefix("tcp://").split(":")[0]
+    assert host == leader  # the other ranks reach rank 0 by its service name
+    gpus = [d for s in shards.values() for d in s["deploy"]["resources"]["reservations"]["devices"]]
+    ids = [i for d in gpus for i in d["device_ids"]]
+    assert len(ids) == len(set(ids)) == len(shards) and all(d["driver"] == "nvidia" for d in gpus)
+    for name, service in shards.items():
+        assert "checkpoints:/checkpoints" in service["volumes"] and args[name].checkpoint_dir == "/checkpoints"
+        assert service["profiles"] == ["sharded"]
+    assert "healthcheck" in shards[leader]  # it registers; the other ranks do not
+
+
 def test_healthchecks_are_well_formed(compose):
     for name, service in compose["services"].items():
         if "healthcheck" not in service:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,34 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
     assert "5 process(es) stopped" in down.stdout or "4 process(es) stopped" in down.stdout
     again = _tinkerq("fleet", "status", "--name", "t", env=env)
     assert again.returncode == 2 and "no fleet named 't'" in again.stderr
+
+
+def test_fleet_up_with_a_sharded_worker(tmp_path, model_dir):
+    from producer import ServiceClient
+
+    env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
+    up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2",
+                  "--redis-port", str(free_port()), "--flower-port", "0", "--threads", "1", env=env)
+    assert up.returncode == 0, up.stderr[-3000:]
+    broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
+    try:
+        status = _tinkerq("fleet", "status", "--name", "s", env=env)
+        assert status.stdout.count("running") == 3, status.stdout  # redis and two shards
+        assert "(shard 0 of 2)" in status.stdout and "(shard 1 of 2)" in status.stdout
+        assert "1 registered worker(s)" in status.stdout  # one worker, in two processes
+        with ServiceClient(broker_url=broker) as sc:
+            tc = sc.create_training_client(str(model_dir))
+            assert tc.info.extra["shards"] == 2
+            out = tc.forward(make_batch(np.random.default_rng(42), 3)).result(timeout=60)
+            assert len(out.loss_fn_outputs) == 3
+            tc.close()
+    finally:
+        pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
+        down = _tinkerq("fleet", "down", "--name", "s", env=env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not any(alive(pid) for pid in pids)  # rank 1 stopped with rank 0 (or by down itself)
+    logs = sorted((tmp_path / "home" / "fleet" / "s" / "logs").glob("worker-*-rank1.log"))
+    assert logs and "rank 0 stopped; rank 1 stops too" in logs[0].read_text()
 
 
 def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url):
