@@ -113,6 +113,7 @@ class ServiceClient:
         queue: str,
         decode: Callable[[Any], Any],
         argsrepr: str,
+        worker_alive: Callable[[], bool | None] | None = None,
     ) -> APIFuture[Any]:
         envelope = messages.make_envelope(op, model_id, seq_id, ref)
         async_result = self.connection.app.send_task(
@@ -130,6 +131,8 @@ class ServiceClient:
             backend_lock=self._backend_lock,
             poll_interval=0.002 if self.settings.is_embedded else 0.05,
             describe=f"{op} seq={seq_id}",
+            worker_alive=worker_alive,
+            liveness_period_s=self.settings.heartbeat_s,
         )
 
     def close(self) -> None:
@@ -286,7 +289,7 @@ class TrainingClient:
         try:
             return self.service._post(
                 op, ref, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode,
-                argsrepr=argsrepr,
+                argsrepr=argsrepr, worker_alive=self._worker_alive,
             )
         except Exception as exc:  # the broker failed mid-send (kombu already retried)
             self._broken = BrokerUnavailableError(
@@ -294,6 +297,14 @@ class TrainingClient:
                 f"can no longer keep its order. Create a new one (or resume from a checkpoint)"
             )
             return APIFuture.failed(self._broken)
+
+    def _worker_alive(self) -> bool | None:
+        """Whether the worker holding this session is still registered; None if the broker cannot tell now."""
+        try:
+            serving = self.service.connection.workers_serving(self.info.base_model)
+        except Exception:
+            return None
+        return any(r.get("worker") == self.info.worker for r in serving)
 
     def next_seq_id(self) -> int:
         with self._seq_lock:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
-from tinkerq.errors import RequestTimeoutError, ServerError, TinkerqError
+from tinkerq.errors import RequestTimeoutError, ServerError, TinkerqError, WorkerLostError
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck
 
@@ -30,6 +31,8 @@ class APIFuture(Generic[T]):
         poll_interval: float = 0.005,
         describe: str = "request",
         error: TinkerqError | None = None,
+        worker_alive: Callable[[], bool | None] | None = None,
+        liveness_period_s: float = 5.0,
     ) -> None:
         self._async_result = async_result
         self._decode = decode
@@ -38,6 +41,9 @@ class APIFuture(Generic[T]):
         self._poll_interval = poll_interval
         self._describe = describe
         self._error = error
+        # While waiting: is the worker that must answer still registered? (None: cannot tell right now.)
+        self._worker_alive = worker_alive
+        self._liveness_period_s = liveness_period_s
         self._value: Any = None
         self._resolved = error is not None
         # What the worker measured: queue_wait_s, compute_s, tokens, tokens_per_s (when it got that far).
@@ -79,15 +85,12 @@ class APIFuture(Generic[T]):
         with self._lock:
             if self._resolved:
                 return
-            try:
-                reply = self._async_result.get(timeout=timeout, interval=self._poll_interval, propagate=False)
-            except CeleryTimeoutError:
-                raise RequestTimeoutError(
-                    f"no answer to {self._describe} within {timeout} s; the request is still queued or "
-                    f"running. Wait longer, or check that a worker serves this model (tinkerq fleet status)"
-                ) from None
+            reply = self._wait(timeout)
             self._resolved = True
-            self._async_result.forget()
+            self._async_result.forget()  # also stops listening for it
+            if isinstance(reply, WorkerLostError):
+                self._error = reply
+                return
         if isinstance(reply, BaseException):  # Celery-level failure (e.g. the worker refused the message)
             self._error = ServerError(f"{self._describe} failed in the worker: {reply}")
             return
@@ -105,6 +108,34 @@ class APIFuture(Generic[T]):
             self._value = self._decode(body)
         except TinkerqError as exc:
             self._error = exc
+
+    def _wait(self, timeout: float | None) -> Any:
+        """The reply, waiting in slices; between slices, a worker that is gone ends the wait."""
+        assert self._async_result is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        missed = 0
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = self._liveness_period_s if left is None else min(self._liveness_period_s, left)
+            try:
+                return self._async_result.get(timeout=wait, interval=self._poll_interval, propagate=False)
+            except CeleryTimeoutError:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RequestTimeoutError(
+                    f"no answer to {self._describe} within {timeout} s; the request is still queued or "
+                    f"running. Wait longer, or check that a worker serves this model (tinkerq fleet status)"
+                )
+            alive = self._worker_alive() if self._worker_alive is not None else True
+            missed = missed + 1 if alive is False else 0
+            if missed >= 2:  # gone at two checks in a row: not a heartbeat that was merely late
+                if self._async_result.ready():  # it answered just before it went
+                    return self._async_result.get(timeout=1, propagate=False)
+                return WorkerLostError(
+                    f"{self._describe}: the worker holding this training session stopped (its registration "
+                    f"expired) before answering; the request may or may not have been applied. Create a new "
+                    f"training client, or resume from your last checkpoint (create_training_client_from_state)"
+                )
 
     def __repr__(self) -> str:
         state = "done" if self._resolved else "pending"

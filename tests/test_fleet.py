@@ -130,3 +130,30 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
     finally:  # a failed assertion must not leave the private worker running
         stop(proc.pid, timeout=10)
         conn.close()
+
+
+def test_a_killed_worker_fails_waiting_futures_instead_of_hanging(tmp_path, model_dir, redis_url):
+    """SIGKILL (no warm shutdown): its registration expires, and the producer stops waiting with a clear error."""
+    from launcher.processes import start_process, worker_command
+    from producer import ServiceClient
+    from tinkerq.connection import Connection
+    from tinkerq.errors import WorkerLostError
+    from tinkerq.settings import Settings
+
+    log = tmp_path / "worker.log"
+    proc = start_process(worker_command(str(model_dir), redis_url, threads=1, extra=["--name", "killed-model"]),
+                         log, {"TINKERQ_HEARTBEAT_S": "1"})
+    conn = Connection.open(Settings(broker_url=redis_url))
+    try:
+        wait_for(lambda: bool(conn.workers_serving("killed-model")), 90, "worker", proc, log)
+        with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
+            tc = sc.create_training_client("killed-model")
+            tc.forward(make_batch(np.random.default_rng(43), 2)).result(timeout=60)
+            os.kill(proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            err = tc.forward(make_batch(np.random.default_rng(44), 2)).exception(timeout=120)
+            assert isinstance(err, WorkerLostError) and "stopped" in err.message, err
+            assert time.monotonic() - started < 60  # registration TTL (3 s) + two checks, with CI slack
+    finally:
+        stop(proc.pid, timeout=10)
+        conn.close()

@@ -280,6 +280,22 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
         group.stop()
 
 
+def test_a_dead_rank_0_fails_waiting_requests_and_its_shards_exit(
+        service, model_dir, redis_url, checkpoint_dir, tmp_path_factory):
+    group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, service, "tiny-sharded-leader")
+    try:
+        tc = service.create_training_client(group.name)
+        group.procs[0].kill()
+        err = tc.forward(make_batch(np.random.default_rng(78), 3)).exception(timeout=120)
+        assert isinstance(err, errors.WorkerLostError), err
+        # Its follower notices (the rendezvous lived in rank 0) and exits for its supervisor to restart it.
+        assert group.procs[1].wait(COLLECTIVE_TIMEOUT_S + 60) != 0
+        log = (group.logs / f"{group.name}-rank1.log").read_text()
+        assert "rank 0 at tcp://" in log and "is gone" in log, log[-2000:]
+    finally:
+        group.stop()
+
+
 def _exits_with(cmd_extra: list[str], model_dir, redis_url, log: Path, env: dict[str, str], timeout: float = 60):
     cmd = worker_command(str(model_dir), redis_url, threads=1, extra=cmd_extra)
     proc = start_process(cmd, log, env)

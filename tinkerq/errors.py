@@ -83,6 +83,10 @@ class WorkerError(ServerError):
     """The worker hit an unexpected failure while serving a request."""
 
 
+class WorkerLostError(ServerError):
+    """The worker holding a training session stopped (its registration expired) before answering."""
+
+
 _BY_NAME: dict[str, type[TinkerqError]] = {
     cls.__name__: cls
     for cls in (
@@ -96,6 +100,7 @@ _BY_NAME: dict[str, type[TinkerqError]] = {
         BrokerUnavailableError,
         RequestTimeoutError,
         WorkerError,
+        WorkerLostError,
     )
 }
 
