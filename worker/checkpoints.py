@@ -7,7 +7,9 @@ A training state is a directory::
     gradients.safetensors               pending gradients, only when some are non-zero
     tinkerq_state.json                  format, base model, optimizer steps, request position
 
-Everything is safetensors and JSON: loading a checkpoint never unpickles. Every directory is written
+The layout does not depend on how the model was held: a sharded worker gathers full tensors to rank 0
+and writes the same files, so a state loads with any number of shards. Everything is safetensors and
+JSON: loading a checkpoint never unpickles. Every directory is written
 beside its final place and renamed into it, so a crash never leaves one that looks complete but isn't.
 """
 
