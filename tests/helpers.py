@@ -13,12 +13,12 @@ from tinkerq import types
 VOCAB = 97
 
 
-def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_llama(out_dir: Path, seed: int = 0, *, tied: bool = False) -> Path:
     """A ~30k-parameter Llama saved with save_pretrained (tests load it back with from_pretrained)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(out_dir)
     # The demo's character tokenizer (50 ids, all inside VOCAB), so stop strings can be decoded.

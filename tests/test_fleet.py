@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from launcher.processes import ROOT, alive, free_port, stop, wait_for
 from tests.helpers import build_tiny_llama, make_batch
@@ -62,9 +63,13 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
     assert again.returncode == 2 and "no fleet named 't'" in again.stderr
 
 
-def test_fleet_up_with_a_sharded_worker(tmp_path, model_dir):
+def test_fleet_up_with_a_sharded_worker(tmp_path):
+    """Two shards of a model with tied embeddings (stored once): saved weights and states round-trip."""
     from producer import ServiceClient
+    from tests.helpers import load_reference, reference_logprobs
+    from tinkerq import types
 
+    model_dir = build_tiny_llama(tmp_path / "tied-model", seed=3, tied=True)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
     up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2",
                   "--redis-port", str(free_port()), "--flower-port", "0", "--threads", "1", env=env)
@@ -78,9 +83,23 @@ def test_fleet_up_with_a_sharded_worker(tmp_path, model_dir):
         with ServiceClient(broker_url=broker) as sc:
             tc = sc.create_training_client(str(model_dir))
             assert tc.info.extra["shards"] == 2
-            out = tc.forward(make_batch(np.random.default_rng(42), 3)).result(timeout=60)
-            assert len(out.loss_fn_outputs) == 3
+            data = make_batch(np.random.default_rng(42), 3)
+            tc.forward_backward(data)
+            tc.optim_step(types.AdamParams(learning_rate=1e-2))
+            out = tc.forward(data).result(timeout=60)
+            saved = load_reference(tc.save_weights_for_sampler("tied").result(timeout=60).path)
+            assert saved.config.tie_word_embeddings
+            with torch.no_grad():
+                for d, o in zip(data, out.loss_fn_outputs, strict=True):
+                    np.testing.assert_allclose(o["logprobs"].to_numpy(), reference_logprobs(saved, d).numpy(),
+                                               atol=1e-5)
+            state = tc.save_state("tied").result(timeout=60).path
             tc.close()
+            resumed = sc.create_training_client_from_state(state)
+            again = resumed.forward(data).result(timeout=60)
+            for a, b in zip(out.loss_fn_outputs, again.loss_fn_outputs, strict=True):
+                np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+            resumed.close()
     finally:
         pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
         down = _tinkerq("fleet", "down", "--name", "s", env=env)

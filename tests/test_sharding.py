@@ -232,6 +232,24 @@ def test_bad_requests_to_a_sharded_model_are_user_errors_and_it_keeps_serving(pa
     _assert_same_outputs(one.forward(probe).result(timeout=60), two.forward(probe).result(timeout=60), 3)
 
 
+def test_a_non_finite_loss_on_one_shard_is_refused_by_all_and_changes_nothing(pair):
+    """The overflowing datum lands on shard 1 only; every shard refuses, and no gradient is kept anywhere."""
+    one, two = pair
+    rng = np.random.default_rng(79)
+    data = make_batch(rng, 4)  # datums 0-1 on shard 0, 2-3 on shard 1
+    weights = np.full(data[3].model_input.length, 3e38, np.float32)
+    data[3] = types.Datum(model_input=data[3].model_input,
+                          loss_fn_inputs={**data[3].loss_fn_inputs, "weights": weights})
+    err = two.forward_backward(data).exception(timeout=60)
+    assert isinstance(err, errors.NonFiniteError) and "nothing was applied" in err.message, err
+    # Both sessions then take the same step: had any shard kept a gradient, the weights would differ.
+    good = make_batch(rng, 3)
+    for tc in pair:
+        tc.forward_backward(good)
+        tc.optim_step(ADAM)
+    assert _same_weights(one, two, "after-non-finite") < 1e-5
+
+
 def test_sampling_from_a_sharded_model(pair):
     _, two = pair
     sc = two.save_weights_and_get_sampling_client()
