@@ -45,6 +45,16 @@ def check_name(name: Any) -> str:
     return name
 
 
+def weights_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
+    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>``."""
+    return Path(checkpoint_dir) / model_id / check_name(name)
+
+
+def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
+    """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>``."""
+    return Path(checkpoint_dir) / model_id / "state" / check_name(name)
+
+
 def write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
     """Build the directory in a temporary sibling with ``fill``, then rename it to ``final``."""
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 # exp(20) ~ 4.9e8: one wild token cannot produce inf, and the clamp is far outside any useful ratio.
@@ -196,3 +197,28 @@ LOSSES: dict[str, LossFn] = {
     "dro": dro,
     "gspo": gspo,
 }
+
+
+@dataclass
+class ScoredBatch:
+    """A padded micro-batch after the loss: what a session returns and sums from it."""
+
+    logprobs: torch.Tensor  # (B, T), exact zeros at padding
+    elementwise: torch.Tensor  # (B, T), exact zeros at padding
+    loss: torch.Tensor  # () the sum, differentiable
+    metrics: dict[str, Metric]
+
+    def rows(self, lengths: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per datum, its unpadded (logprobs, elementwise loss), float32 on the CPU."""
+        lp = self.logprobs.detach().float().cpu().numpy()
+        el = self.elementwise.detach().float().cpu().numpy()
+        return [(lp[i, :n].copy(), el[i, :n].copy()) for i, n in enumerate(lengths)]
+
+
+def score(logprobs: torch.Tensor, batch: dict[str, Any], loss_fn: LossFn, config: dict[str, Any]) -> ScoredBatch:
+    """Apply ``loss_fn`` to target logprobs (B, T) of a padded batch (:func:`worker.batching.pad_batch`)."""
+    real = batch["mask"] > 0
+    logprobs = torch.where(real, logprobs, 0.0)  # padding positions carry exact zeros
+    elementwise, metrics = loss_fn(logprobs, batch, batch["mask"], config)
+    elementwise = torch.where(real, elementwise, 0.0)
+    return ScoredBatch(logprobs, elementwise, elementwise.sum(), metrics)

@@ -56,10 +56,7 @@ class Registration:
     def withdraw(self) -> None:
         """Stop announcing the model for now (e.g. while a shard group re-forms); :meth:`resume` undoes it."""
         self._withdrawn.set()
-        try:
-            self.store.delete(self.key)
-        except Exception as exc:
-            log.warning("could not withdraw registration %s: %s", self.key, exc)
+        self._delete()
 
     def resume(self) -> None:
         self._withdrawn.clear()
@@ -68,7 +65,10 @@ class Registration:
 
     def stop(self) -> None:
         self._stop.set()
+        self._delete()
+
+    def _delete(self) -> None:
         try:
             self.store.delete(self.key)
-        except Exception as exc:
+        except Exception as exc:  # the TTL removes it anyway
             log.warning("could not remove registration %s: %s", self.key, exc)

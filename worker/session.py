@@ -25,7 +25,7 @@ from tinkerq.validation import resolve_loss_config
 from worker import checkpoints
 from worker.batching import microbatch_ranges, pad_batch
 from worker.logprobs import LogprobComputer
-from worker.losses import LOSSES, MetricTotals
+from worker.losses import LOSSES, MetricTotals, score
 
 
 class TrainingSession:
@@ -64,36 +64,26 @@ class TrainingSession:
         loss_sum = 0.0
         grads = [torch.zeros_like(p) for p in self.params] if backward else None
         for start, stop in microbatch_ranges([d.model_input.length for d in data], self.microbatch_tokens):
-            chunk = data[start:stop]
-            batch = pad_batch(chunk, self.device)
+            batch = pad_batch(data[start:stop], self.device)
             with torch.set_grad_enabled(backward):
-                logprobs = self.logprobs(
-                    self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"]
-                )  # (B, T)
-                real = batch["mask"] > 0
-                logprobs = torch.where(real, logprobs, 0.0)  # padding positions carry exact zeros
-                elementwise, metrics = loss_impl(logprobs, batch, batch["mask"], resolved)
-                elementwise = torch.where(real, elementwise, 0.0)
-                loss = elementwise.sum()
-            if not torch.isfinite(loss):
+                logprobs = self.logprobs(self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"])
+                scored = score(logprobs, batch, loss_impl, resolved)
+            if not torch.isfinite(scored.loss):
                 raise NonFiniteError(
-                    f"{loss_fn} loss is {loss.item()} on datums {start}..{stop - 1}; nothing was applied. "
+                    f"{loss_fn} loss is {scored.loss.item()} on datums {start}..{stop - 1}; nothing was applied. "
                     f"The weights may have diverged (lower the learning rate) or the inputs are extreme"
                 )
             if backward:
                 assert grads is not None
-                for g, new in zip(grads, torch.autograd.grad(loss, self.params, allow_unused=True), strict=True):
+                new_grads = torch.autograd.grad(scored.loss, self.params, allow_unused=True)
+                for g, new in zip(grads, new_grads, strict=True):
                     if new is not None:
                         g.add_(new)
-            loss_sum += float(loss.detach())
-            totals.add(metrics)
-            lp = logprobs.detach().float().cpu().numpy()
-            el = elementwise.detach().float().cpu().numpy()
-            for row, n in enumerate(batch["lengths"]):
-                outputs[start + row] = {
-                    "logprobs": types.TensorData.from_numpy(lp[row, :n].copy()),
-                    "elementwise_loss": types.TensorData.from_numpy(el[row, :n].copy()),
-                }
+            loss_sum += float(scored.loss.detach())
+            totals.add(scored.metrics)
+            for row, (lp, el) in enumerate(scored.rows(batch["lengths"])):
+                outputs[start + row] = {"logprobs": types.TensorData.from_numpy(lp),
+                                        "elementwise_loss": types.TensorData.from_numpy(el)}
         if grads is not None:
             bad = next((i for i, g in enumerate(grads) if not torch.isfinite(g).all()), None)
             if bad is not None:
@@ -152,7 +142,7 @@ class TrainingSession:
 
     def save_weights(self, checkpoint_dir: str, name: str) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
-        final = Path(checkpoint_dir) / self.model_id / checkpoints.check_name(name)
+        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
 
         def fill(tmp: Path) -> None:
             self.model.save_pretrained(tmp)
@@ -164,7 +154,7 @@ class TrainingSession:
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
         """Weights + AdamW state + pending gradients + request position, for load_state."""
-        final = Path(checkpoint_dir) / self.model_id / "state" / checkpoints.check_name(name)
+        final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
         moments: dict[str, torch.Tensor] = {}
         for n, p in zip(self.param_names, self.params, strict=True):
             moments.update(checkpoints.optimizer_entries(n, self.optimizer.state.get(p, {}), lambda t: t))

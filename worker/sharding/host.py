@@ -225,7 +225,7 @@ class LeaderSession:
         return self.samplers.get(sampler_id)
 
     def save_weights(self, checkpoint_dir: str, name: str) -> str:
-        final = Path(checkpoint_dir) / self.model_id / checkpoints.check_name(name)
+        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
         weights = self._run("gather_weights")
 
         def fill(tmp: Path) -> None:
@@ -236,7 +236,7 @@ class LeaderSession:
         return str(final)
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
-        final = Path(checkpoint_dir) / self.model_id / "state" / checkpoints.check_name(name)
+        final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
         saved = self._run("gather_state")
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
             tmp, write_weights=lambda d: self.host.base_model.save_pretrained(d, state_dict=saved.weights),

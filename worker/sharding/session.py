@@ -31,7 +31,7 @@ from tinkerq.wire import codec
 from worker.batching import pad_batch, rank_plans
 from worker.checkpoints import SavedState, optimizer_entries
 from worker.logprobs import LogprobComputer
-from worker.losses import LOSSES, MetricTotals
+from worker.losses import LOSSES, MetricTotals, score
 from worker.session import adam_state, tied_names
 from worker.sharding.group import ShardGroup
 
@@ -105,20 +105,14 @@ class ShardedSession:
             batch = pad_batch(data[start:stop], self.device)
             with torch.set_grad_enabled(backward):
                 logprobs = self.module(batch["tokens"], batch["mask"].long(), batch["target_tokens"])  # (B, T)
-                real = batch["mask"] > 0
-                logprobs = torch.where(real, logprobs, 0.0)
-                elementwise, metrics = loss_impl(logprobs, batch, batch["mask"], resolved)
-                elementwise = torch.where(real, elementwise, 0.0)
-                loss = elementwise.sum()
-            if problem is None and not torch.isfinite(loss):
-                problem = f"{loss_fn} loss is {loss.item()} on datums {start}..{stop - 1}"
+                scored = score(logprobs, batch, loss_impl, resolved)
+            if problem is None and not torch.isfinite(scored.loss):
+                problem = f"{loss_fn} loss is {scored.loss.item()} on datums {start}..{stop - 1}"
             if backward:  # even a non-finite loss goes backward: every rank must join the same collectives
-                (loss * self.group.world).backward()
-            loss_sum += float(loss.detach())
-            totals.add(metrics)
-            lp = logprobs.detach().float().cpu().numpy()
-            el = elementwise.detach().float().cpu().numpy()
-            rows += [[start + i, lp[i, :n].copy(), el[i, :n].copy()] for i, n in enumerate(batch["lengths"])]
+                (scored.loss * self.group.world).backward()
+            loss_sum += float(scored.loss.detach())
+            totals.add(scored.metrics)
+            rows += [[start + i, lp, el] for i, (lp, el) in enumerate(scored.rows(batch["lengths"]))]
         if backward and problem is None:
             bad = next((n for n, p in zip(self.param_names, self.params, strict=True)
                         if p.grad is not None and not torch.isfinite(p.grad.to_local()).all()), None)
