@@ -46,10 +46,19 @@ class ShardGroup:
             "TINKERQ_HEARTBEAT_S": "1",
         }
         self.procs: dict[int, subprocess.Popen] = {}
+        self.metrics_port = free_port()
+
+    def metric(self, name: str) -> float:
+        """A value from rank 0's Prometheus endpoint."""
+        import requests
+
+        text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
     def start(self, rank: int) -> subprocess.Popen:
         cmd = worker_command(str(self.model_dir), self.redis_url, threads=1, extra=[
-            "--name", self.name, "--shards", "2", "--rank", str(rank), "--rendezvous", self.rendezvous])
+            "--name", self.name, "--shards", "2", "--rank", str(rank), "--rendezvous", self.rendezvous,
+            *(["--metrics-port", str(self.metrics_port)] if rank == 0 else [])])
         self.procs[rank] = start_process(cmd, self.logs / f"{self.name}-rank{rank}.log", self.env)
         return self.procs[rank]
 
@@ -138,10 +147,11 @@ def test_cross_entropy_steps_match_one_worker(pair):
     _assert_same_outputs(one.forward(probe).result(timeout=60), two.forward(probe).result(timeout=60), 3)
 
 
-def test_each_shard_holds_about_half_of_the_training_state(pair):
+def test_each_shard_holds_about_half_of_the_training_state(pair, shard_group):
     one, two = pair
     two.forward_backward(make_batch(np.random.default_rng(71), 2))
     metrics = two.optim_step(ADAM).result(timeout=60).metrics
+    assert shard_group.metric("tinkerq_shard_state_bytes") == metrics["shard_state_bytes:max"]
     # Parameters, gradients and two AdamW moments, float32, for the whole model; AdamW's step counters aside.
     whole = 4 * 4 * one.info.num_parameters
     assert 0.45 * whole < metrics["shard_state_bytes:max"] < 0.56 * whole, (metrics, whole)
@@ -276,6 +286,7 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             assert isinstance(err, errors.ServerError) and "shard group" in err.message, err
             assert "save_state" in err.message  # says how to recover
             assert elapsed < bound, elapsed
+            assert group.metric("tinkerq_shard_group_up") == 0  # an operator's alert, while it waits
             # Later requests of the lost session fail at once with the same story; no hang.
             err = tc.optim_step(ADAM).exception(timeout=30)
             assert isinstance(err, errors.ServerError) and "shard group" in err.message, err
@@ -286,6 +297,8 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             group.procs[1].wait(30)
             group.start(1)
             group.wait_serving(service.connection)
+            assert group.metric("tinkerq_shard_group_up") == 1
+            assert group.metric("tinkerq_shard_group_failures_total") == (1 if how == signal.SIGKILL else 2)
             resumed = service.create_training_client_from_state(saved, base_model=group.name)
             reference = service.create_training_client_from_state(saved, base_model=str(model_dir))
             try:

@@ -27,6 +27,13 @@ class WorkerMetrics:
         self.tokens_per_second = Gauge("tinkerq_tokens_per_second", "Throughput of the latest request", ["op"],
                                        registry=r)
         self.sessions = Gauge("tinkerq_sessions", "Training sessions held by this worker", registry=r)
+        # Sharded workers (rank 0) only.
+        self.shard_group_up = Gauge("tinkerq_shard_group_up", "1 while this worker's shard group is formed, 0 while "
+                                    "it waits for a failed shard to come back", registry=r)
+        self.shard_group_failures = Counter("tinkerq_shard_group_failures", "Times the shard group broke (a shard "
+                                            "died or hung)", registry=r)
+        self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
+                                       "the fullest shard, at the latest optim_step", registry=r)
 
     def observe(self, op: str, status: str, timing: dict[str, float]) -> None:
         self.requests.labels(op=op, outcome=status).inc()

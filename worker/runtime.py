@@ -69,9 +69,16 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         def group_failed(reason: str) -> None:
             registration.withdraw()
             service.shard_group_failed(reason)
+            service.metrics.shard_group_up.set(0)
+            service.metrics.shard_group_failures.inc()
+
+        def group_formed() -> None:
+            service.metrics.shard_group_up.set(1)
+            registration.resume()
 
         shards.on_failure = group_failed
-        shards.on_formed = registration.resume
+        shards.on_formed = group_formed
+        service.metrics.shard_group_up.set(1)
     log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, worker_id, service.logprobs.backend)
     return AssembledWorker(connection, service, registration, worker_id)

@@ -301,7 +301,10 @@ class WorkerService:
     def _optim_step(self, session: Session, body: Any) -> bytes:
         adam = messages.decode_adam(body)
         validate_adam(adam)
-        return codec.packb({"metrics": session.optim_step(adam).metrics}), 0
+        metrics = session.optim_step(adam).metrics
+        if "shard_state_bytes:max" in metrics:
+            self.metrics.shard_state_bytes.set(metrics["shard_state_bytes:max"])
+        return codec.packb({"metrics": metrics}), 0
 
     def _sample(self, session: Session, body: Any) -> bytes:
         sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)

@@ -82,8 +82,8 @@ class ShardGroup:
         self._me = f"{socket.gethostname()}:{os.getpid()}"
         device = torch.device(spec.device)
         self.device_type = device.type
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda":  # "cuda" alone: the first visible device (one GPU per container)
+            torch.cuda.set_device(device.index if device.index is not None else 0)
         # CPU tensors (commands, answers) travel over gloo; on GPUs the model's collectives use NCCL.
         self._backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
