@@ -178,7 +178,8 @@ def fleet_status(args: argparse.Namespace) -> int:
             node = next((n for n in active if r["worker"] in n), None)
             tasks = active.get(node, []) if node else []
             doing = ", ".join(f"{t['name'].split('.')[-1]}({t.get('args', '')})" for t in tasks) or "idle"
-            print(f"    {r['worker']}  {r['base_model']}  loss head {r.get('loss_backend', '?')}  -> {doing}")
+            shards = f"  {r['shards']} shards" if r.get("shards", 1) > 1 else ""
+            print(f"    {r['worker']}  {r['base_model']}{shards}  loss head {r.get('loss_backend', '?')}  -> {doing}")
     finally:
         conn.close()
     return 0

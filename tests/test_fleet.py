@@ -79,7 +79,7 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
         status = _tinkerq("fleet", "status", "--name", "s", env=env)
         assert status.stdout.count("running") == 3, status.stdout  # redis and two shards
         assert "(shard 0 of 2)" in status.stdout and "(shard 1 of 2)" in status.stdout
-        assert "1 registered worker(s)" in status.stdout  # one worker, in two processes
+        assert "1 registered worker(s)" in status.stdout and "2 shards" in status.stdout  # one worker, 2 processes
         with ServiceClient(broker_url=broker) as sc:
             tc = sc.create_training_client(str(model_dir))
             assert tc.info.extra["shards"] == 2
