@@ -63,3 +63,47 @@ def test_errors_cross_the_wire_with_their_category():
     assert isinstance(back, ValueError)
     assert error_from_wire({"type": "FutureError", "category": "user", "message": "m"}).category == "user"
     assert error_from_wire("garbage").category == "server"
+
+
+@pytest.mark.parametrize("n_datums", [0, 1, 2, 3, 7, 16])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, ranks):
+    import numpy as np
+
+    from worker.batching import rank_plans
+
+    lengths = np.random.default_rng(n_datums * 10 + ranks).integers(1, 60, n_datums).tolist()
+    plans = rank_plans(lengths, ranks, budget_tokens=96)
+    assert len(plans) == ranks and len({len(p) for p in plans}) == 1  # the same number of passes everywhere
+    covered = [i for plan in plans for span in plan if span is not None for i in range(*span)]
+    assert covered == list(range(n_datums))  # in order, never duplicated or dropped
+    sizes = [sum(b - a for a, b in filter(None, plan)) for plan in plans]
+    assert max(sizes) - min(sizes) <= 1
+    for plan in plans:
+        for span in filter(None, plan):
+            a, b = span
+            assert b - a == 1 or max(lengths[a:b]) * (b - a) <= 96  # within the micro-batch budget
+        real = [s for s in plan if s is not None]
+        assert plan[: len(real)] == real  # padding passes come last
+
+
+def test_metric_totals_merged_across_ranks_equal_one_pass():
+    import torch
+
+    from worker.losses import Metric, MetricTotals
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 5, generator=g)
+    where = torch.rand(6, 5, generator=g) > 0.3
+
+    def metrics(rows):
+        return {f"x:{r}": Metric(r, values[rows], where[rows]) for r in ("sum", "mean", "min", "max")}
+
+    whole = MetricTotals()
+    whole.add(metrics(slice(0, 6)))
+    merged = MetricTotals()
+    for rows in (slice(0, 2), slice(2, 6)):
+        part = MetricTotals()
+        part.add(metrics(rows))
+        merged.merge(part.raw())
+    assert merged.result() == pytest.approx(whole.result(), rel=1e-9)
