@@ -285,6 +285,8 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             elapsed = time.monotonic() - started
             assert isinstance(err, errors.ServerError) and "shard group" in err.message, err
             assert "save_state" in err.message  # says how to recover
+            cause = "closed its connection" if how == signal.SIGKILL else "did not answer within"
+            assert cause in err.message, err.message  # and what happened
             assert elapsed < bound, elapsed
             assert group.metric("tinkerq_shard_group_up") == 0  # an operator's alert, while it waits
             # Later requests of the lost session fail at once with the same story; no hang.

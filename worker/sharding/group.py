@@ -65,6 +65,20 @@ class ShardSpec:
         return f"tcp://{self.host}:{self.port}"
 
 
+def describe_failure(exc: BaseException, collective_timeout_s: float) -> str:
+    """What a failed collective means, in words an operator can act on (plus the engine's own, shortened)."""
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text:
+        what = (f"a shard did not answer within {collective_timeout_s:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S): it "
+                f"hangs or is far behind")
+    elif "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
+        what = "a shard closed its connection: it died or was stopped"
+    else:
+        what = "a collective failed"
+    detail = text.split("This is typically", 1)[0].strip()[:200]
+    return f"{what} ({type(exc).__name__}: {detail})"
+
+
 class ShardGroup:
     """This process's membership in a shard group; collectives used by the sharded sessions."""
 

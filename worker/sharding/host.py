@@ -26,7 +26,7 @@ from tinkerq.wire import messages
 from worker import checkpoints
 from worker.logprobs import LogprobComputer
 from worker.session import SamplerCache
-from worker.sharding.group import ShardGroup, ShardGroupError
+from worker.sharding.group import ShardGroup, ShardGroupError, describe_failure
 from worker.sharding.session import ShardedSession
 
 log = logging.getLogger("tinkerq.shards")
@@ -116,12 +116,16 @@ class ShardHost:
             except TinkerqError:
                 raise
             except Exception as exc:  # a peer died or hung (or this rank failed): the generation is over
-                reason = (f"the shard group of this model failed during {op} ({type(exc).__name__}: "
-                          f"{str(exc)[:300]}). Open training sessions are lost; restart the failed shard (the "
-                          f"group re-forms by itself) and resume from your last save_state checkpoint")
+                reason = self._failure(f"during {op}", exc)
                 self._leave(reason)
         self._after_failure(reason)
         raise ShardGroupError(reason)
+
+    def _failure(self, when: str, exc: BaseException) -> str:
+        return (f"the shard group of this model failed {when}: "
+                f"{describe_failure(exc, self.group.spec.collective_timeout_s)}. Open training sessions are lost; "
+                f"restart the failed shard (the group re-forms by itself) and resume from your last save_state "
+                f"checkpoint")
 
     def _leave(self, reason: str) -> None:
         log.error(reason)
@@ -162,9 +166,7 @@ class ShardHost:
                         self.group.send_command("ping", {})
                         self.execute("ping", {})
                 except Exception as exc:
-                    reason = (f"the shard group of this model lost a shard ({type(exc).__name__}: {str(exc)[:300]})."
-                              f" Open training sessions are lost; restart the failed shard (the group re-forms by "
-                              f"itself) and resume from your last save_state checkpoint")
+                    reason = self._failure("while idle", exc)
                     self._leave(reason)
                 finally:
                     self.group.lock.release()
