@@ -283,7 +283,7 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             started = time.monotonic()
             err = tc.forward_backward(batch).exception(timeout=bound + 30)
             elapsed = time.monotonic() - started
-            assert isinstance(err, errors.ServerError) and "shard group" in err.message, err
+            assert isinstance(err, errors.ShardGroupError) and "shard group" in err.message, err
             assert "save_state" in err.message  # says how to recover
             cause = "closed its connection" if how == signal.SIGKILL else "did not answer within"
             assert cause in err.message, err.message  # and what happened
@@ -291,7 +291,7 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             assert group.metric("tinkerq_shard_group_up") == 0  # an operator's alert, while it waits
             # Later requests of the lost session fail at once with the same story; no hang.
             err = tc.optim_step(ADAM).exception(timeout=30)
-            assert isinstance(err, errors.ServerError) and "shard group" in err.message, err
+            assert isinstance(err, errors.ShardGroupError) and "shard group" in err.message, err
             # Restart the failed shard: the group re-forms and training resumes from the checkpoint.
             if how == signal.SIGSTOP:
                 group.procs[1].send_signal(signal.SIGCONT)

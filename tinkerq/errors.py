@@ -87,6 +87,10 @@ class WorkerLostError(ServerError):
     """The worker holding a training session stopped (its registration expired) before answering."""
 
 
+class ShardGroupError(ServerError):
+    """A sharded worker's group cannot serve: a shard died, hung, or has not joined yet."""
+
+
 _BY_NAME: dict[str, type[TinkerqError]] = {
     cls.__name__: cls
     for cls in (
@@ -101,6 +105,7 @@ _BY_NAME: dict[str, type[TinkerqError]] = {
         RequestTimeoutError,
         WorkerError,
         WorkerLostError,
+        ShardGroupError,
     )
 }
 

@@ -22,6 +22,7 @@ from tinkerq.connection import Connection
 from tinkerq.errors import (
     MalformedMessageError,
     ServerError,
+    ShardGroupError,
     TinkerqError,
     UnknownModelError,
     ValidationError,
@@ -36,7 +37,6 @@ from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
 from worker.sampling import StopRule, sample
 from worker.session import TrainingSession
-from worker.sharding.group import ShardGroupError
 from worker.sharding.host import LeaderSession, ShardHost
 
 log = logging.getLogger("tinkerq.worker")
@@ -55,6 +55,7 @@ class _Slot:
     session: Session
     ordering: Ordering
     broken: str | None = None
+    broken_error: type[ServerError] = ServerError  # the error that tells callers the session is unusable
 
 
 class WorkerService:
@@ -146,7 +147,7 @@ class WorkerService:
         with self._lock:
             outcome = ("error", ShardGroupError(reason).to_wire(), NO_TIMING)
             for slot in self.slots.values():
-                slot.broken = reason
+                slot.broken, slot.broken_error = reason, ShardGroupError
                 for pending in slot.ordering.drop_buffered():
                     self._store_late(pending.task_ids, outcome)
 
@@ -230,7 +231,7 @@ class WorkerService:
             if op == "close_model":  # an unusable session can still be released, out of order
                 self._close(model_id)
                 return ("ok", codec.packb({}), NO_TIMING)
-            raise ServerError(slot.broken)
+            raise slot.broken_error(slot.broken)
         if kind == "repeat":
             kept = ordering.reply_for(seq_id)
             if kept is None:
@@ -261,7 +262,7 @@ class WorkerService:
         if isinstance(sent_at, (int, float)):
             timing["queue_wait_s"] = max(0.0, started - sent_at)  # across hosts: as good as their clocks
         if slot.broken is not None:
-            outcome: Outcome = ("error", ServerError(slot.broken).to_wire(), timing)
+            outcome: Outcome = ("error", slot.broken_error(slot.broken).to_wire(), timing)
         elif op not in self._ops:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:

@@ -12,11 +12,11 @@ import os
 
 import torch
 
-from tinkerq.errors import TinkerqError
+from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
 from worker.logprobs import LogprobComputer
 from worker.model_loading import load_causal_lm
-from worker.sharding.group import ShardGroup, ShardGroupError, ShardSpec
+from worker.sharding.group import ShardGroup, ShardSpec
 from worker.sharding.host import ShardHost
 
 log = logging.getLogger("tinkerq.shards")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tinkerq.errors import ServerError, TinkerqError, error_from_wire
+from tinkerq.errors import ShardGroupError, TinkerqError, error_from_wire
 from tinkerq.settings import Settings
 from tinkerq.wire import codec
 
@@ -35,10 +35,6 @@ log = logging.getLogger("tinkerq.shards")
 
 GENERATION_KEY = "tinkerq/generation"
 POLL_S = 0.2
-
-
-class ShardGroupError(ServerError):
-    """The shard group cannot serve: a shard died, hung, or has not joined yet."""
 
 
 @dataclass(frozen=True)

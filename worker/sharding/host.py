@@ -21,12 +21,12 @@ import torch
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import ServerError, TinkerqError
+from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
 from worker import checkpoints
 from worker.logprobs import LogprobComputer
 from worker.session import SamplerCache
-from worker.sharding.group import ShardGroup, ShardGroupError, describe_failure
+from worker.sharding.group import ShardGroup, describe_failure
 from worker.sharding.session import ShardedSession
 
 log = logging.getLogger("tinkerq.shards")
