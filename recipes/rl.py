@@ -18,6 +18,7 @@ Outputs in the run directory: ``metrics.jsonl``, ``reward.png``, ``summary.json`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -141,7 +142,10 @@ def main(args: argparse.Namespace) -> int:
                 sampler = tc.save_weights_and_get_sampling_client()
                 batch = rng.sample(train, args.prompts)
                 prompts = [_prompt(tokenizer, p["prompt"]) for p in batch]
-                futures = [sampler.sample(m, args.group_size, sample_params) for m in prompts]
+                # Seeded from --seed: the same command samples the same completions (on the same hardware).
+                futures = [sampler.sample(m, args.group_size, dataclasses.replace(sample_params,
+                                                                                  seed=rng.randrange(2**31)))
+                           for m in prompts]
                 datums, rewards = [], []
                 groups = []
                 for pair, prompt, fut in zip(batch, prompts, futures, strict=True):
