@@ -71,9 +71,9 @@ class WorkerService:
         self.vocab_size = vocab_size(model)
         self.max_seq_len = max_seq_len(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        self.logprobs = LogprobComputer(model, self.settings.loss_backend, device=self.settings.device)
         # A sharded worker (rank 0 of a group): sessions are LeaderSessions driving every shard.
         self.shards = shards
+        self.logprobs = shards.logprobs if shards is not None else LogprobComputer(model, self.settings.loss_backend)
         self.limits = Limits(max_datums=self.settings.max_datums, max_batch_tokens=self.settings.max_batch_tokens)
         self.slots: dict[str, _Slot] = {}
         self._tokenizer: Any = None

@@ -168,10 +168,11 @@ class TrainingSession:
 
     def load_state(self, directory: Path) -> dict[str, Any]:
         """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count)."""
-        saved = checkpoints.read_state(directory, self.shapes(), tied_names(self.model))
+        tied = tied_names(self.model)
+        saved = checkpoints.read_state(directory, self.shapes(), tied)
         with torch.no_grad():
             for n, p in zip(self.param_names, self.params, strict=True):
-                p.copy_(saved.weights[n] if n in saved.weights else saved.weights[tied_names(self.model)[n]])
+                p.copy_(saved.weights[n] if n in saved.weights else saved.weights[tied[n]])
                 p.grad.copy_(saved.grads[n]) if n in saved.grads else p.grad.zero_()
                 state = adam_state(n, saved.moments, p.device, p.dtype, lambda t: t)
                 if state:

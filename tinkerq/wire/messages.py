@@ -123,10 +123,7 @@ def decode_adam(body: Any) -> types.AdamParams:
     adam = body.get("adam") if isinstance(body, dict) else None
     if not isinstance(adam, dict):
         raise MalformedMessageError("optim_step body needs a map 'adam'")
-    known = {f.name for f in fields(types.AdamParams)}
-    unknown = set(adam) - known
-    if unknown:
-        raise MalformedMessageError(f"unknown AdamParams fields: {sorted(unknown)}")
+    _reject_unknown_fields(types.AdamParams, adam)
     for key, value in adam.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise MalformedMessageError(f"AdamParams.{key} must be a number, got {value!r}")
@@ -192,10 +189,7 @@ def decode_sample_request(body: Any) -> tuple[str, types.ModelInput, Any, types.
         raise MalformedMessageError("sample body needs an array 'prompt'")
     if not isinstance(params, dict):
         raise MalformedMessageError("sample body needs a map 'params'")
-    known = {f.name for f in fields(types.SamplingParams)}
-    unknown = set(params) - known
-    if unknown:
-        raise MalformedMessageError(f"unknown SamplingParams fields: {sorted(unknown)}")
+    _reject_unknown_fields(types.SamplingParams, params)
     return sampler_id, types.ModelInput.from_ints(prompt), body.get("num_samples"), types.SamplingParams(**params)
 
 
@@ -218,3 +212,10 @@ def decode_sample_response(body: Any) -> types.SampleResponse:
         ])
     except (KeyError, TypeError, ValueError) as exc:
         raise MalformedMessageError(f"sample result is malformed: {exc}") from exc
+
+
+def _reject_unknown_fields(cls: type, values: dict[str, Any]) -> None:
+    """A map meant for dataclass ``cls`` may hold only its fields (a newer client's extras are refused)."""
+    unknown = set(values) - {f.name for f in fields(cls)}
+    if unknown:
+        raise MalformedMessageError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
