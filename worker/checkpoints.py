@@ -11,14 +11,22 @@ The layout does not depend on how the model was held: a sharded worker gathers f
 and writes the same files, so a state loads with any number of shards. Everything is safetensors and
 JSON: loading a checkpoint never unpickles. Every directory is written
 beside its final place and renamed into it, so a crash never leaves one that looks complete but isn't.
+
+Names that come from messages (session ids, checkpoint names, paths to load) never become paths as they
+are: every path is built below the checkpoint directory one component at a time, each component a plain
+name, and nothing below the checkpoint directory is ever a symbolic link that gets followed (the directory
+itself may be a link the operator configured). Whoever can send messages must not be able to make a worker
+write, replace or read anything outside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,25 +53,109 @@ def check_name(name: Any) -> str:
     return name
 
 
+def _check_component(part: Any, what: str) -> str:
+    """One path component: a plain name, never empty, '.', '..', absolute or holding a separator."""
+    if not isinstance(part, str) or not _NAME_RE.match(part) or part in (".", ".."):
+        raise ValidationError(f"{what} {part!r} cannot name a directory: it must be 1-128 characters of "
+                              f"[A-Za-z0-9_.-] and not '.' or '..'")
+    return part
+
+
+def _refuse_link(path: Path) -> os.stat_result | None:
+    """``lstat`` of ``path`` (None if missing); a ValidationError if it is a symbolic link, never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValidationError(
+            f"{path} is a symbolic link below the checkpoint directory; tinkerq never follows links there "
+            f"(they could point anywhere): an operator should remove it (only the checkpoint directory itself "
+            f"may be a link)")
+    return st
+
+
+def checkpoint_root(checkpoint_dir: str) -> Path:
+    """The configured checkpoint directory, absolute. The operator may make it a symlink; below it, none."""
+    if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
+        raise ValidationError("no checkpoint directory is configured: set TINKERQ_CHECKPOINT_DIR")
+    return Path(os.path.abspath(os.path.expanduser(checkpoint_dir)))
+
+
+def path_below(checkpoint_dir: str, *parts: str, create_parents: bool = False, what: str = "name") -> Path:
+    """``<checkpoint_dir>/<parts...>``, built and checked one component at a time.
+
+    Each component must be a plain name (no '..', no separator, not absolute), and each that exists must
+    not be a symbolic link (checked with ``lstat``, so a planted link is refused instead of followed).
+    With ``create_parents`` the missing directories above the last component are created, owner-only
+    (0o700). The result is verified to lie inside the resolved checkpoint directory.
+    """
+    root = checkpoint_root(checkpoint_dir)
+    if create_parents:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    path = root
+    missing = False  # below a missing directory nothing exists, so there is nothing left to lstat
+    for i, part in enumerate(parts):
+        path = path / _check_component(part, what)
+        if missing:
+            continue
+        st = _refuse_link(path)
+        last = i == len(parts) - 1
+        if st is None and create_parents and not last:
+            with contextlib.suppress(FileExistsError):  # a concurrent save may create it too
+                os.mkdir(path, 0o700)
+            st = _refuse_link(path)
+        if st is None:
+            missing = True
+        elif not last and not stat.S_ISDIR(st.st_mode):
+            raise ValidationError(f"{path} inside the checkpoint directory is not a directory; an operator "
+                                  f"should move it away")
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:  # defence in depth
+        raise ValidationError(f"{path} is outside this fleet's checkpoint directory {root}")
+    return path
+
+
+def _check_model_id(model_id: Any) -> str:
+    if not isinstance(model_id, str) or not _NAME_RE.match(model_id) or model_id in (".", ".."):
+        raise ValidationError(f"session id {model_id!r} is not one this worker minted; open a session with "
+                              f"create_training_client() and use the client it returns")
+    return model_id
+
+
 def weights_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
-    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>``."""
-    return Path(checkpoint_dir) / model_id / check_name(name)
+    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>`` (parents created,
+    owner-only; a symlink anywhere below the checkpoint directory is a ValidationError)."""
+    check_name(name)
+    return path_below(checkpoint_dir, _check_model_id(model_id), name, create_parents=True)
 
 
 def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
-    """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>``."""
-    return Path(checkpoint_dir) / model_id / "state" / check_name(name)
+    """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>`` (as weights_path)."""
+    check_name(name)
+    return path_below(checkpoint_dir, _check_model_id(model_id), "state", name, create_parents=True)
 
 
 def write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Build the directory in a temporary sibling with ``fill``, then rename it to ``final``."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    """Build the directory in a temporary sibling with ``fill``, then rename it to ``final``.
+
+    ``final`` comes from weights_path / state_path. Neither its parent nor an old ``final`` is followed if
+    it is a symbolic link: the write is refused before anything is created or deleted.
+    """
+    final = Path(final)
+    if not final.parent.exists():
+        os.makedirs(final.parent, mode=0o700, exist_ok=True)
+    _refuse_link(final.parent)
+    _refuse_link(final)  # before the (expensive) fill, and checked again before replacing
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))  # mode 0o700, a new name
     try:
         fill(tmp)
-        if final.exists():  # replacing: the old one goes first; a crash here leaves no directory at all
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        st = _refuse_link(final)
+        if st is not None:  # replacing: the old one goes first; a crash here leaves no directory at all
+            if not stat.S_ISDIR(st.st_mode):
+                raise ValidationError(f"{final} exists and is not a directory; choose another name")
+            shutil.rmtree(final)  # refuses a symlink itself, and never follows links inside the tree
+        os.replace(tmp, final)  # rename(2) never follows a link at the destination
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -111,18 +203,46 @@ def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
     """A training-state directory inside the checkpoint directory, or a ValidationError saying what is wrong."""
     if not isinstance(path, str) or not path:
         raise ValidationError(f"checkpoint path must be a non-empty string, got {path!r}")
-    root = Path(checkpoint_dir).resolve()
-    resolved = Path(path).resolve()
-    if resolved != root and root not in resolved.parents:
-        raise ValidationError(f"checkpoint path {path!r} is outside this fleet's checkpoint directory {root}")
-    if not resolved.is_dir():
+    root = checkpoint_root(checkpoint_dir)
+    given = Path(path) if os.path.isabs(path) else root / path  # relative: to the checkpoint directory
+    outside = (f"checkpoint path {path!r} is outside this fleet's checkpoint directory {root}: pass a path "
+               f"returned by save_state()")
+    if ".." in given.parts or "\0" in path:  # judged on the text: '..' after a link could lead anywhere
+        raise ValidationError(outside)
+    # The path save_state() returned starts with the configured root; accept the resolved root as well.
+    rel = None
+    for prefix in (root, Path(os.path.realpath(root))):
+        with contextlib.suppress(ValueError):
+            rel = given.relative_to(prefix)
+            break
+    if rel is None:
+        raise ValidationError(outside)
+    if not rel.parts:
+        raise ValidationError(f"{path!r} is the checkpoint directory itself: pass a path returned by save_state()")
+    directory = path_below(checkpoint_dir, *rel.parts, what="checkpoint path component")
+    st = _refuse_link(directory)
+    if st is None:
         raise ValidationError(f"checkpoint {path!r} does not exist")
-    if not (resolved / STATE_FILE).is_file():
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValidationError(f"checkpoint {path!r} is not a directory: pass a path returned by save_state()")
+    state_file = _refuse_link(directory / STATE_FILE)
+    if state_file is None or not stat.S_ISREG(state_file.st_mode):
         raise ValidationError(
             f"{path!r} is not a training state (no {STATE_FILE}): pass a path returned by save_state(); "
             f"save_weights_for_sampler() writes weights only"
         )
-    return resolved
+    refuse_links_inside(directory)
+    return directory
+
+
+def refuse_links_inside(directory: Path) -> None:
+    """A ValidationError if any entry of a saved directory is a symlink (a planted model.safetensors -> /etc/…
+    would otherwise be read, and its content could leak through the loaded weights)."""
+    for entry in os.scandir(directory):
+        if entry.is_symlink():
+            raise ValidationError(
+                f"{Path(directory) / entry.name} is a symbolic link; a checkpoint holds only plain files and "
+                f"tinkerq never follows links below the checkpoint directory: save the state again")
 
 
 def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]:
@@ -147,6 +267,7 @@ def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]
 def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str]) -> SavedState:
     """Every tensor of a training state (full tensors, on the CPU). ``tied`` maps a parameter that shares
     its storage with another to the other's name (tied embeddings are stored once)."""
+    refuse_links_inside(directory)  # again: every rank of a sharded worker reads the files itself
     meta = check_state(directory, shapes)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("model*.safetensors")):
