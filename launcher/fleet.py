@@ -4,6 +4,10 @@
 N workers per model, and Flower; it records what it started in ``<home>/fleet/<name>/state.json``.
 `status` shows what runs and what each worker is doing; `down` stops exactly what `up` started (workers
 get SIGTERM first: Celery's warm shutdown finishes the running task).
+
+Secrets stay off command lines: Redis reads its password from an owner-only file, workers and Flower get
+the broker URL and Flower's login from their environment. The fleet's folder (state, logs, the AOF) is
+owner-only; `status` never prints a password.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--broker", help="use this Redis instead of starting one")
     up.add_argument("--redis-port", type=int, default=6380, help="port of the redis-server it starts (default 6380)")
     up.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555; 0 = no Flower)")
-    up.add_argument("--flower-auth", help="user:password for Flower (default: generated, printed once)")
+    up.add_argument("--flower-auth", help="user:password for Flower (default: FLOWER_BASIC_AUTH, else generated "
+                                          "and printed once)")
     up.add_argument("--threads", type=int, help="torch CPU threads per worker")
     up.add_argument("--device", help="torch device of the workers (default cpu)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every worker to register")
@@ -65,8 +70,8 @@ def fleet_up(args: argparse.Namespace) -> int:
     for model in args.model:
         if not Path(model).is_dir():
             raise UserError(f"model path {model!r} is not a directory")
-    logs = folder / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = processes.private_dir(folder / "logs")  # state.json holds the secrets; logs, request arguments
+    processes.private_dir(folder)
     state: dict[str, Any] = {"name": args.name, "logs": str(logs), "started": time.time(), "workers": []}
     try:
         if args.broker:
@@ -86,17 +91,17 @@ def fleet_up(args: argparse.Namespace) -> int:
                 for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
                     suffix = f"-rank{rank}" if args.shards > 1 else ""
                     log = logs / f"worker-{Path(model).name}-{i}{suffix}.log"
-                    cmd = processes.worker_command(os.path.abspath(model), broker, threads=args.threads,
+                    cmd = processes.worker_command(os.path.abspath(model), None, threads=args.threads,
                                                    extra=extra)
-                    proc = processes.start_process(cmd, log)
+                    proc = processes.start_process(cmd, log, processes.secret_env(broker))
                     state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log),
                                              "rank": rank})
                     _save(folder, state)
         if args.flower_port:
-            auth = args.flower_auth or f"admin:{secrets.token_urlsafe(12)}"
+            auth = args.flower_auth or os.environ.get("FLOWER_BASIC_AUTH") or f"admin:{secrets.token_urlsafe(12)}"
             log = logs / "flower.log"
-            cmd = processes.flower_command(broker, args.flower_port, db=folder / "flower.db", basic_auth=auth)
-            proc = processes.start_process(cmd, log)
+            cmd = processes.flower_command(None, args.flower_port, db=folder / "flower.db")
+            proc = processes.start_process(cmd, log, processes.secret_env(broker, flower_auth=auth))
             state["flower"] = {"pid": proc.pid, "port": args.flower_port, "auth": auth, "log": str(log)}
             _save(folder, state)
         _wait_registered(state, args.timeout)

@@ -2,6 +2,11 @@
 
 One place builds these command lines, so `tinkerq fleet up`, the tests, the benchmarks and
 docker-compose.yml (checked by tests/test_compose.py) run the same commands.
+
+Secrets never go on a command line, where every local user reads them (`ps`, /proc/<pid>/cmdline): Redis
+reads its password from an owner-only config file, workers and Flower get the broker URL and Flower's
+login through their environment (``secret_env``), which only their owner can read. Children start with
+umask 0o077, so the logs, the AOF and Flower's database they create are owner-only too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CHILD_UMASK = 0o077  # files the fleet's processes create: owner-only
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and its parents) if needed and make it owner-only (0o700)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def secret_env(broker: str | None = None, flower_auth: str | None = None) -> dict[str, str]:
+    """Environment variables that carry secrets to a child (its environment is readable only by its owner)."""
+    env = {}
+    if broker:
+        env["TINKERQ_BROKER_URL"] = broker
+    if flower_auth:
+        env["FLOWER_BASIC_AUTH"] = flower_auth
+    return env
 
 
 def free_port() -> int:
@@ -40,16 +63,32 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, proc: sub
     raise RuntimeError(f"{what} did not come up within {timeout:g} s\n{tail}")
 
 
+def write_redis_auth(workdir: Path, password: str) -> Path:
+    """``<workdir>/redis-auth.conf`` holding ``requirepass``, mode 0600: redis-server reads it at start, so
+    the password never appears on its command line."""
+    if any(c in password for c in "\r\n\0"):
+        raise ValueError("the Redis password must not contain line breaks or NUL")
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')  # redis.conf's double-quoted string
+    path = private_dir(workdir) / "redis-auth.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also when the file was left by an earlier run with other bits
+    with os.fdopen(fd, "w") as f:
+        f.write(f'requirepass "{quoted}"\n')
+    return path
+
+
 def redis_command(port: int, workdir: Path, *, password: str | None = None, durable: bool = False) -> list[str]:
+    """redis-server's command line; with ``password``, the owner-only config file that holds it comes first."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-           "--logfile", str(workdir / "redis.log"), "--maxmemory-policy", "noeviction"]
+    cmd = [binary]
+    if password:
+        cmd.append(str(write_redis_auth(workdir, password)))
+    cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes", "--dir", str(workdir),
+            "--logfile", str(workdir / "redis.log"), "--maxmemory-policy", "noeviction"]
     # Durable (the fleet): AOF, fsync every second. Throwaway (tests): nothing on disk.
     cmd += ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else ["--save", "", "--appendonly", "no"]
-    if password:
-        cmd += ["--requirepass", password]
     return cmd
 
 
@@ -58,9 +97,10 @@ def start_redis(port: int, workdir: Path, *, password: str | None = None, durabl
     """A redis-server on 127.0.0.1:``port``, answering PING when this returns."""
     import redis
 
-    workdir.mkdir(parents=True, exist_ok=True)
+    private_dir(workdir)  # the AOF holds every queued request: owner-only, like the files Redis creates
     proc = subprocess.Popen(redis_command(port, workdir, password=password, durable=durable),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            umask=CHILD_UMASK)
     client = redis.Redis(port=port, password=password)
 
     def up() -> bool:
@@ -76,25 +116,38 @@ def start_redis(port: int, workdir: Path, *, password: str | None = None, durabl
     return proc
 
 
-def worker_command(model: str, broker: str, *, threads: int | None = None,
+def worker_command(model: str, broker: str | None = None, *, threads: int | None = None,
                    extra: list[str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(model), "--broker", broker]
+    """`tinkerq worker`'s command line. Pass ``broker`` only when it holds no password (tests' private Redis);
+    otherwise pass None and give the URL through ``secret_env(broker)``."""
+    cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(model)]
+    if broker:
+        cmd += ["--broker", broker]
     if threads:
         cmd += ["--threads", str(threads)]
     return cmd + list(extra or [])
 
 
 def start_process(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A child in its own session (so it can be stopped as a group), output appended to ``log``."""
+    """A child in its own session (so it can be stopped as a group), output appended to ``log``.
+
+    The log (logs can hold request arguments) and whatever the child creates are owner-only."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with log.open("ab") as out:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, umask=CHILD_UMASK)
 
 
-def flower_command(broker: str, port: int, *, db: Path | None = None, basic_auth: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "launcher.main", "flower", "--broker", broker, "--port", str(port)]
+def flower_command(broker: str | None, port: int, *, db: Path | None = None,
+                   basic_auth: str | None = None) -> list[str]:
+    """`tinkerq flower`'s command line. Secrets belong in ``secret_env(broker, flower_auth)``: pass ``broker``
+    and ``basic_auth`` here only when they are not secret (tests)."""
+    cmd = [sys.executable, "-m", "launcher.main", "flower", "--port", str(port)]
+    if broker:
+        cmd += ["--broker", broker]
     if db is not None:
         cmd += ["--db", str(db)]
     if basic_auth:

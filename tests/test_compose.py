@@ -40,9 +40,11 @@ def test_services(compose):
     services = compose["services"]
     assert {"redis", "worker", "worker-cpu", "flower", "sft"} <= set(services)
     assert services["worker-cpu"]["profiles"] == ["cpu"] and services["sft"]["profiles"] == ["producer"]
-    redis = services["redis"]["command"]
-    assert "--appendonly" in redis and redis[redis.index("--appendonly") + 1] == "yes"
-    assert "noeviction" in redis and "--requirepass" in redis
+    redis = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis and "--appendfsync everysec" in redis and "noeviction" in redis
+    # The password reaches Redis on stdin (`redis-server -`), from the environment, not on its command line.
+    assert "redis-server -" in redis and 'requirepass "$$REDIS_PASSWORD"' in redis and "--requirepass" not in redis
+    assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD")
     assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
     for name in ("worker", "worker-cpu", "flower", "sft"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -123,19 +125,34 @@ def test_every_variable_is_documented(compose_text):
 
 
 def test_flower_has_auth_and_persistent_state(compose):
-    args = _parse(compose["services"]["flower"]["command"])
-    assert args.basic_auth == "VALUE" and args.db.startswith("/data/") and args.address == "0.0.0.0"
+    flower = compose["services"]["flower"]
+    args = _parse(flower["command"])
+    assert args.basic_auth is None and not args.no_auth  # the login comes from the environment
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert flower["environment"]["TINKERQ_BROKER_URL"].startswith("redis://:${REDIS_PASSWORD")
+    assert args.db.startswith("/data/") and args.address == "0.0.0.0"
+
+
+def test_no_secret_on_any_command_line(compose):
+    """Compose substitutes ${VAR} into commands, and a container's command line is visible to the whole host."""
+    for name, service in compose["services"].items():
+        command = " ".join(service.get("command", []))
+        for secret in ("REDIS_PASSWORD", "FLOWER_BASIC_AUTH"):
+            assert "${" + secret not in command, (name, secret)
+        assert "--broker" not in command and "--basic-auth" not in command, name
 
 
 def test_local_launcher_builds_the_same_commands(compose):
     """`tinkerq fleet up` and the tests start workers and Flower through launcher.processes: same subcommands."""
     compose_worker = _parse(compose["services"]["worker-cpu"]["command"])
-    local_worker = build_parser().parse_args(processes.worker_command("/models/model", "redis://x:1/0")[3:])
+    local_worker = build_parser().parse_args(processes.worker_command("/models/model", None)[3:])
     assert local_worker.func is compose_worker.func and local_worker.model == compose_worker.model
+    assert local_worker.broker is None  # like compose: the broker URL comes from the environment
     compose_flower = _parse(compose["services"]["flower"]["command"])
-    local_flower = build_parser().parse_args(
-        processes.flower_command("redis://x:1/0", 5555, db=Path("/data/flower.db"), basic_auth="a:b")[3:])
+    local_flower = build_parser().parse_args(processes.flower_command(None, 5555, db=Path("/data/flower.db"))[3:])
     assert local_flower.func is compose_flower.func and local_flower.port == compose_flower.port
+    assert local_flower.broker is None and local_flower.basic_auth is None
+    assert set(processes.secret_env("redis://:p@h:1/0", "a:b")) == {"TINKERQ_BROKER_URL", "FLOWER_BASIC_AUTH"}
 
 
 def test_dockerfiles_never_install_pypi_apex():
