@@ -17,12 +17,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from producer.dispatch import Dispatcher
 from producer.futures import APIFuture
 from producer.sampling import SamplingClient
 from tinkerq import keys, types
-from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
-from tinkerq.errors import BrokerUnavailableError, RequestTimeoutError, TinkerqError, UnknownModelError, UserError
+from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
 from tinkerq.settings import Settings
 from tinkerq.validation import Limits, validate_adam, validate_loss_request
 from tinkerq.wire import codec, messages
@@ -46,7 +46,7 @@ class ServiceClient:
             )
         self.settings = settings
         self.connection = Connection.open(settings)
-        self._backend_lock = threading.Lock()
+        self._dispatch = Dispatcher(self.connection)
 
     def get_server_capabilities(self) -> list[str]:
         """Base models some live worker currently serves."""
@@ -66,27 +66,21 @@ class ServiceClient:
             )
         model_id = uuid.uuid4().hex
         timeout = self.settings.create_timeout_s if timeout is None else timeout
-        future = self._post(
-            "create_model",
-            self._encode({"base_model": base_model}),
-            model_id=model_id,
-            seq_id=0,
-            queue=keys.model_queue(base_model),
-            decode=messages.decode_model_info,
-            argsrepr=f"base_model={base_model}",
+        # The deadline lets a worker that finds this request late (no worker was free) skip it.
+        body = codec.packb({"base_model": base_model, "deadline": time.time() + timeout})
+        future = self._dispatch.submit(
+            "create_model", body, model_id=model_id, seq_id=0, queue=keys.model_queue(base_model),
+            decode=messages.decode_model_info, argsrepr=f"base_model={base_model}",
         )
         try:
             info = future.result(timeout=timeout)
         except RequestTimeoutError:
+            self._dispatch.abandon(future)
             raise RequestTimeoutError(
                 f"no worker opened a session on {base_model!r} within {timeout:g} s "
                 f"(registered workers may be busy or gone); check `tinkerq fleet status`"
             ) from None
         return TrainingClient(self, info)
-
-    def _encode(self, body: dict[str, Any]) -> dict[str, Any]:
-        """msgpack-encode a request body and claim-check it if large (raises on oversized bodies)."""
-        return self.connection.claim_check().wrap(codec.packb(body))
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, **_: Any) -> TrainingClient:
         """Tinker's LoRA entry point. tinkerq trains every parameter; this says so instead of pretending."""
@@ -103,39 +97,8 @@ class ServiceClient:
         tc.load_state(path).result(timeout=timeout)
         return tc
 
-    def _post(
-        self,
-        op: str,
-        ref: dict[str, Any],
-        *,
-        model_id: str,
-        seq_id: int,
-        queue: str,
-        decode: Callable[[Any], Any],
-        argsrepr: str,
-        worker_alive: Callable[[], bool | None] | None = None,
-    ) -> APIFuture[Any]:
-        envelope = messages.make_envelope(op, model_id, seq_id, ref)
-        async_result = self.connection.app.send_task(
-            TASK_NAMES[op],
-            args=(envelope,),
-            queue=queue,
-            # What Flower shows: never tensors.
-            argsrepr=f"model_id={model_id[:8]} seq={seq_id} {argsrepr}".strip(),
-            kwargsrepr="{}",
-        )
-        return APIFuture(
-            async_result,
-            decode,
-            claim_check=self.connection.claim_check(),
-            backend_lock=self._backend_lock,
-            poll_interval=0.002 if self.settings.is_embedded else 0.05,
-            describe=f"{op} seq={seq_id}",
-            worker_alive=worker_alive,
-            liveness_period_s=self.settings.heartbeat_s,
-        )
-
     def close(self) -> None:
+        self._dispatch.close()
         self.connection.close()
 
     def __enter__(self) -> ServiceClient:
@@ -155,9 +118,6 @@ class TrainingClient:
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
         self._queue = keys.worker_queue(info.worker)
-        # Set when a request could not be posted: its sequence number is lost, so every later request of
-        # this session would wait for it forever. Tinker's rule: a failed request poisons the client.
-        self._broken: TinkerqError | None = None
         s = service.settings
         self._limits = Limits(max_datums=s.max_datums, max_batch_tokens=s.max_batch_tokens)
 
@@ -276,35 +236,20 @@ class TrainingClient:
     def _submit(self, op: str, body: dict[str, Any], decode: Callable[[Any], Any], *, argsrepr: str,
                 seq_id: int | None = None) -> APIFuture[Any]:
         """Post one ordered request. ``seq_id`` is given only by tests that replay or reorder requests."""
-        if self._broken is not None:
-            return APIFuture.failed(self._broken)
         try:  # encode first: a body that cannot be sent must not use up a sequence number
-            ref = self.service._encode(body)
+            encoded = codec.packb(body)
+            if len(encoded) > self.service.settings.max_message_bytes:
+                self.service.connection.claim_check().wrap(encoded)  # raises the size error
         except TinkerqError as exc:
             return APIFuture.failed(exc)
-        except Exception as exc:  # the claim-check write reached no Redis
-            return APIFuture.failed(BrokerUnavailableError(f"{op} could not be posted: {exc}"))
         if seq_id is None:
             seq_id = self.next_seq_id()
-        try:
-            return self.service._post(
-                op, ref, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode,
-                argsrepr=argsrepr, worker_alive=self._worker_alive,
-            )
-        except Exception as exc:  # the broker failed mid-send (kombu already retried)
-            self._broken = BrokerUnavailableError(
-                f"{op} seq {seq_id} could not be posted ({type(exc).__name__}: {exc}); this training client "
-                f"can no longer keep its order. Create a new one (or resume from a checkpoint)"
-            )
-            return APIFuture.failed(self._broken)
-
-    def _worker_alive(self) -> bool | None:
-        """Whether the worker holding this session is still registered; None if the broker cannot tell now."""
-        try:
-            serving = self.service.connection.workers_serving(self.info.base_model)
-        except Exception:
-            return None
-        return any(r.get("worker") == self.info.worker for r in serving)
+        # Posted now, or by the dispatcher once Redis is reachable: an outage costs time, not the session.
+        return self.service._dispatch.submit(
+            op, encoded, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode,
+            argsrepr=argsrepr, worker=self.info.worker,
+            heartbeat_s=float(self.info.extra.get("heartbeat_s") or self.service.settings.heartbeat_s),
+        )
 
     def next_seq_id(self) -> int:
         with self._seq_lock:

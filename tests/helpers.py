@@ -113,3 +113,19 @@ def rl_batch(ref, rng):
         inputs = {"target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": s, "advantages": adv}
         data.append((d.model_input, inputs, mask))
     return data
+
+
+def send_raw(tc, op: str, envelope, *, task_id: str | None = None, decode=None, **send_options):
+    """Post a hand-made message on a training client's worker queue, bypassing the producer's checks, and
+    return a future for its answer (the reply comes to the client's inbox like any other)."""
+    import uuid
+
+    from tinkerq.celery_app import TASK_NAMES
+    from tinkerq.wire import messages
+
+    service = tc.service
+    task_id = task_id or str(uuid.uuid4())
+    future = service._dispatch.expect(task_id, decode or messages.decode_forward_backward_output, describe=op)
+    service.connection.app.send_task(TASK_NAMES[op], args=(envelope,), queue=tc._queue, task_id=task_id,
+                                     headers={messages.REPLY_HEADER: service._dispatch.inbox}, **send_options)
+    return future

@@ -14,9 +14,8 @@ import torch
 
 from producer.futures import APIFuture
 from tests.conftest import WORKER_MAX_MESSAGE_BYTES
-from tests.helpers import VOCAB, load_reference, make_batch, max_weight_diff, reference_step
+from tests.helpers import VOCAB, load_reference, make_batch, max_weight_diff, reference_step, send_raw
 from tinkerq import errors, types
-from tinkerq.celery_app import TASK_NAMES
 from tinkerq.wire import codec, messages
 
 pytestmark = pytest.mark.timeout(180)
@@ -82,14 +81,11 @@ def _send_body(tc, op: str, body, seq_id: int | None = None) -> APIFuture:
 
 
 def _send_payload_ref(tc, op: str, ref: dict, envelope_patch: dict | None = None) -> APIFuture:
-    service = tc.service
     # An envelope the worker cannot read consumes no sequence number: don't take one from the client.
     seq_id = 10**9 if envelope_patch else tc.next_seq_id()
     envelope = messages.make_envelope(op, tc.model_id, seq_id, ref)
     envelope.update(envelope_patch or {})
-    result = service.connection.app.send_task(TASK_NAMES[op], args=(envelope,), queue=tc._queue)
-    return APIFuture(result, messages.decode_forward_backward_output,
-                     claim_check=service.connection.claim_check(), describe=op)
+    return send_raw(tc, op, envelope)
 
 
 def _assert_user_error(future: APIFuture, words: list[str]) -> errors.TinkerqError:
@@ -192,14 +188,10 @@ class _Explosive:
 
 def test_pickle_message_is_refused_without_decoding(tc, tmp_path, worker):
     marker = tmp_path / "unpickled"
-    app = tc.service.connection.app
     make, args = _Explosive(str(tmp_path / "selftest")).__reduce__()  # what unpickling it would call
     make(*args).close()
     assert (tmp_path / "selftest").exists()  # the bomb works (without unpickling anything here)
-    result = app.send_task(TASK_NAMES["forward"], args=(_Explosive(str(marker)),), queue=tc._queue,
-                           serializer="pickle")
-    future = APIFuture(result, messages.decode_forward_backward_output,
-                       claim_check=tc.service.connection.claim_check(), describe="pickled forward")
+    future = send_raw(tc, "forward", _Explosive(str(marker)), serializer="pickle")
     err = future.exception(timeout=30)
     assert isinstance(err, errors.TinkerqError) and err.category == "user", err
     assert "application/x-python-serialize" in err.message

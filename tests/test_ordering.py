@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step
+from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step, send_raw
 from tinkerq import types
-from tinkerq.celery_app import TASK_NAMES
 from tinkerq.wire import codec, messages
 
 pytestmark = pytest.mark.timeout(180)
@@ -18,16 +17,13 @@ pytestmark = pytest.mark.timeout(180)
 
 def _send_raw(tc, op: str, body: dict, seq_id: int, task_id: str | None = None):
     """Post one request exactly as the producer does, with a chosen seq_id (and task id, for redelivery)."""
-    service = tc.service
-    claim_check = service.connection.claim_check()
+    claim_check = tc.service.connection.claim_check()
     envelope = messages.make_envelope(op, tc.model_id, seq_id, claim_check.wrap(codec.packb(body)))
-    return service.connection.app.send_task(TASK_NAMES[op], args=(envelope,), queue=tc._queue, task_id=task_id)
+    return send_raw(tc, op, envelope, task_id=task_id, decode=lambda b: b)
 
 
-def _reply_body(async_result, tc):
-    reply = async_result.get(timeout=60, interval=0.01)
-    assert messages.reply_error(reply) is None, reply
-    return codec.unpackb(tc.service.connection.claim_check().unwrap(reply["payload"]))
+def _reply_body(future, tc):
+    return future.result(timeout=60)
 
 
 def test_reordered_and_redelivered_requests_apply_once_in_order(training_client, model_dir):
@@ -49,7 +45,7 @@ def test_reordered_and_redelivered_requests_apply_once_in_order(training_client,
         op, body, seq = requests[i]
         sent[seq] = _send_raw(tc, op, body, seq)
     # Redeliveries: the same task (same id) again, and a client retry (new id) of an early request.
-    redelivered = _send_raw(tc, *requests[3][:2], requests[3][2], task_id=sent[requests[3][2]].id)
+    redelivered = _send_raw(tc, *requests[3][:2], requests[3][2], task_id=sent[requests[3][2]].task_id)
     retried = _send_raw(tc, *requests[0][:2], requests[0][2])
     retried_step = _send_raw(tc, *requests[1][:2], requests[1][2])  # re-applying it would move the weights
 

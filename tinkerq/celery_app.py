@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from tinkerq.redis_client import celery_redis_options
 from tinkerq.settings import Settings
 from tinkerq.wire.codec import CONTENT_TYPE, SERIALIZER_NAME, register_kombu_serializer
 
@@ -29,8 +30,9 @@ def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
     register_kombu_serializer()
     embedded = settings.is_embedded
     broker = "memory://" if embedded else settings.broker_url
-    backend = "cache+memory://" if embedded else settings.backend_url
-    app = Celery(main, broker=broker, backend=backend, set_as_current=False)
+    # No Celery result backend: workers answer through tinkerq's own reply inboxes (tinkerq.wire.messages),
+    # which survive a Redis restart where Celery's pub/sub results would be lost.
+    app = Celery(main, broker=broker, backend=None, set_as_current=False)
     app.conf.update(
         # Only our msgpack: a pickle (or JSON) message is rejected before its body is decoded.
         task_serializer=SERIALIZER_NAME,
@@ -47,8 +49,10 @@ def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
             "visibility_timeout": settings.visibility_timeout_s,
             **({"polling_interval": 0.002} if embedded else {}),
         },
-        result_expires=settings.result_ttl_s,
-        result_backend_transport_options={"retry_policy": {"timeout": settings.connect_timeout_s}},
+        task_ignore_result=True,
+        # A producer posts once and, if Redis is away, leaves re-posting to its dispatcher thread
+        # (producer/dispatch.py): a submit call never blocks on an outage.
+        task_publish_retry=False,
         broker_connection_timeout=settings.connect_timeout_s,
         broker_connection_retry_on_startup=False,
         redis_socket_connect_timeout=settings.connect_timeout_s,
@@ -62,4 +66,7 @@ def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
         worker_hijack_root_logger=False,
         enable_utc=True,
     )
+    # Sentinel master name, TLS certificates: merged into the option dicts set above, not replacing them.
+    for key, extra in celery_redis_options(settings).items():
+        app.conf[key] = {**(app.conf.get(key) or {}), **extra}
     return app

@@ -11,6 +11,7 @@ from celery import Celery
 from tinkerq import keys
 from tinkerq.celery_app import make_celery
 from tinkerq.errors import BrokerUnavailableError
+from tinkerq.redis_client import redis_client
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore, MemoryStore, RedisStore
 from tinkerq.wire.claimcheck import ClaimCheck
@@ -23,16 +24,16 @@ class Connection:
     store: KeyValueStore
 
     @classmethod
-    def open(cls, settings: Settings) -> Connection:
-        """Connect to the fleet ``settings`` names; fail fast with a clear error if Redis is unreachable."""
+    def open(cls, settings: Settings, *, retry_s: float | None = None) -> Connection:
+        """Connect to the fleet ``settings`` names; fail fast with a clear error if Redis is unreachable.
+
+        Once connected, Redis calls are retried through outages for ``retry_s`` (default
+        ``settings.redis_retry_s``; workers pass their visibility timeout).
+        """
         if settings.is_embedded:
             return cls(settings=settings, app=make_celery(settings), store=MemoryStore.shared())
         assert settings.broker_url is not None
-        client = redis.Redis.from_url(
-            settings.broker_url,
-            socket_connect_timeout=settings.connect_timeout_s,
-            socket_timeout=max(settings.connect_timeout_s, 30.0),
-        )
+        client = redis_client(settings)  # redis://, rediss:// (TLS), unix://, sentinel://
         try:
             client.ping()
         except redis.AuthenticationError as exc:
@@ -47,7 +48,8 @@ class Connection:
             ) from None
         except redis.ResponseError as exc:
             raise BrokerUnavailableError(f"Redis at {redact_url(settings.broker_url)} answered: {exc}") from None
-        return cls(settings=settings, app=make_celery(settings), store=RedisStore(client))
+        store = RedisStore(client, settings.redis_retry_s if retry_s is None else retry_s)
+        return cls(settings=settings, app=make_celery(settings), store=store)
 
     def claim_check(self) -> ClaimCheck:
         s = self.settings

@@ -37,3 +37,33 @@ def serving(base_model: str, worker_id: str) -> str:
 
 def serving_pattern(base_model: str | None = None) -> str:
     return f"{PREFIX}:serving:{model_key(base_model) if base_model else '*'}:*"
+
+
+# -- replies, liveness, dead letters ----------------------------------------------------------------------
+
+def reply(task_id: str) -> str:
+    """A request's answer, kept for ``result_ttl_s`` (read back by a producer after a Redis outage)."""
+    return f"{PREFIX}:reply:{task_id}"
+
+
+def reply_list(client_id: str) -> str:
+    """A producer's inbox: workers LPUSH every answer for it here, the producer BLPOPs (survives blips)."""
+    return f"{PREFIX}:replies:{client_id}"
+
+
+REPLY_LIST_RE = re.compile(rf"^{PREFIX}:replies:[0-9a-f]{{32}}$")
+
+# Workers' liveness: member = worker id, score = Redis server time of its last heartbeat. One ZRANGE tells a
+# producer the age of every worker at once.
+HEARTBEATS = f"{PREFIX}:heartbeats"
+
+# Messages no worker could read: a bounded list of msgpack maps (reason, queue, raw bytes...).
+DEAD_LETTERS = f"{PREFIX}.dead"
+
+
+def deliveries(delivery_tag: str) -> str:
+    """How many times a redelivered message has been seen (poison-message counter, with a TTL)."""
+    return f"{PREFIX}:deliveries:{delivery_tag}"
+
+
+REAPER_LOCK = f"{PREFIX}:reaper"

@@ -28,6 +28,13 @@ class Settings:
     broker_url: str | None = None
     # Celery result backend; defaults to the broker's Redis.
     result_backend: str | None = None
+    # The Sentinel master (`sentinel monitor NAME ...`) that sentinel:// URLs resolve (docs/redis.md).
+    sentinel_master: str = "mymaster"
+    # TLS for rediss:// URLs, PEM files: the CA that signed the server's certificate (empty: the system's
+    # trusted CAs), and a client certificate + key if the server asks for one (tls-auth-clients).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     # Payloads larger than this travel as separate Redis values referenced from the message
     # (claim check) instead of inside kombu's base64 JSON envelope.
     claim_check_bytes: int = 16 * 1024
@@ -46,6 +53,18 @@ class Settings:
     heartbeat_s: float = 5.0
     # Long tasks must not be redelivered while they run (field-notes: visibility_timeout).
     visibility_timeout_s: int = 12 * 3600
+    # How long a producer keeps retrying Redis through an outage (restart, failover, pause) before its
+    # pending requests fail with BrokerUnavailableError. Workers retry for visibility_timeout_s: after that
+    # the request would be delivered again anyway.
+    redis_retry_s: float = 600.0
+    # A message (kombu envelope) larger than this is dead-lettered unread: requests carry large payloads
+    # by claim check, so a real message is a few KiB.
+    max_inline_bytes: int = 1024 * 1024
+    # Messages no worker can read are kept, newest first, in the list tinkerq.dead (`tinkerq dead`).
+    dead_letter_max: int = 1000
+    # A message redelivered this many times without being answered is dead-lettered (a poison message
+    # that kills workers must not kill their replacements too).
+    max_deliveries: int = 3
     # -- worker options ----------------------------------------------------------------------------------
     # torch device and dtype a worker holds its model in.
     device: str = "cpu"
@@ -65,6 +84,10 @@ class Settings:
     loss_backend: str = "auto"
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
     microbatch_tokens: int = 16384
+    # Operator's cap on the worker process's own memory (RSS), MiB; 0 = no cap. New sessions, sampler
+    # snapshots, sample requests and batches that would take it past the cap (or past what the host,
+    # its cgroup or the device has free) are refused before anything is allocated (worker/memory.py).
+    memory_limit_mb: int = 0
     # Local state: the demo model, and checkpoints unless checkpoint_dir says otherwise.
     home: str = str(Path.home() / ".cache" / "tinkerq")
     # Where workers write weights (save_weights_for_sampler); must be shared by workers and users.
@@ -117,6 +140,7 @@ class Settings:
 
     def check(self) -> None:
         for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
+                     "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s",
                      "max_batch_tokens", "max_sessions", "microbatch_tokens"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
@@ -140,11 +164,22 @@ class Settings:
                 f"TINKERQ_LOSS_BACKEND must be auto, apex, torch or reference, got {self.loss_backend!r}"
             )
         for url in (self.broker_url, self.result_backend):
-            if url and not url.startswith(("redis://", "rediss://", "unix://", "memory://")):
+            if url and not url.startswith(("redis://", "rediss://", "unix://", "memory://", "sentinel://")):
                 raise SettingsError(
                     f"broker/result URL {url!r} is not supported: use redis://[:password@]host:port/db "
-                    f"(or rediss:// for TLS)"
+                    f"(or rediss:// for TLS, sentinel://host:port[;sentinel://host2:port2] for Redis Sentinel)"
                 )
+        # Checked here, not at the first connection: a typo in a path fails the command at once.
+        from tinkerq import redis_client  # (it imports this module)
+
+        urls = (self.broker_url, self.result_backend)
+        for url in urls:
+            if redis_client.is_sentinel(url):
+                redis_client.parse_sentinel_url(url)  # type: ignore[arg-type]
+        if any(redis_client.is_tls(url) for url in urls):
+            redis_client.check_tls_files(self)
+        if any(redis_client.is_sentinel(url) for url in urls) and not self.sentinel_master:
+            raise SettingsError("sentinel:// URLs need the master's name: set TINKERQ_SENTINEL_MASTER")
 
 
 def _is_tcp_address(url: str) -> bool:

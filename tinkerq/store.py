@@ -1,41 +1,161 @@
 """A small key-value store seam: Redis in a fleet, a dict in the embedded (one-process) fleet.
 
-Used for claim-checked payloads and worker registrations; both need only set-with-TTL, get, delete
-and a prefix scan.
+Used for claim-checked payloads, replies, worker registrations and heartbeats, and dead letters. Every
+Redis call is retried through an outage (:mod:`tinkerq.retry`) for ``retry_s`` seconds, so a Redis
+restart or failover delays requests instead of failing them.
 """
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import redis
 
+from tinkerq.retry import retrying
+
+T = TypeVar("T")
+
 
 class KeyValueStore(Protocol):
+    def with_retry(self, retry_s: float) -> KeyValueStore: ...
     def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
+    def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool: ...
     def get(self, key: str) -> bytes | None: ...
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
     def delete(self, key: str) -> None: ...
     def scan(self, pattern: str) -> list[str]: ...
+    # Lists: producers' reply inboxes, the dead-letter queue, Celery's queues (read by the reaper).
+    def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None: ...
+    def pop(self, key: str, timeout_s: float) -> bytes | None: ...
+    def pop_tail(self, key: str) -> bytes | None: ...
+    def list_range(self, key: str, start: int, stop: int) -> list[bytes]: ...
+    def length(self, key: str) -> int: ...
+    def count(self, key: str, ttl_s: float) -> int: ...
+    # A reply: kept under its own key (read back after an outage) and pushed to the producer's inbox.
+    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None: ...
+    # Heartbeats, timed by the store's own clock (hosts' clocks may disagree).
+    def beat(self, zset: str, member: str) -> None: ...
+    def ages(self, zset: str) -> dict[str, float]: ...
+    def forget(self, zset: str, member: str) -> None: ...
+
+
+_BEAT = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
+return 1
+"""
+_AGES = """
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')}
+"""
 
 
 class RedisStore:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, retry_s: float = 600.0) -> None:
         self.client = client
+        self.retry_s = retry_s
+        self._beat = client.register_script(_BEAT)
+        self._ages = client.register_script(_AGES)
+
+    def with_retry(self, retry_s: float) -> RedisStore:
+        """The same store, retrying for ``retry_s`` instead (heartbeats must not wait out a long outage)."""
+        other = RedisStore.__new__(RedisStore)
+        other.__dict__.update(self.__dict__, retry_s=retry_s)
+        return other
+
+    def _do(self, what: str, fn: Callable[[], T]) -> T:
+        return retrying(fn, deadline_s=self.retry_s, what=what)
 
     def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        self.client.set(key, value, px=max(1, int(ttl_s * 1000)))
+        self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s)))
+
+    def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
+        return bool(self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s), nx=True)))
 
     def get(self, key: str) -> bytes | None:
-        return self.client.get(key)
+        return self._do(f"reading {key}", lambda: self.client.get(key))
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return self._do("reading replies", lambda: self.client.mget(keys))
 
     def delete(self, key: str) -> None:
-        self.client.delete(key)
+        self._do(f"deleting {key}", lambda: self.client.delete(key))
 
     def scan(self, pattern: str) -> list[str]:
-        return [k.decode() if isinstance(k, bytes) else k for k in self.client.scan_iter(match=pattern)]
+        return self._do(f"scanning {pattern}", lambda: [
+            k.decode() if isinstance(k, bytes) else k for k in self.client.scan_iter(match=pattern, count=1000)])
+
+    def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.lpush(key, value)
+            if max_len is not None:
+                pipe.ltrim(key, 0, max_len - 1)
+            if ttl_s is not None:
+                pipe.pexpire(key, _ms(ttl_s))
+            pipe.execute()
+
+        self._do(f"pushing to {key}", run)
+
+    def pop(self, key: str, timeout_s: float) -> bytes | None:
+        # BRPOP: the oldest first (LPUSH + BRPOP is FIFO). Not retried here: a listener loops anyway.
+        item = self.client.brpop([key], timeout=timeout_s)
+        return None if item is None else item[1]
+
+    def pop_tail(self, key: str) -> bytes | None:
+        return self._do(f"reading {key}", lambda: self.client.rpop(key))
+
+    def list_range(self, key: str, start: int, stop: int) -> list[bytes]:
+        return self._do(f"reading {key}", lambda: self.client.lrange(key, start, stop))
+
+    def length(self, key: str) -> int:
+        return int(self._do(f"reading {key}", lambda: self.client.llen(key)))
+
+    def count(self, key: str, ttl_s: float) -> int:
+        def run() -> int:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incr(key)
+            pipe.pexpire(key, _ms(ttl_s))
+            return int(pipe.execute()[0])
+
+        return self._do(f"counting {key}", run)
+
+    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None:
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.set(key, value, px=_ms(ttl_s))
+            if inbox is not None:
+                pipe.lpush(inbox, item)
+                pipe.pexpire(inbox, _ms(ttl_s))
+            pipe.execute()
+
+        self._do(f"storing reply {key}", run)
+
+    def beat(self, zset: str, member: str) -> None:
+        self._do("sending a heartbeat", lambda: self._beat(keys=[zset], args=[member]))
+
+    def ages(self, zset: str) -> dict[str, float]:
+        sec, usec, flat = self._ages(keys=[zset])
+        now = int(sec) + int(usec) / 1e6
+        return {_text(flat[i]): now - float(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def forget(self, zset: str, member: str) -> None:
+        self._do("removing a heartbeat", lambda: self.client.zrem(zset, member))
+
+
+def _ms(ttl_s: float) -> int:
+    return max(1, int(ttl_s * 1000))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class MemoryStore:
@@ -57,27 +177,104 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[bytes, float]] = {}
-        self._lock = threading.Lock()
+        self._lists: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+        self._zsets: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        self._counts: dict[str, int] = collections.defaultdict(int)
+        self._lock = threading.Condition()
+
+    def with_retry(self, retry_s: float) -> MemoryStore:
+        return self
 
     def set(self, key: str, value: bytes, ttl_s: float) -> None:
         with self._lock:
             self._data[key] = (bytes(value), time.monotonic() + ttl_s)
 
+    def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
+        with self._lock:
+            if self._get(key) is not None:
+                return False
+            self._data[key] = (bytes(value), time.monotonic() + ttl_s)
+            return True
+
     def get(self, key: str) -> bytes | None:
         with self._lock:
-            item = self._data.get(key)
-            if item is None:
-                return None
-            if item[1] < time.monotonic():
-                del self._data[key]
-                return None
-            return item[0]
+            return self._get(key)
+
+    def _get(self, key: str) -> bytes | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        if item[1] < time.monotonic():
+            del self._data[key]
+            return None
+        return item[0]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        with self._lock:
+            return [self._get(k) for k in keys]
 
     def delete(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
+            self._lists.pop(key, None)
 
     def scan(self, pattern: str) -> list[str]:
         now = time.monotonic()
         with self._lock:
-            return [k for k, (_, exp) in self._data.items() if exp >= now and fnmatch.fnmatchcase(k, pattern)]
+            names = [k for k, (_, exp) in self._data.items() if exp >= now] + [k for k, v in self._lists.items() if v]
+            return [k for k in names if fnmatch.fnmatchcase(k, pattern)]
+
+    def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
+        with self._lock:
+            items = self._lists[key]
+            items.appendleft(bytes(value))
+            while max_len is not None and len(items) > max_len:
+                items.pop()
+            self._lock.notify_all()
+
+    def pop(self, key: str, timeout_s: float) -> bytes | None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self._lists.get(key):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(left)
+            return self._lists[key].pop()
+
+    def pop_tail(self, key: str) -> bytes | None:
+        with self._lock:
+            items = self._lists.get(key)
+            return items.pop() if items else None
+
+    def list_range(self, key: str, start: int, stop: int) -> list[bytes]:
+        with self._lock:
+            items = list(self._lists.get(key, ()))
+        return items[start:] if stop == -1 else items[start:stop + 1]
+
+    def length(self, key: str) -> int:
+        with self._lock:
+            return len(self._lists.get(key, ()))
+
+    def count(self, key: str, ttl_s: float) -> int:
+        with self._lock:
+            self._counts[key] += 1
+            return self._counts[key]
+
+    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None:
+        self.set(key, value, ttl_s)
+        if inbox is not None:
+            self.push(inbox, item)
+
+    def beat(self, zset: str, member: str) -> None:
+        with self._lock:
+            self._zsets[zset][member] = time.monotonic()
+
+    def ages(self, zset: str) -> dict[str, float]:
+        now = time.monotonic()
+        with self._lock:
+            return {m: now - t for m, t in self._zsets[zset].items()}
+
+    def forget(self, zset: str, member: str) -> None:
+        with self._lock:
+            self._zsets[zset].pop(member, None)

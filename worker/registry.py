@@ -1,6 +1,13 @@
-"""A worker's "I serve model X" registration: a key with a TTL, refreshed while the worker lives.
+"""A worker's presence in the fleet: its registration, its heartbeat, and the cleanup of dead workers' queues.
 
-Producers read these to fail fast on a model nobody serves, instead of waiting on a queue forever.
+* The *registration* (``tinkerq:serving:<model>:<worker>``, JSON with a TTL) says which model a worker
+  serves; producers read it to fail fast on a model nobody serves.
+* The *heartbeat* is the worker's score in the sorted set ``tinkerq:heartbeats``: the Redis server's time
+  of its last beat, so a producer learns the age of every worker in one call, on one clock. A worker beats
+  only while its consumer loop runs (``consuming``): a process that is alive but no longer takes messages
+  is not alive for the fleet.
+* The *reaper* (:func:`reap_dead_workers`) answers the messages left in a dead worker's queue with
+  ``WorkerLostError`` and deletes the queue, so nothing waits there forever (rq's cleanup pass, in Redis).
 """
 
 from __future__ import annotations
@@ -11,33 +18,49 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from tinkerq import keys
+from tinkerq.errors import TinkerqError, WorkerLostError
+from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
+from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.worker")
+
+LOST_AFTER_BEATS = 1.5  # a worker whose heartbeat is older than this many periods is gone (producers)
+REAP_AFTER_BEATS = 4.0  # the reaper waits longer: the producers have failed the futures already
 
 
 class Registration:
     def __init__(self, store: KeyValueStore, base_model: str, worker_id: str, period_s: float,
-                 info: dict | None = None) -> None:
-        self.store = store
+                 info: dict | None = None, consuming: Callable[[], bool] | None = None,
+                 on_redis_back: Callable[[], None] | None = None) -> None:
+        # A beat never waits out an outage: the next one comes soon.
+        self.store = store.with_retry(period_s / 2)
+        self.worker_id = worker_id
         self.key = keys.serving(base_model, worker_id)
         self.period_s = period_s
+        self.consuming = consuming or (lambda: True)
+        self.on_redis_back = on_redis_back or (lambda: None)
         self.record = {
             "base_model": base_model,
             "worker": worker_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
+            "heartbeat_s": period_s,
             **(info or {}),
         }
         self._stop = threading.Event()
         self._withdrawn = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failing = False
+        self._wedged = False
 
     def beat(self) -> None:
         self.store.set(self.key, json.dumps(self.record).encode(), ttl_s=3 * self.period_s)
+        self.store.beat(keys.HEARTBEATS, self.worker_id)
 
     def start(self) -> None:
         self.beat()
@@ -45,13 +68,27 @@ class Registration:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
+        # Twice per period: a producer declares a worker lost after 1.5 periods without a beat.
+        while not self._stop.wait(self.period_s / 2):
             if self._withdrawn.is_set():
                 continue
+            if not self.consuming():
+                if not self._wedged:
+                    log.error("the worker's consumer loop has stopped taking messages: heartbeats stop, so "
+                              "producers fail this worker's requests instead of waiting on it")
+                    self._wedged = True
+                continue
+            self._wedged = False
             try:
                 self.beat()
-            except Exception as exc:  # Redis blips must not kill the worker; the TTL covers us
-                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # Redis is away: the producers' monitors account for outages
+                if not self._failing:
+                    log.warning("heartbeat failed: %s", exc)
+                self._failing = True
+                continue
+            if self._failing:
+                self._failing = False
+                self.on_redis_back()
 
     def withdraw(self) -> None:
         """Stop announcing the model for now (e.g. while a shard group re-forms); :meth:`resume` undoes it."""
@@ -70,5 +107,91 @@ class Registration:
     def _delete(self) -> None:
         try:
             self.store.delete(self.key)
-        except Exception as exc:  # the TTL removes it anyway
+            self.store.forget(keys.HEARTBEATS, self.worker_id)
+        except Exception as exc:  # the TTL removes the registration anyway; the reaper the heartbeat
             log.warning("could not remove registration %s: %s", self.key, exc)
+
+
+def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:
+    """Answer and delete what waits in dead workers' queues; returns how many messages were answered.
+
+    A worker is dead when its heartbeat is older than ``REAP_AFTER_BEATS`` periods (or absent while its queue
+    exists). One worker at a time does this (a lock key), and only a worker that has itself been beating
+    for longer than that, so an outage that stopped every heartbeat does not make live workers look dead.
+    """
+    period = settings.heartbeat_s
+    if not store.set_if_absent(keys.REAPER_LOCK, me.encode(), ttl_s=REAP_AFTER_BEATS * period):
+        return 0
+    ages = store.ages(keys.HEARTBEATS)
+    prefix = keys.worker_queue("")
+    answered = 0
+    for queue in store.scan(prefix + "*"):
+        worker = queue[len(prefix):]
+        if worker == me or ages.get(worker, float("inf")) <= REAP_AFTER_BEATS * period:
+            continue
+        while (item := store.pop_tail(queue)) is not None:
+            task_id, inbox = _sender(item)
+            if task_id is None:
+                continue
+            error = WorkerLostError(f"worker {worker} stopped before taking this request; create a new training "
+                                    f"client, or resume from your last checkpoint (create_training_client_from_state)")
+            try:
+                from worker.intake import store_reply
+
+                store_reply(store, settings, task_id, inbox, messages.error_reply(error))
+                answered += 1
+            except TinkerqError as exc:
+                log.warning("could not answer %s left on %s: %s", task_id, queue, exc)
+        store.delete(queue)
+        store.forget(keys.HEARTBEATS, worker)
+        log.warning("worker %s is gone: answered %d request(s) left in its queue and removed it", worker, answered)
+    for worker, age in ages.items():  # heartbeats of workers gone long ago, whose queues never existed
+        if worker != me and age > 100 * REAP_AFTER_BEATS * period:
+            store.forget(keys.HEARTBEATS, worker)
+    return answered
+
+
+def _sender(item: bytes) -> tuple[str | None, str | None]:
+    """Task id and reply inbox of a raw queue entry, when they can be read (anything else is dropped)."""
+    try:
+        headers = json.loads(item).get("headers") or {}
+        task_id, inbox = headers.get("id"), headers.get("tinkerq_reply")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None, None
+    if not isinstance(task_id, str) or len(task_id) > 64:
+        return None, None
+    return task_id, inbox if isinstance(inbox, str) and keys.REPLY_LIST_RE.match(inbox) else None
+
+
+def consumer_liveness_step(liveness: ConsumerLiveness) -> type:
+    """A Celery consumer bootstep that ticks ``liveness`` from the consumer's own event loop."""
+    from celery import bootsteps
+
+    class LoopTick(bootsteps.StartStopStep):
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, c) -> None:
+            liveness.tick()
+            self._timer = c.hub.call_repeatedly(liveness.period_s / 4, liveness.tick) if c.hub is not None else None
+            liveness.enabled = c.hub is not None
+
+        def stop(self, c) -> None:
+            if getattr(self, "_timer", None) is not None:
+                self._timer.cancel()
+
+    return LoopTick
+
+
+class ConsumerLiveness:
+    """Whether the Celery consumer's event loop still runs: it ticks this from a timer in that loop."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.enabled = False  # until the consumer starts (and only with an event loop)
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        self._last = time.monotonic()
+
+    def __call__(self) -> bool:
+        return not self.enabled or time.monotonic() - self._last < 2 * self.period_s

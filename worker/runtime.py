@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -18,8 +19,9 @@ from celery import signals
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.settings import Settings
+from worker.intake import DeadLetters, transport_for
 from worker.model_loading import load_causal_lm
-from worker.registry import Registration
+from worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
 from worker.service import WorkerService
 from worker.sharding.follower import build_host
 from worker.sharding.group import ShardSpec
@@ -54,15 +56,25 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         shards = build_host(model_path, settings)
         model = shards.base_model
         shards.group.form()
-    connection = Connection.open(settings)
+    # A worker retries Redis through an outage as long as a request may run: after the visibility timeout it
+    # would be delivered again anyway.
+    connection = Connection.open(settings, retry_s=settings.visibility_timeout_s)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     base_model = served_name(model_path, name)
     service = WorkerService(connection, base_model, os.path.abspath(model_path), model, worker_id, shards=shards)
     register_tasks(connection.app, service)
+    liveness = ConsumerLiveness(settings.heartbeat_s)
+    if not settings.is_embedded:
+        guard_intake(connection, worker_id, liveness)
+
+    def redis_back() -> None:
+        service.redis_back_at = time.monotonic()
+
     registration = Registration(
         connection.store, base_model, worker_id, settings.heartbeat_s,
         info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype,
               "loss_backend": service.logprobs.backend, "shards": settings.shards},
+        consuming=liveness, on_redis_back=redis_back,
     )
     if shards is not None:
         # While the group re-forms, producers see no worker for the model instead of a silent queue.
@@ -82,6 +94,20 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, worker_id, service.logprobs.backend)
     return AssembledWorker(connection, service, registration, worker_id)
+
+
+def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiveness) -> None:
+    """Check every message before kombu and Celery see it (worker/intake.py); tick liveness from the loop."""
+    app, settings = connection.app, connection.settings
+    assert settings.broker_url is not None
+    app.conf.broker_transport = transport_for(settings.broker_url)
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "tinkerq_dead_letters": DeadLetters(connection.store, settings, worker_id),
+    }
+    # Through an outage the consumer reconnects for as long as it takes (Celery's default gives up).
+    app.conf.broker_connection_max_retries = None
+    app.steps["consumer"].add(consumer_liveness_step(liveness))
 
 
 def run_worker(model_path: str, settings: Settings, *, name: str | None = None, loglevel: str = "INFO",

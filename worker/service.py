@@ -17,10 +17,11 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from tinkerq import types
+from tinkerq import keys, types
 from tinkerq.connection import Connection
 from tinkerq.errors import (
     MalformedMessageError,
+    RequestTimeoutError,
     ServerError,
     ShardGroupError,
     TinkerqError,
@@ -30,11 +31,13 @@ from tinkerq.errors import (
 )
 from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_sampling
 from tinkerq.wire import codec, messages
-from worker import checkpoints
+from worker import checkpoints, memory
+from worker.intake import store_reply
 from worker.logprobs import LogprobComputer
 from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
+from worker.registry import reap_dead_workers
 from worker.sampling import StopRule, sample
 from worker.session import TrainingSession
 from worker.sharding.host import LeaderSession, ShardHost
@@ -79,6 +82,10 @@ class WorkerService:
         self._tokenizer: Any = None
         self.metrics = WorkerMetrics()
         self._lock = threading.RLock()
+        self._inboxes: dict[str, str | None] = {}  # buffered task id -> its sender's reply inbox
+        # When Redis last came back after an outage: a missing predecessor cannot arrive while Redis is down,
+        # so the gap timeout counts from here (set by the heartbeat, which notices outages first).
+        self.redis_back_at = time.monotonic()
         # op -> (session, body) -> (reply body bytes, tokens processed)
         self._ops: dict[str, Callable[[Session, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
@@ -87,7 +94,10 @@ class WorkerService:
             "save_weights_for_sampler": self._save_weights,
             "save_state": self._save_state,
             "load_state": self._load_state,
-            "create_sampler": lambda s, body: (codec.packb({"sampler_id": s.create_sampler()}), 0),
+            # The memory check returns None (or refuses with CapacityError) before the snapshot is copied.
+            "create_sampler": lambda s, body: memory.admit_snapshot(
+                self.model, self.settings, [slot.session for slot in self.slots.values()]
+            ) or (codec.packb({"sampler_id": s.create_sampler()}), 0),
             "sample": self._sample,
             "echo": lambda s, body: (codec.packb(body), 0),
             "close_model": lambda s, body: (codec.packb({}), 0),
@@ -95,15 +105,18 @@ class WorkerService:
 
     # -- entry point -----------------------------------------------------------------------------------------
 
-    def handle(self, op: str, envelope: Any, task_id: str) -> dict[str, Any] | None:
-        """The reply to send now, or None when the request was buffered (it is answered when it runs)."""
+    def handle(self, op: str, envelope: Any, task_id: str, inbox: str | None = None) -> dict[str, Any] | None:
+        """The reply to send now, or None when the request was buffered (it is answered when it runs).
+
+        ``inbox`` is the sender's reply list: a buffered request is answered there when it finally runs.
+        """
         started = time.perf_counter()
         with self._lock:
             try:
                 if op == "create_model":
                     outcome = self._create_model(envelope)
                 else:
-                    outcome = self._sequenced(op, envelope, task_id)
+                    outcome = self._sequenced(op, envelope, task_id, inbox)
             except TinkerqError as exc:
                 outcome = ("error", exc.to_wire(), NO_TIMING)
             except Exception as exc:  # a bug: answer it, log it, keep serving
@@ -123,15 +136,22 @@ class WorkerService:
         requested = body.get("base_model") if isinstance(body, dict) else None
         if requested != self.base_model:
             raise UnknownModelError(f"this worker serves {self.base_model!r}, not {requested!r}")
+        deadline = body.get("deadline")
+        if isinstance(deadline, (int, float)) and time.time() > deadline:
+            # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
+            # a session nobody will use would only take a slot.
+            raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
         if model_id not in self.slots:
             self._make_room()
+            memory.admit_session(self.model, self.settings, [slot.session for slot in self.slots.values()])
             self.slots[model_id] = _Slot(self._new_session(model_id), Ordering())
             log.info("opened session %s (%d open)", model_id, len(self.slots))
         info = types.ModelInfo(
             model_id=model_id, base_model=self.base_model, vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id,
             extra={"device": self.settings.device, "dtype": self.settings.dtype,
-                   "loss_backend": self.logprobs.backend, "shards": self.settings.shards},
+                   "loss_backend": self.logprobs.backend, "shards": self.settings.shards,
+                   "heartbeat_s": self.settings.heartbeat_s},
         )
         return ("ok", codec.packb(info.__dict__), NO_TIMING)
 
@@ -145,7 +165,7 @@ class WorkerService:
     def shard_group_failed(self, reason: str) -> None:
         """The shard group broke: every session it held is gone. Answer their waiting requests now."""
         with self._lock:
-            outcome = ("error", ShardGroupError(reason).to_wire(), NO_TIMING)
+            outcome = ("error", ShardGroupError(reason, session_broken=True).to_wire(), NO_TIMING)
             for slot in self.slots.values():
                 slot.broken, slot.broken_error = reason, ShardGroupError
                 for pending in slot.ordering.drop_buffered():
@@ -186,7 +206,7 @@ class WorkerService:
         now, failed = time.monotonic(), 0
         with self._lock:
             for model_id, slot in self.slots.items():
-                if slot.ordering.waited(now) <= self.settings.gap_timeout_s:
+                if min(slot.ordering.waited(now), now - self.redis_back_at) <= self.settings.gap_timeout_s:
                     continue
                 missing = slot.ordering.next_seq
                 slot.broken = (
@@ -195,20 +215,32 @@ class WorkerService:
                     f"not applied; create a new training client (or resume from a checkpoint)"
                 )
                 log.error(slot.broken)
-                outcome = ("error", ServerError(slot.broken).to_wire(), NO_TIMING)
+                outcome = ("error", ServerError(slot.broken, session_broken=True).to_wire(), NO_TIMING)
                 for pending in slot.ordering.drop_buffered():
                     self._store_late(pending.task_ids, outcome)
                     failed += 1
         return failed
 
     def start_watchdog(self, period_s: float = 1.0) -> threading.Event:
-        """Run :meth:`expire_gaps` every ``period_s`` in a daemon thread; set the returned event to stop."""
+        """Run :meth:`expire_gaps` every ``period_s``, and the dead-worker reaper every few heartbeats, in a
+        daemon thread; set the returned event to stop."""
         stop = threading.Event()
+        reap_every = max(1, round(2 * self.settings.heartbeat_s / period_s))
 
         def loop() -> None:
+            ticks = 0
             while not stop.wait(period_s):
+                ticks += 1
                 try:
                     self.expire_gaps()
+                    # Only once this worker has been in touch with Redis for a while: after an outage every
+                    # heartbeat is old, and live workers must get the time to beat again.
+                    settled = time.monotonic() - self.redis_back_at > 4 * self.settings.heartbeat_s
+                    if ticks % reap_every == 0 and settled:
+                        reap_dead_workers(self.connection.store.with_retry(self.settings.heartbeat_s),
+                                          self.settings, self.worker_id)
+                except TinkerqError as exc:
+                    log.warning("watchdog: %s", exc.message)
                 except Exception:
                     log.exception("gap watchdog failed")
 
@@ -217,7 +249,7 @@ class WorkerService:
 
     # -- ordered requests --------------------------------------------------------------------------------------------
 
-    def _sequenced(self, op: str, envelope: Any, task_id: str) -> Outcome | None:
+    def _sequenced(self, op: str, envelope: Any, task_id: str, inbox: str | None) -> Outcome | None:
         model_id, seq_id, _ = messages.check_envelope(envelope, op)
         slot = self.slots.get(model_id)
         if slot is None:
@@ -231,7 +263,7 @@ class WorkerService:
             if op == "close_model":  # an unusable session can still be released, out of order
                 self._close(model_id)
                 return ("ok", codec.packb({}), NO_TIMING)
-            raise slot.broken_error(slot.broken)
+            raise slot.broken_error(slot.broken, session_broken=True)
         if kind == "repeat":
             kept = ordering.reply_for(seq_id)
             if kept is None:
@@ -241,7 +273,9 @@ class WorkerService:
                 )
             return kept
         if kind == "buffer":
+            self._inboxes[task_id] = inbox
             if not ordering.buffer(seq_id, op, envelope, task_id):
+                self._inboxes.pop(task_id, None)
                 raise ServerError(f"session {model_id} has too many out-of-order requests waiting for seq "
                                   f"{ordering.next_seq}")
             return None
@@ -262,7 +296,7 @@ class WorkerService:
         if isinstance(sent_at, (int, float)):
             timing["queue_wait_s"] = max(0.0, started - sent_at)  # across hosts: as good as their clocks
         if slot.broken is not None:
-            outcome: Outcome = ("error", slot.broken_error(slot.broken).to_wire(), timing)
+            outcome: Outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
         elif op not in self._ops:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
@@ -280,12 +314,14 @@ class WorkerService:
                 log.exception("%s seq %d of session %s failed", op, seq_id, model_id)
                 slot.broken = (f"session {model_id} is unusable since {op} seq {seq_id} failed in the worker "
                                f"({type(exc).__name__}: {exc}); create a new training client")
-                outcome = ("error", WorkerError(slot.broken).to_wire(), timing)
+                outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
         slot.ordering.applied(seq_id, outcome)
         if op == "close_model" and outcome[0] == "ok":
             self._close(model_id)
         self.metrics.observe(op, outcome[0], timing)
         self.metrics.sessions.set(len(self.slots))
+        if memory.is_large(ref, outcome):  # give the request's freed buffers back to the OS (RSS)
+            memory.release_memory()
         return outcome
 
     # -- operations ----------------------------------------------------------------------------------------------------
@@ -295,6 +331,8 @@ class WorkerService:
         # Validate the whole batch before anything touches the model.
         validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
                               max_seq_len=self.max_seq_len)
+        memory.admit_batch(self.model, self.settings, [d.model_input.length for d in data], backward=backward,
+                           logprobs=self.logprobs)
         out = session.run_loss(data, loss_fn, config, backward=backward)
         tokens = sum(d.model_input.length for d in data)
         return codec.packb(messages.encode_forward_backward_output(out)), tokens
@@ -310,6 +348,8 @@ class WorkerService:
     def _sample(self, session: Session, body: Any) -> bytes:
         sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)
         validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        memory.admit_sample(self.model, self.settings, prompt.length,
+                            params.max_tokens or (self.max_seq_len - prompt.length), num_samples)
         model = session.sampler(sampler_id)
         tokens = prompt.to_ints()
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
@@ -370,5 +410,15 @@ class WorkerService:
         return reply
 
     def _store_late(self, task_ids: list[str], outcome: Outcome) -> None:
+        """Answer requests that were buffered (they are answered when they run, or fail)."""
         for task_id in task_ids:
-            self.connection.app.backend.store_result(task_id, self._reply(outcome), "SUCCESS")
+            self.answer(task_id, self._inboxes.pop(task_id, None), self._reply(outcome))
+
+    def answer(self, task_id: str, inbox: str | None, reply: dict[str, Any]) -> None:
+        """Store ``reply`` for ``task_id`` and push it to the sender's inbox; retried through Redis outages."""
+        if inbox is not None and not keys.REPLY_LIST_RE.match(inbox):
+            inbox = None
+        try:
+            store_reply(self.connection.store, self.settings, task_id, inbox, reply)
+        except TinkerqError as exc:  # Redis stayed away for the whole retry window: the request is redelivered
+            log.error("could not answer %s: %s", task_id, exc.message)

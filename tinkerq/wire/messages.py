@@ -13,6 +13,7 @@ body becomes an error on the caller's future instead of a message Celery drops.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, fields
 from typing import Any
@@ -21,8 +22,12 @@ import numpy as np
 
 from tinkerq import types
 from tinkerq.errors import MalformedMessageError, TinkerqError, error_from_wire
+from tinkerq.wire import codec
 
 WIRE_VERSION = 1
+MODEL_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+# Message header naming the sender's reply inbox (tinkerq.keys.reply_list): readable even when a body is not.
+REPLY_HEADER = "tinkerq_reply"
 
 
 # -- envelope -----------------------------------------------------------------------------------------
@@ -45,8 +50,9 @@ def check_envelope(envelope: Any, expected_op: str) -> tuple[str, int, dict[str,
     if envelope.get("op") != expected_op:
         raise MalformedMessageError(f"envelope op {envelope.get('op')!r} sent to the {expected_op} task")
     model_id, seq_id = envelope.get("model_id"), envelope.get("seq_id")
-    if not isinstance(model_id, str) or not model_id or len(model_id) > 200:
-        raise MalformedMessageError("envelope model_id must be a non-empty string")
+    # Session ids name directories under the checkpoint directory: only what the producer mints (uuid4 hex).
+    if not isinstance(model_id, str) or not MODEL_ID_RE.match(model_id):
+        raise MalformedMessageError(f"envelope model_id must be 32 lowercase hex digits, got {model_id!r:.80}")
     if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
         raise MalformedMessageError(f"envelope seq_id must be a non-negative integer, got {seq_id!r}")
     return model_id, seq_id, envelope.get("payload")
@@ -58,6 +64,19 @@ def ok_reply(payload_ref: dict[str, Any]) -> dict[str, Any]:
 
 def error_reply(error: TinkerqError) -> dict[str, Any]:
     return {"ok": False, "error": error.to_wire()}
+
+
+def make_reply_item(task_id: str, reply: dict[str, Any]) -> bytes:
+    """What a worker pushes to a producer's reply inbox: the task id and its reply, in one msgpack map."""
+    return codec.packb({"task_id": task_id, "reply": reply})
+
+
+def read_reply_item(item: bytes) -> tuple[str, Any]:
+    """(task id, reply) from an inbox item; MalformedMessageError if it is not one."""
+    decoded = codec.unpackb(item)
+    if not isinstance(decoded, dict) or not isinstance(decoded.get("task_id"), str):
+        raise MalformedMessageError("reply inbox item is not a {task_id, reply} map")
+    return decoded["task_id"], decoded.get("reply")
 
 
 def reply_error(reply: Any) -> TinkerqError | None:

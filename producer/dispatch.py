@@ -1,0 +1,300 @@
+"""The producer's dispatcher: posts requests, receives every reply, and notices lost workers and outages.
+
+One per :class:`producer.ServiceClient`, with two daemon threads:
+
+* the *listener* pops replies from this client's inbox (``tinkerq:replies:<client id>``, a Redis list that
+  workers push to) and resolves the matching futures. A list, unlike pub/sub, keeps replies through a
+  dropped connection. When Redis was unreachable, the listener then *recovers*: it reads the replies
+  stored under each pending request's reply key and re-posts every request still unanswered (same task
+  id, same sequence number). Re-posting is safe because workers apply a session's requests by sequence
+  number and answer repeats from their kept replies; it covers what a Redis restart or failover may lose
+  (the last second of an AOF, a replica's lag, a reply pushed while nobody listened).
+* the *monitor* posts requests that could not be posted when they were submitted (Redis was away), and
+  checks the heartbeats of every worker that owes this client an answer, in one call: a worker silent for
+  1.5 of its heartbeat periods is gone, and every pending request it owes fails at once with
+  ``WorkerLostError``. After an outage it first waits that long, so workers can beat again.
+
+Submitting never blocks on Redis: a request that cannot be posted now is posted by the monitor later; if
+Redis stays away longer than ``TINKERQ_REDIS_RETRY_S``, pending requests fail with BrokerUnavailableError.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.futures import APIFuture
+from tinkerq import keys
+from tinkerq.celery_app import TASK_NAMES
+from tinkerq.connection import Connection
+from tinkerq.errors import BrokerUnavailableError, ServerError, TinkerqError, WorkerLostError, error_from_wire
+from tinkerq.retry import is_transient
+from tinkerq.wire import codec, messages
+from tinkerq.wire.claimcheck import ClaimCheck
+
+log = logging.getLogger("tinkerq.producer")
+
+LOST_AFTER_BEATS = 1.5  # as worker.registry: a worker beats twice per period
+
+
+@dataclass
+class Request:
+    op: str
+    model_id: str
+    seq_id: int
+    body: bytes  # kept until answered: a re-post after an outage writes the claim check again
+    queue: str
+    argsrepr: str
+    future: APIFuture[Any]
+    worker: str | None = None  # the worker that must answer; None: any worker of the model
+    heartbeat_s: float = 5.0
+    posted: bool = False
+    task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    also: list[APIFuture[Any]] = field(default_factory=list)  # more futures for the same task id (tests)
+
+    @property
+    def futures(self) -> list[APIFuture[Any]]:
+        return [self.future, *self.also]
+
+
+class Dispatcher:
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.settings = connection.settings
+        self.store = connection.store
+        self.client_id = uuid.uuid4().hex
+        self.inbox = keys.reply_list(self.client_id)
+        self._pending: dict[str, Request] = {}
+        self._lock = threading.Lock()
+        self._recovery_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._outage_since: float | None = None  # monotonic time Redis was first found unreachable
+        self._reachable_since = time.monotonic()
+        self._needs_recovery = False
+        self._threads = [threading.Thread(target=self._listen, name="tinkerq-replies", daemon=True),
+                         threading.Thread(target=self._monitor, name="tinkerq-monitor", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- submitting ---------------------------------------------------------------------------------------
+
+    def submit(self, op: str, body: bytes, *, model_id: str, seq_id: int, queue: str, argsrepr: str,
+               decode: Callable[[Any], Any], worker: str | None = None, heartbeat_s: float | None = None,
+               describe: str | None = None) -> APIFuture[Any]:
+        """Post one request (now, or as soon as Redis is reachable) and return its future."""
+        future: APIFuture[Any] = APIFuture(decode, claim_check=self.connection.claim_check(),
+                                           describe=describe or f"{op} seq={seq_id}")
+        request = Request(op, model_id, seq_id, body, queue, argsrepr, future, worker,
+                          heartbeat_s or self.settings.heartbeat_s)
+        future.task_id = request.task_id
+        with self._lock:
+            self._pending[request.task_id] = request
+        self._try_post(request)
+        return future
+
+    def expect(self, task_id: str, decode: Callable[[Any], Any], *, worker: str | None = None,
+               describe: str = "request") -> APIFuture[Any]:
+        """A future for a message posted by the caller itself (tests send hand-made messages this way)."""
+        future: APIFuture[Any] = APIFuture(decode, claim_check=self.connection.claim_check(), describe=describe,
+                                           task_id=task_id)
+        request = Request("", "", 0, b"", "", "", future, worker, self.settings.heartbeat_s, posted=True,
+                          task_id=task_id)
+        with self._lock:
+            if task_id in self._pending:
+                self._pending[task_id].also.append(future)
+            else:
+                self._pending[task_id] = request
+        return future
+
+    def abandon(self, future: APIFuture[Any]) -> None:
+        """Stop tracking a request whose caller gave up waiting (its late answer is ignored)."""
+        if future.task_id is not None:
+            with self._lock:
+                self._pending.pop(future.task_id, None)
+
+    def _try_post(self, request: Request) -> bool:
+        """Post without waiting on an outage; False (and left for the monitor) if Redis is unreachable."""
+        try:
+            self._post(request, self.store.with_retry(0))
+            return True
+        except Exception as exc:
+            if not (is_transient(exc) or isinstance(exc, BrokerUnavailableError) or _is_kombu_outage(exc)):
+                self._finish(request.task_id, error=ServerError(f"{request.op} could not be posted: {exc}"))
+                return False
+            self._lost(exc)
+            return False
+
+    def _post(self, request: Request, store: Any) -> None:
+        s = self.settings
+        ref = ClaimCheck(store, s.claim_check_bytes, s.blob_ttl_s, s.max_message_bytes).wrap(request.body)
+        envelope = messages.make_envelope(request.op, request.model_id, request.seq_id, ref)
+        self.connection.app.send_task(
+            TASK_NAMES[request.op], args=(envelope,), queue=request.queue, task_id=request.task_id,
+            headers={messages.REPLY_HEADER: self.inbox},
+            # What Flower shows: never tensors.
+            argsrepr=f"model_id={request.model_id[:8]} seq={request.seq_id} {request.argsrepr}".strip(),
+            kwargsrepr="{}",
+        )
+        request.posted = True
+
+    # -- resolving ---------------------------------------------------------------------------------------------
+
+    def _finish(self, task_id: str, reply: Any = None, error: TinkerqError | None = None) -> None:
+        with self._lock:
+            request = self._pending.pop(task_id, None)
+        if request is None:
+            return  # a repeat's answer, or one for a future that already failed
+        for future in request.futures:
+            if error is not None:
+                future._fail(error)
+            else:
+                future._arrive(reply)
+        if error is not None:
+            return
+        broken = messages.reply_error(reply)
+        if broken is not None and broken.details.get("session_broken") and request.model_id:
+            # The worker gave up on the session (e.g. a request never arrived): nothing pending of it will be
+            # answered, including the request that went missing.
+            self._fail_where(lambda r: r.model_id == request.model_id, lambda r: error_from_wire(reply["error"]))
+
+    def _fail_where(self, which: Callable[[Request], bool], error: Callable[[Request], TinkerqError]) -> int:
+        with self._lock:
+            doomed = [r for r in self._pending.values() if which(r)]
+            for r in doomed:
+                del self._pending[r.task_id]
+        for r in doomed:
+            for future in r.futures:
+                future._fail(error(r))
+        return len(doomed)
+
+    # -- the listener ---------------------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        delay = 0.02
+        while not self._stop.is_set():
+            try:
+                item = self.store.pop(self.inbox, timeout_s=1.0)
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                if not (is_transient(exc) or _is_kombu_outage(exc)):
+                    log.exception("reading replies failed")
+                self._lost(exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            delay = 0.02
+            self._reached()
+            if item is None:
+                continue
+            try:
+                task_id, reply = messages.read_reply_item(item)
+            except TinkerqError as exc:
+                log.warning("ignored a malformed reply in %s: %s", self.inbox, exc.message)
+                continue
+            self._finish(task_id, reply)
+
+    def _lost(self, exc: BaseException) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            log.warning("Redis is unreachable (%s: %s); pending requests wait for it (TINKERQ_REDIS_RETRY_S=%g)",
+                        type(exc).__name__, str(exc)[:200], self.settings.redis_retry_s)
+        self._needs_recovery = True
+
+    def _reached(self) -> None:
+        """Redis answered. After an outage: collect replies stored meanwhile, re-post what is unanswered."""
+        if not self._needs_recovery:
+            return
+        with self._recovery_lock:
+            if not self._needs_recovery:
+                return
+            try:
+                self._recover()
+            except Exception as exc:
+                self._lost(exc)
+                return
+            down = time.monotonic() - (self._outage_since or time.monotonic())
+            self._needs_recovery = False
+            self._outage_since = None
+            self._reachable_since = time.monotonic()
+            log.warning("Redis is reachable again after %.1f s; pending requests continue", down)
+
+    def _recover(self) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+        store = self.store.with_retry(0)
+        stored = store.get_many([keys.reply(r.task_id) for r in pending])
+        reposted = 0
+        for request, raw in zip(pending, stored, strict=True):
+            if raw is not None:
+                try:
+                    self._finish(request.task_id, codec.unpackb(raw))
+                    continue
+                except TinkerqError:
+                    pass
+            if request.body or request.op:  # hand-made messages (expect()) cannot be re-posted
+                self._post(request, store)
+                reposted += 1
+        if reposted:
+            log.warning("re-posted %d unanswered request(s) after the outage (workers apply each once)", reposted)
+
+    # -- the monitor -----------------------------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        period = max(0.05, min(0.5, self.settings.heartbeat_s / 4))
+        while not self._stop.wait(period):
+            try:
+                self._check()
+            except Exception:
+                log.exception("the producer's monitor failed; it keeps running")
+
+    def _check(self) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+        if not pending:
+            return
+        now = time.monotonic()
+        if self._outage_since is not None and now - self._outage_since > self.settings.redis_retry_s:
+            error = BrokerUnavailableError(
+                f"Redis has been unreachable for {now - self._outage_since:.0f} s (TINKERQ_REDIS_RETRY_S); "
+                f"pending requests are abandoned. Check Redis, then resume from your last checkpoint")
+            self._fail_where(lambda r: True, lambda r: error)
+            return
+        for request in pending:
+            if not request.posted and not self._try_post(request):
+                return
+        owed = {r.worker: r.heartbeat_s for r in pending if r.worker}
+        if not owed:
+            return
+        try:
+            ages = self.store.with_retry(0).ages(keys.HEARTBEATS)
+        except Exception as exc:
+            self._lost(exc)
+            return
+        self._reached()
+        seen_for = time.monotonic() - self._reachable_since
+        for worker, heartbeat_s in owed.items():
+            limit = LOST_AFTER_BEATS * heartbeat_s
+            if ages.get(worker, float("inf")) > limit and seen_for > limit:
+                n = self._fail_where(lambda r, w=worker: r.worker == w, lambda r, w=worker: WorkerLostError(
+                    f"{r.future._describe}: worker {w}, which holds this training session, stopped (no "
+                    f"heartbeat for {min(ages.get(w, float('inf')), 1e9):.1f} s) before answering; the request "
+                    f"may or may not have been applied. Create a new training client, or resume from your last "
+                    f"checkpoint (create_training_client_from_state)"))
+                log.warning("worker %s is gone: %d pending request(s) failed", worker, n)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._fail_where(lambda r: True, lambda r: ServerError(f"{r.future._describe}: the client was closed"))
+
+
+def _is_kombu_outage(exc: BaseException) -> bool:
+    """kombu wraps a broker that went away in OperationalError (or raises the socket error itself)."""
+    from kombu.exceptions import OperationalError
+
+    return isinstance(exc, (OperationalError, ConnectionError, OSError))
