@@ -126,6 +126,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dead(args: argparse.Namespace) -> int:
+    from launcher.dead import main as dead_main
+
+    return dead_main(args, _settings(args))
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 if a worker on this host is registered (its heartbeat thread runs even during long tasks)."""
     import socket
@@ -201,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="PNG path (default: next to the metrics file)")
     pl.add_argument("--title")
     pl.set_defaults(func=cmd_plot)
+
+    dl = sub.add_parser("dead", help="messages workers could not read (the dead-letter queue tinkerq.dead)")
+    from launcher.dead import add_dead_arguments
+
+    add_dead_arguments(dl)
+    dl.set_defaults(func=cmd_dead)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
     hc.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")

@@ -84,7 +84,7 @@ def inspect_message(item: bytes | str, queue: str, settings: Settings) -> dict[s
     if task_id is None:
         raise refuse(f"message has no valid task id (headers.id = {headers.get('id')!r:.80})")
     task = headers.get("task")
-    if task not in ALLOWED_TASKS:
+    if not isinstance(task, str) or task not in ALLOWED_TASKS:
         raise refuse(f"task {task!r:.100} is not a tinkerq operation (accepted: tinkerq.<op>)")
     content_type = raw.get("content-type")
     if content_type != CONTENT_TYPE:
@@ -245,6 +245,9 @@ class GuardedChannel(kombu_redis.Channel):
             message = inspect_message(item, queue, dead.settings)
         except Refused as exc:
             dead.refuse(exc.reason, item, queue, exc.task_id, exc.inbox)
+            return None
+        except Exception as exc:  # a defect the checks did not foresee: still only this message's problem
+            dead.refuse(f"the message could not be inspected ({type(exc).__name__}: {str(exc)[:200]})", item, queue)
             return None
         extra = message.pop("_tinkerq")
         if extra["redelivered"]:
