@@ -43,19 +43,24 @@ def broker_warnings(url: str | None) -> list[str]:
     - no password (``redis://host/0``): anyone who reaches the port controls the fleet;
     - ``redis://`` to a host other than loopback: password, requests and replies cross the network in clear
       text (use ``rediss://``);
-    - ``sentinel://`` to a host other than loopback: the URL cannot say whether TLS is configured for the
-      sentinels and the master (that lives in transport options), so it is pointed out.
-    ``unix://`` (filesystem permissions guard it) and ``memory://`` (in-process) are fine.
-    Several URLs separated by ';' (kombu's fail-over list) are each checked.
+    - ``sentinel://`` to a host other than loopback: tinkerq speaks TLS only with ``rediss://``, so the
+      sentinels and the master are reached in clear text.
+    ``unix://`` (filesystem permissions guard it) and ``memory://`` (in-process) are fine. A sentinel URL
+    (``sentinel://[:password@]host:port;sentinel://host2:port2``) is one broker: its password is the first
+    address's, its hosts are all of them.
     """
     if not url:
         return []
     out: list[str] = []
-    for one in (u.strip() for u in url.split(";")):
-        if not one:
-            continue
+    chunks = [u.strip() for u in url.split(";") if u.strip()]
+    if chunks and chunks[0].lower().startswith("sentinel://"):
+        chunks = [chunks[0]]  # the password comes from the first address; every address is a host
+        hosts = [h for c in url.split(";") if c.strip() for h in _hosts(urlsplit(c.strip()).netloc)]
+    else:
+        hosts = []
+    for one in chunks:
         scheme = one.split("://", 1)[0].lower() if "://" in one else ""
-        shown = redact_url(one)
+        shown = redact_url(url if scheme == "sentinel" else one)
         if scheme in ("memory", "unix", "redis+socket", "socket"):
             continue
         if scheme not in ("redis", "rediss", "sentinel"):
@@ -69,7 +74,7 @@ def broker_warnings(url: str | None) -> list[str]:
                 f"broker {shown} has no password: anyone who can reach it can read every session's data, forge "
                 f"requests and shut workers down. Start Redis with a password (requirepass or ACL users) and put "
                 f"it in TINKERQ_BROKER_URL as redis://:PASSWORD@host:port/db (docs/security.md)")
-        remote = [h for h in _hosts(netloc) if not _is_loopback(h)]
+        remote = [h for h in (hosts or _hosts(netloc)) if not _is_loopback(h)]
         if scheme == "redis" and remote:
             out.append(
                 f"broker {shown} is reached over the network without TLS ({', '.join(remote)}): the password, "
@@ -77,9 +82,9 @@ def broker_warnings(url: str | None) -> list[str]:
                 f"Redis on loopback behind an SSH tunnel (docs/security.md)")
         elif scheme == "sentinel" and remote:
             out.append(
-                f"broker {shown}: sentinel connections to {', '.join(remote)} are plain TCP unless TLS is set up "
-                f"for the sentinels and the master; make sure it is, or keep them on a private network "
-                f"(docs/security.md)")
+                f"broker {shown}: the sentinels and the master ({', '.join(remote)}) are reached without TLS "
+                f"(tinkerq uses TLS only with rediss://): the password, requests and replies cross the network "
+                f"in clear text; keep them on a private network (docs/security.md)")
     return out
 
 
