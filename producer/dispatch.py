@@ -271,10 +271,15 @@ class Dispatcher:
         owed = {r.worker: r.heartbeat_s for r in pending if r.worker}
         if not owed:
             return
+        asked = time.monotonic()
         try:
             ages = self.store.with_retry(0).ages(keys.HEARTBEATS)
         except Exception as exc:
             self._lost(exc)
+            return
+        if time.monotonic() - asked > min(owed.values()) / 2:
+            # Redis took long to answer (paused, or stalled): no worker could beat meanwhile either.
+            self._reachable_since = time.monotonic()
             return
         self._reached()
         seen_for = time.monotonic() - self._reachable_since

@@ -79,6 +79,7 @@ class Registration:
                     self._wedged = True
                 continue
             self._wedged = False
+            started = time.monotonic()
             try:
                 self.beat()
             except Exception as exc:  # Redis is away: the producers' monitors account for outages
@@ -86,7 +87,8 @@ class Registration:
                     log.warning("heartbeat failed: %s", exc)
                 self._failing = True
                 continue
-            if self._failing:
+            # A beat that failed, or that Redis took long to answer (paused), ends an outage.
+            if self._failing or time.monotonic() - started > self.period_s / 2:
                 self._failing = False
                 self.on_redis_back()
 

@@ -1,0 +1,147 @@
+"""Redis outages cost time, not sessions; a killed worker fails its futures at once (issue: hardening)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step
+from tinkerq import types
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class DurableRedis:
+    """A private redis-server with AOF on a fixed port, to be killed, restarted and paused."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port, self.workdir = free_port(), workdir
+        self.proc = start_redis(self.port, workdir, durable=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill_and_restart(self, down_s: float) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        time.sleep(down_s)
+        self.proc = start_redis(self.port, self.workdir, durable=True)  # replays the AOF
+
+    def pause(self, seconds: float) -> threading.Timer:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, lambda: os.kill(self.proc.pid, signal.SIGCONT))
+        timer.start()
+        return timer
+
+    def stop(self) -> None:
+        with_cont = self.proc.poll() is None
+        if with_cont:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _private_worker(model_dir: Path, url: str, log: Path, name: str, **env: str):
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+
+    proc = start_process(worker_command(str(model_dir), url, threads=1, extra=["--name", name]), log,
+                         {"TINKERQ_HEARTBEAT_S": "1", **env})
+    conn = Connection.open(Settings(broker_url=url))
+    try:
+        wait_for(lambda: bool(conn.workers_serving(name)), 90, "worker", proc, log)
+    finally:
+        conn.close()
+    return proc
+
+
+def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, model_dir):
+    from producer import ServiceClient
+    from tinkerq.settings import Settings
+
+    redis = DurableRedis(tmp_path / "redis")
+    log = tmp_path / "worker.log"
+    proc = _private_worker(model_dir, redis.url, log, "outage-model")
+    rng = np.random.default_rng(80)
+    batches = [make_batch(rng, 24, min_len=20, max_len=40) for _ in range(30)]  # > 16 KiB: claim-checked
+    adam = types.AdamParams(learning_rate=5e-3, weight_decay=0.01)
+    try:
+        with ServiceClient(settings=Settings(broker_url=redis.url, heartbeat_s=1.0)) as sc:
+            tc = sc.create_training_client("outage-model")
+            steps: list = []
+
+            def submit(k: int) -> None:
+                steps.append((tc.forward_backward(batches[k]), tc.optim_step(adam)))
+
+            for k in range(12):
+                submit(k)
+            steps[3][1].result(timeout=60)
+            # 1. SIGKILL: the last second of the AOF may be lost; requests submitted while Redis is down wait.
+            killer = threading.Thread(target=redis.kill_and_restart, args=(3.0,))
+            killer.start()
+            time.sleep(0.5)
+            for k in range(12, 20):
+                submit(k)
+            killer.join()
+            steps[15][1].result(timeout=120)
+            # 2. A pause longer than every client's socket timeout (30 s).
+            timer = redis.pause(33.0)
+            for k in range(20, 30):
+                submit(k)
+            timer.join()
+            norms = [opt.result(timeout=120).metrics["grad_norm:mean"] for _, opt in steps]
+            for fb, _ in steps:
+                assert np.isfinite(fb.result(timeout=60).metrics["loss:sum"])
+            saved = tc.save_weights_for_sampler("after-outages").result(timeout=60).path
+            tc.close()
+        assert proc.poll() is None
+    finally:
+        stop(proc.pid, timeout=10)
+        redis.stop()
+
+    ref = load_reference(model_dir)
+    opt = torch.optim.AdamW(ref.parameters())
+    for k, batch in enumerate(batches):
+        assert norms[k] == pytest.approx(reference_step(ref, opt, [batch], adam), rel=1e-5), k
+    assert max_weight_diff(ref, saved) < 1e-6  # every step applied exactly once, in order
+
+
+def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model_dir, redis_url):
+    from producer import ServiceClient
+    from tinkerq.errors import WorkerLostError
+    from tinkerq.settings import Settings
+
+    log = tmp_path / "worker.log"
+    proc = _private_worker(model_dir, redis_url, log, "kill9-model")
+    try:
+        with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
+            tc = sc.create_training_client("kill9-model")
+            big = make_batch(np.random.default_rng(81), 200, min_len=100, max_len=150)
+            tc.forward(big[:2]).result(timeout=60)
+            futures = [tc.forward_backward(big) for _ in range(42)]  # ~40 s of work queued
+            wait_for(lambda: "forward_backward" in log.read_text(), 30, "the first request to start")
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            pending = [f for f in futures if not f.done()]
+            assert len(pending) >= 40
+            errors, finished = [], []
+            for f in pending:
+                errors.append(f.exception(timeout=60))
+                finished.append(time.monotonic() - killed)
+            assert all(isinstance(e, WorkerLostError) for e in errors), errors[:3]
+            # All together (one check fails them all), within two heartbeat periods (+ scheduling slack).
+            print(f"\n{len(pending)} futures failed {finished[0]:.2f}-{finished[-1]:.2f} s after kill -9 (heartbeat 1 s)")
+            assert max(finished) - min(finished) < 0.5
+            assert max(finished) < 2.0 + 0.5
+    finally:
+        stop(proc.pid, timeout=10)
+    # The reaper (any live worker, here the suite's) answers and removes what was left in its queue.
