@@ -69,7 +69,9 @@ def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
     assert "seq=" in args and "datums=3" in args and "loss_fn=cross_entropy" in args
     assert "array" not in args and "blob" not in args and len(args) < 300  # never tensor dumps
 
-    metrics = requests.get(f"{flower}/metrics", timeout=10).text  # Prometheus
+    # Prometheus, behind the same login as the dashboard (Flower itself leaves it open).
+    assert requests.get(f"{flower}/metrics", timeout=10).status_code == 401
+    metrics = requests.get(f"{flower}/metrics", auth=AUTH, timeout=10).text
     assert "flower_events_total" in metrics and "tinkerq.forward_backward" in metrics
 
 

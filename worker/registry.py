@@ -196,4 +196,9 @@ class ConsumerLiveness:
         self._last = time.monotonic()
 
     def __call__(self) -> bool:
-        return not self.enabled or time.monotonic() - self._last < 2 * self.period_s
+        from celery.worker import state
+
+        # A task running in the pool is progress too: during a warm shutdown the loop has stopped, but the
+        # running request will still be answered.
+        return (not self.enabled or time.monotonic() - self._last < 2 * self.period_s
+                or bool(state.active_requests))
