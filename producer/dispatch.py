@@ -76,6 +76,14 @@ class Dispatcher:
         self._outage_since: float | None = None  # monotonic time Redis was first found unreachable
         self._reachable_since = time.monotonic()
         self._needs_recovery = False
+        # Publishing must fail fast while Redis is away (the monitor re-posts): kombu would otherwise retry the
+        # connection for minutes inside the caller's submit, or wait on a paused server without a timeout.
+        conf = connection.app.conf
+        conf.broker_transport_options = {
+            **conf.broker_transport_options, "max_retries": 1, "interval_start": 0, "interval_step": 0.2,
+            "interval_max": 0.2, "socket_timeout": max(self.settings.connect_timeout_s, 30.0),
+            "socket_connect_timeout": self.settings.connect_timeout_s,
+        }
         self._threads = [threading.Thread(target=self._listen, name="tinkerq-replies", daemon=True),
                          threading.Thread(target=self._monitor, name="tinkerq-monitor", daemon=True)]
         for t in self._threads:
@@ -119,6 +127,8 @@ class Dispatcher:
 
     def _try_post(self, request: Request) -> bool:
         """Post without waiting on an outage; False (and left for the monitor) if Redis is unreachable."""
+        if self._outage_since is not None and threading.current_thread() not in self._threads:
+            return False  # known to be down: the monitor posts it once Redis answers
         try:
             self._post(request, self.store.with_retry(0))
             return True
