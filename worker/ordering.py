@@ -18,6 +18,29 @@ from typing import Any
 
 KEPT_REPLIES = 256  # answers kept per session for repeated requests
 MAX_BUFFERED = 4096  # out-of-order requests buffered per session
+# Bytes bounds too, per session: a kept forward_backward reply can be tens of MB, and a hostile or broken
+# producer could send large inline payloads out of order. The newest reply is always kept, whatever its
+# size (the likeliest to be asked again, by a client retry); buffered requests beyond the bound are refused.
+KEPT_REPLY_BYTES = 64 * 1024 * 1024
+MAX_BUFFERED_BYTES = 64 * 1024 * 1024
+# Counted for every buffered request and kept reply on top of its payload: the envelope map, task ids,
+# the Pending record. Keeps many tiny entries from being free.
+ENTRY_OVERHEAD_BYTES = 1024
+
+
+def envelope_bytes(envelope: Any) -> int:
+    """What buffering ``envelope`` costs: its inline payload (a claim-checked one stays in Redis) + overhead."""
+    size = ENTRY_OVERHEAD_BYTES
+    ref = envelope.get("payload") if isinstance(envelope, dict) else None
+    if isinstance(ref, dict) and isinstance(ref.get("inline"), (bytes, bytearray)):
+        size += len(ref["inline"])
+    return size
+
+
+def reply_bytes(reply: Any) -> int:
+    """What keeping ``reply`` costs: the bytes it holds (an Outcome's msgpack body) + overhead."""
+    parts = reply if isinstance(reply, (tuple, list)) else (reply,)
+    return ENTRY_OVERHEAD_BYTES + sum(len(x) for x in parts if isinstance(x, (bytes, bytearray, memoryview)))
 
 
 @dataclass
@@ -26,6 +49,7 @@ class Pending:
     envelope: dict[str, Any]
     task_ids: list[str]
     since: float = field(default_factory=time.monotonic)
+    nbytes: int = 0  # envelope_bytes(envelope), counted against max_buffered_bytes
 
 
 @dataclass
@@ -33,6 +57,15 @@ class Ordering:
     next_seq: int = 1
     buffered: dict[int, Pending] = field(default_factory=dict)
     replies: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+    max_buffered: int = MAX_BUFFERED
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
+    kept_replies: int = KEPT_REPLIES
+    kept_reply_bytes: int = KEPT_REPLY_BYTES
+    buffered_bytes: int = 0  # sum of the buffered requests' nbytes
+    reply_bytes: int = 0  # sum of reply_bytes() over the kept replies
+    _reply_sizes: dict[int, int] = field(default_factory=dict)
+    # Why the last buffer() call refused, for the caller's error message ("" when it did not).
+    refusal: str = ""
 
     def classify(self, seq_id: int) -> str:
         if seq_id == self.next_seq:
@@ -42,27 +75,48 @@ class Ordering:
         return "repeat"
 
     def buffer(self, seq_id: int, op: str, envelope: dict[str, Any], task_id: str) -> bool:
-        """Keep an early request; False when the buffer is full (the caller answers with an error)."""
-        if seq_id in self.buffered:
+        """Keep an early request; False when the buffer is full, by count or bytes (``refusal`` says which;
+        the caller answers with an error)."""
+        self.refusal = ""
+        if seq_id in self.buffered:  # a redelivery of a buffered request: one more caller, no new payload
             self.buffered[seq_id].task_ids.append(task_id)
             return True
-        if len(self.buffered) >= MAX_BUFFERED:
+        nbytes = envelope_bytes(envelope)
+        if len(self.buffered) >= self.max_buffered:
+            self.refusal = f"{len(self.buffered)} requests already wait (at most {self.max_buffered})"
             return False
-        self.buffered[seq_id] = Pending(op, envelope, [task_id])
+        if self.buffered_bytes + nbytes > self.max_buffered_bytes:
+            self.refusal = (f"the {len(self.buffered)} requests already waiting hold {self.buffered_bytes} bytes; "
+                            f"this one ({nbytes} bytes) would pass the {self.max_buffered_bytes}-byte bound")
+            return False
+        self.buffered[seq_id] = Pending(op, envelope, [task_id], nbytes=nbytes)
+        self.buffered_bytes += nbytes
         return True
 
     def applied(self, seq_id: int, reply: Any) -> None:
-        """Record the answer to the request at ``next_seq`` and move on."""
+        """Record the answer to the request at ``next_seq`` and move on.
+
+        The oldest kept replies go when there are more than ``kept_replies`` or they hold more than
+        ``kept_reply_bytes``; the newest one always stays.
+        """
         assert seq_id == self.next_seq
+        size = reply_bytes(reply)
         self.replies[seq_id] = reply
-        while len(self.replies) > KEPT_REPLIES:
-            self.replies.popitem(last=False)
+        self._reply_sizes[seq_id] = size
+        self.reply_bytes += size
+        while len(self.replies) > 1 and (len(self.replies) > self.kept_replies
+                                          or self.reply_bytes > self.kept_reply_bytes):
+            old, _ = self.replies.popitem(last=False)
+            self.reply_bytes -= self._reply_sizes.pop(old)
         self.next_seq += 1
 
     def pop_ready(self) -> tuple[int, Pending] | None:
         """The buffered request that is next in order, if it has arrived."""
         pending = self.buffered.pop(self.next_seq, None)
-        return (self.next_seq, pending) if pending is not None else None
+        if pending is None:
+            return None
+        self.buffered_bytes -= pending.nbytes
+        return self.next_seq, pending
 
     def reply_for(self, seq_id: int) -> Any | None:
         return self.replies.get(seq_id)
@@ -74,4 +128,5 @@ class Ordering:
     def drop_buffered(self) -> list[Pending]:
         dropped = list(self.buffered.values())
         self.buffered.clear()
+        self.buffered_bytes = 0
         return dropped
