@@ -100,3 +100,31 @@ def test_a_missing_request_fails_the_ones_after_it_within_the_bound(training_cli
     # The session refuses further work with the same explanation.
     again = tc.forward(make_batch(np.random.default_rng(11), 1)).exception(timeout=30)
     assert isinstance(again, errors.ServerError) and "never reached" in again.message
+
+
+def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(training_client):
+    """An operator (or a failure) removes a queued request: it and the requests after it fail, none hangs."""
+    import json
+    import time
+
+    import redis
+
+    from tests.conftest import WORKER_GAP_TIMEOUT_S
+    from tinkerq import errors
+
+    tc = training_client
+    r = redis.Redis.from_url(tc.service.settings.broker_url)
+    busy = tc.forward(make_batch(np.random.default_rng(12), 600, min_len=100, max_len=150))  # keeps the worker busy
+    doomed = tc.forward(make_batch(np.random.default_rng(13), 1))
+    after = tc.forward(make_batch(np.random.default_rng(14), 1))
+    removed = 0
+    for raw in r.lrange(tc._queue, 0, -1):
+        if json.loads(raw)["headers"]["id"] == doomed.task_id:
+            removed += r.lrem(tc._queue, 1, raw)
+    assert removed == 1, "the worker took the request before the test could delete it"
+    busy.result(timeout=120)
+    start = time.monotonic()
+    for future in (after, doomed):
+        err = future.exception(timeout=WORKER_GAP_TIMEOUT_S + 30)
+        assert isinstance(err, errors.ServerError) and "never reached" in err.message, err
+    assert time.monotonic() - start < WORKER_GAP_TIMEOUT_S + 10

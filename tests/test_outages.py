@@ -115,7 +115,7 @@ def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, mod
     assert max_weight_diff(ref, saved) < 1e-6  # every step applied exactly once, in order
 
 
-def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model_dir, redis_url):
+def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model_dir, redis_url, worker):
     from producer import ServiceClient
     from tinkerq.errors import WorkerLostError
     from tinkerq.settings import Settings
@@ -142,6 +142,20 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
             print(f"\n{len(pending)} futures failed {finished[0]:.2f}-{finished[-1]:.2f} s after kill -9 (heartbeat 1 s)")
             assert max(finished) - min(finished) < 0.5
             assert max(finished) < 2.0 + 0.5
+        # What was left in the dead worker's queue is answered (WorkerLostError) and the queue removed by the
+        # reaper, which any live worker runs (here the suite's own worker).
+        import redis as redis_py
+
+        from tinkerq import keys
+        from tinkerq.wire import codec
+
+        r = redis_py.Redis.from_url(redis_url)
+        dead_queue = keys.worker_queue(tc.info.worker)
+        wait_for(lambda: r.llen(dead_queue) == 0 and r.zscore(keys.HEARTBEATS, tc.info.worker) is None, 30,
+                 "the reaper to clear the dead worker's queue")
+        answers = [r.get(keys.reply(f.task_id)) for f in pending]
+        reaped = [codec.unpackb(a) for a in answers if a is not None]
+        assert len(reaped) >= len(pending) - 1  # all but the one it was running
+        assert all(a["error"]["type"] == "WorkerLostError" for a in reaped)
     finally:
         stop(proc.pid, timeout=10)
-    # The reaper (any live worker, here the suite's) answers and removes what was left in its queue.
