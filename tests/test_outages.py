@@ -139,7 +139,8 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
                 finished.append(time.monotonic() - killed)
             assert all(isinstance(e, WorkerLostError) for e in errors), errors[:3]
             # All together (one check fails them all), within two heartbeat periods (+ scheduling slack).
-            print(f"\n{len(pending)} futures failed {finished[0]:.2f}-{finished[-1]:.2f} s after kill -9 (heartbeat 1 s)")
+            print(f"\n{len(pending)} futures failed {finished[0]:.2f}-{finished[-1]:.2f} s after kill -9 "
+                  "(heartbeat 1 s)")
             assert max(finished) - min(finished) < 0.5
             assert max(finished) < 2.0 + 0.5
         # What was left in the dead worker's queue is answered (WorkerLostError) and the queue removed by the
