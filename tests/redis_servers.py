@@ -175,7 +175,18 @@ class SentinelSetup:
             client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
         finally:
             client.close()
-        return self._wait_new_primary(old, timeout)
+        new = self._wait_new_primary(old, timeout)
+        # Sentinel demotes the old primary only when it next polls it (INFO every 10 s): until then it
+        # stays a writable master, and clients still connected to it write where nobody reads (a real
+        # split brain; docs/redis.md). Demote it now, the way Sentinel does (REPLICAOF, then drop the
+        # clients so they reconnect through the sentinels), so the window is milliseconds, not seconds.
+        node = redis.Redis(port=old, socket_timeout=2)
+        try:
+            node.execute_command("REPLICAOF", "127.0.0.1", str(new))
+            node.execute_command("CLIENT", "KILL", "TYPE", "normal")
+        finally:
+            node.close()
+        return new
 
     def kill_primary(self, timeout: float = 30.0) -> int:
         """SIGKILL the primary (an outage, not a handover): sentinel promotes a replica. Returns the new port."""
