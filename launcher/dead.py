@@ -20,7 +20,7 @@ from tinkerq.wire import codec
 
 
 def add_dead_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    p.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
     sub = p.add_subparsers(dest="dead_command", required=True)
     ls = sub.add_parser("list", help="dead letters, newest first")
     ls.add_argument("--limit", type=int, default=20)

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="serve a model: a Celery worker holding it")
     w.add_argument("--model", required=True, help="local Hugging Face model directory (from_pretrained)")
     w.add_argument("--name", help="name producers use for the model (default: the directory's absolute path)")
-    w.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    w.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
     w.add_argument("--device", help="torch device (default: cpu, or TINKERQ_DEVICE)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
     w.add_argument("--max-sessions", type=int, help="training sessions held at once (default 4)")
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fleet)
 
     fl = sub.add_parser("flower", help="the Flower dashboard for a fleet")
-    fl.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    fl.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
     fl.add_argument("--port", type=int, default=5555)
     fl.add_argument("--address", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     fl.add_argument("--db", default="flower.db", help="file where Flower keeps its state across restarts")
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.set_defaults(func=cmd_dead)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
-    hc.add_argument("--broker", help="redis:// URL of the fleet (default: TINKERQ_BROKER_URL)")
+    hc.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
     hc.set_defaults(func=cmd_healthcheck)
     return parser
 

@@ -54,6 +54,7 @@ class Request:
     worker: str | None = None  # the worker that must answer; None: any worker of the model
     heartbeat_s: float = 5.0
     posted: bool = False
+    posted_at: float = 0.0  # monotonic
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     also: list[APIFuture[Any]] = field(default_factory=list)  # more futures for the same task id (tests)
 
@@ -76,6 +77,7 @@ class Dispatcher:
         self._outage_since: float | None = None  # monotonic time Redis was first found unreachable
         self._reachable_since = time.monotonic()
         self._needs_recovery = False
+        self._progress: dict[str, float] = {}  # model id -> when it last had an answer (monotonic)
         # Publishing must fail fast while Redis is away (the monitor re-posts): kombu would otherwise retry the
         # connection for minutes inside the caller's submit, or wait on a paused server without a timeout.
         conf = connection.app.conf
@@ -151,6 +153,7 @@ class Dispatcher:
             kwargsrepr="{}",
         )
         request.posted = True
+        request.posted_at = time.monotonic()
 
     # -- resolving ---------------------------------------------------------------------------------------------
 
@@ -159,6 +162,8 @@ class Dispatcher:
             request = self._pending.pop(task_id, None)
         if request is None:
             return  # a repeat's answer, or one for a future that already failed
+        if request.model_id:
+            self._progress[request.model_id] = time.monotonic()
         for future in request.futures:
             if error is not None:
                 future._fail(error)
@@ -278,6 +283,7 @@ class Dispatcher:
         for request in pending:
             if not request.posted and not self._try_post(request):
                 return
+        self._resend_stalled(pending, now)
         owed = {r.worker: r.heartbeat_s for r in pending if r.worker}
         if not owed:
             return
@@ -302,6 +308,19 @@ class Dispatcher:
                     f"may or may not have been applied. Create a new training client, or resume from your last "
                     f"checkpoint (create_training_client_from_state)"))
                 log.warning("worker %s is gone: %d pending request(s) failed", worker, n)
+
+    def _resend_stalled(self, pending: list[Request], now: float) -> None:
+        """Post again the oldest request of each session that has had no answer for ``resend_after_s``."""
+        heads: dict[str, Request] = {}
+        for r in pending:
+            # Not create_model: a repeat of it could open a second session on another worker of the model.
+            if r.worker and r.posted and (r.model_id not in heads or r.seq_id < heads[r.model_id].seq_id):
+                heads[r.model_id] = r
+        for model_id, head in heads.items():
+            quiet = now - max(head.posted_at, self._progress.get(model_id, 0.0))
+            if quiet > self.settings.resend_after_s and self._try_post(head):
+                log.info("%s of session %s had no answer for %.0f s: posted again (a repeat is never re-applied)",
+                         head.future._describe, model_id[:8], quiet)
 
     def close(self) -> None:
         self._stop.set()

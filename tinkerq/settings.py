@@ -57,6 +57,10 @@ class Settings:
     # pending requests fail with BrokerUnavailableError. Workers retry for visibility_timeout_s: after that
     # the request would be delivered again anyway.
     redis_retry_s: float = 600.0
+    # A session's oldest pending request is posted again when the session has had no answer for this long:
+    # a message or reply lost without any visible error (a Sentinel failover writes briefly to the demoted
+    # primary) must not hang the session. A repeat is answered from the worker's kept replies, never re-applied.
+    resend_after_s: float = 15.0
     # A message (kombu envelope) larger than this is dead-lettered unread: requests carry large payloads
     # by claim check, so a real message is a few KiB.
     max_inline_bytes: int = 1024 * 1024
@@ -140,7 +144,7 @@ class Settings:
 
     def check(self) -> None:
         for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
-                     "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s",
+                     "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s", "resend_after_s",
                      "max_batch_tokens", "max_sessions", "microbatch_tokens"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
