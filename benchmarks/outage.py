@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command  # noqa: E402
-from tests.helpers import build_tiny_llama, make_batch  # noqa: E402
+from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tests.helpers import build_tiny_llama, make_batch
 
 
 def run(url: str, model: str, steps: int, window: int, disrupt=None) -> dict:

@@ -68,19 +68,16 @@ def test_celery_options_merge_into_the_apps_configuration(tmp_path):
 
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
-    s = Settings(broker_url="sentinel://127.0.0.1:26379/0", result_backend="rediss://127.0.0.1:6380/1",
-                 tls_ca_file=str(ca), sentinel_master="main")
-    assert set(celery_redis_options(s)) == {"broker_transport_options", "redis_backend_use_ssl"}
+    s = Settings(broker_url="sentinel://127.0.0.1:26379/0", tls_ca_file=str(ca), sentinel_master="main")
+    assert set(celery_redis_options(s)) == {"broker_transport_options"}
     conf = make_celery(s).conf
     # kombu's SentinelChannel and Celery's backends read exactly these keys.
     assert conf.broker_transport_options["master_name"] == "main"
     assert conf.broker_transport_options["visibility_timeout"] == s.visibility_timeout_s  # merged, not replaced
-    assert conf.redis_backend_use_ssl == {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": str(ca)}
     assert not conf.broker_use_ssl  # Celery default: False
     s = Settings(broker_url="rediss://127.0.0.1:6380/0", tls_ca_file=str(ca))
     conf = make_celery(s).conf
-    assert conf.broker_use_ssl == conf.redis_backend_use_ssl == {"ssl_cert_reqs": ssl.CERT_REQUIRED,
-                                                                 "ssl_ca_certs": str(ca)}
+    assert conf.broker_use_ssl == {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": str(ca)}
     assert "master_name" not in conf.broker_transport_options
     assert celery_redis_options(Settings(broker_url="redis://127.0.0.1:6379/0")) == {}
 

@@ -49,7 +49,7 @@ def test_memory_store_expires_keys():
 
 def test_settings_from_env_and_errors():
     s = Settings.from_env({"TINKERQ_BROKER_URL": "redis://h:1/0", "TINKERQ_MAX_DATUMS": "7"}, max_sessions=2)
-    assert (s.broker_url, s.max_datums, s.max_sessions, s.backend_url) == ("redis://h:1/0", 7, 2, "redis://h:1/0")
+    assert (s.broker_url, s.max_datums, s.max_sessions, s.heartbeat_s) == ("redis://h:1/0", 7, 2, 5.0)
     with pytest.raises(SettingsError, match="TINKERQ_MAX_DATUMS"):
         Settings.from_env({"TINKERQ_MAX_DATUMS": "many"})
     with pytest.raises(SettingsError, match="redis://"):

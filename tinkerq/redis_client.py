@@ -2,12 +2,12 @@
 
 Two consumers need the same URL turned into working connections, and they must agree:
 
-* tinkerq's own keys (claim-checked payloads, worker registrations) go through a redis-py client,
-  :func:`redis_client`;
-* Celery's broker (kombu) and result backend read the URL themselves, but need the Sentinel master name
-  and the TLS certificates as configuration, :func:`celery_redis_options`.
+* tinkerq's own keys (claim-checked payloads, replies, registrations, heartbeats, dead letters) go
+  through a redis-py client, :func:`redis_client`;
+* Celery's broker (kombu) reads the URL itself, but needs the Sentinel master name and the TLS
+  certificates as configuration, :func:`celery_redis_options`.
 
-Sentinel URLs use kombu's syntax, so the same string works for all three:
+Sentinel URLs use kombu's syntax, so the same string works for both:
 ``sentinel://[[user]:password@]host:port[/db][;sentinel://host2:port2...]``. The password (and the db)
 come from the first address and are the *data* nodes' credentials; the sentinels themselves are asked
 without a password, as kombu and Celery do. The master's name is ``settings.sentinel_master``.
@@ -166,7 +166,8 @@ def redis_client(settings: Settings, url: str | None = None) -> redis.Redis:
 
 
 def celery_redis_options(settings: Settings) -> dict[str, dict[str, Any]]:
-    """Celery configuration that the broker and result backend URLs need beyond the URL itself.
+    """Celery configuration that the broker URL needs beyond the URL itself (there is no Celery result
+    backend: replies travel through tinkerq's own inboxes).
 
     Every value is a dict, to be merged into what ``app.conf`` already holds for that key (transport
     options carry other settings too). kombu's SentinelChannel and Celery's SentinelBackend both read the
@@ -177,19 +178,11 @@ def celery_redis_options(settings: Settings) -> dict[str, dict[str, Any]]:
     if settings.is_embedded:
         return {}
     options: dict[str, dict[str, Any]] = {}
-    broker, backend = settings.broker_url, settings.backend_url
+    broker = settings.broker_url
     if is_sentinel(broker):
         options["broker_transport_options"] = {"master_name": settings.sentinel_master}
-    if is_sentinel(backend):
-        # Celery's SentinelBackend defaults sentinel_kwargs to {} (no timeouts at all): a dead sentinel
-        # would hang result reads; give it the same timeouts as everything else.
-        options["result_backend_transport_options"] = {
-            "master_name": settings.sentinel_master, "sentinel_kwargs": _timeouts(settings),
-        }
     if is_tls(broker):
         options["broker_use_ssl"] = ssl_options(settings)
-    if is_tls(backend):
-        options["redis_backend_use_ssl"] = ssl_options(settings)
     return options
 
 

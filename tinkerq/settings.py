@@ -26,8 +26,6 @@ class SettingsError(UserError):
 class Settings:
     # Where messages travel. None means "not configured": commands that can, run an embedded fleet.
     broker_url: str | None = None
-    # Celery result backend; defaults to the broker's Redis.
-    result_backend: str | None = None
     # The Sentinel master (`sentinel monitor NAME ...`) that sentinel:// URLs resolve (docs/redis.md).
     sentinel_master: str = "mymaster"
     # TLS for rediss:// URLs, PEM files: the CA that signed the server's certificate (empty: the system's
@@ -114,10 +112,6 @@ class Settings:
             object.__setattr__(self, "checkpoint_dir", str(Path(self.home) / "checkpoints"))
 
     @property
-    def backend_url(self) -> str | None:
-        return self.result_backend or self.broker_url
-
-    @property
     def is_embedded(self) -> bool:
         return self.broker_url is None or self.broker_url.startswith("memory://")
 
@@ -167,16 +161,16 @@ class Settings:
             raise SettingsError(
                 f"TINKERQ_LOSS_BACKEND must be auto, apex, torch or reference, got {self.loss_backend!r}"
             )
-        for url in (self.broker_url, self.result_backend):
+        for url in (self.broker_url,):
             if url and not url.startswith(("redis://", "rediss://", "unix://", "memory://", "sentinel://")):
                 raise SettingsError(
-                    f"broker/result URL {url!r} is not supported: use redis://[:password@]host:port/db "
+                    f"broker URL {url!r} is not supported: use redis://[:password@]host:port/db "
                     f"(or rediss:// for TLS, sentinel://host:port[;sentinel://host2:port2] for Redis Sentinel)"
                 )
         # Checked here, not at the first connection: a typo in a path fails the command at once.
         from tinkerq import redis_client  # (it imports this module)
 
-        urls = (self.broker_url, self.result_backend)
+        urls = (self.broker_url,)
         for url in urls:
             if redis_client.is_sentinel(url):
                 redis_client.parse_sentinel_url(url)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from worker.runtime import AssembledWorker, assemble
 class EmbeddedFleet:
     def __init__(self, model_path: str, settings: Settings | None = None, *, name: str | None = None) -> None:
         base = settings or Settings.from_env()
-        self.settings = base.replace(broker_url="memory://", result_backend=None)
+        self.settings = base.replace(broker_url="memory://")
         self.model_path = model_path
         self.name = name
         self.worker: AssembledWorker | None = None
