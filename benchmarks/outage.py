@@ -1,10 +1,13 @@
 """How long a Redis outage stalls a pipelined training run (restart, pause, Sentinel failover).
 
-    python benchmarks/outage.py [--steps 40] [--down 3] [--pause 10] [--failover]
+    python benchmarks/outage.py [--steps 40] [--down 3] [--pause 10]
+    python benchmarks/outage.py --sentinel [--steps 40]
 
 A private redis-server (AOF, everysec) and one `tinkerq worker` (tiny Llama, heartbeat 1 s). The producer
 keeps `--window` optimizer steps in flight (forward_backward + optim_step, submitted before waiting), as a
-training loop does. Each scenario disrupts Redis in the middle of a run and reports:
+training loop does. Each scenario disrupts Redis in the middle of a run: a SIGKILL restart (AOF) and a
+SIGSTOP pause of one redis-server; or, with --sentinel (a primary, a replica and a sentinel), SIGKILL of
+the primary until the sentinel promotes the replica. It reports:
 
 * down:  how long Redis was unavailable;
 * stall: the longest time without any answer, around the outage;
@@ -71,7 +74,10 @@ def main() -> int:
     p.add_argument("--window", type=int, default=4, help="optimizer steps in flight")
     p.add_argument("--down", type=float, default=3.0, help="seconds Redis stays down after SIGKILL")
     p.add_argument("--pause", type=float, default=10.0, help="seconds Redis is paused (SIGSTOP)")
+    p.add_argument("--sentinel", action="store_true", help="a Sentinel setup; the primary is killed mid-run")
     args = p.parse_args()
+    if args.sentinel:
+        return sentinel_main(args)
 
     work = Path(tempfile.mkdtemp(prefix="tinkerq-outage-"))
     model = str(build_tiny_llama(work / "model"))
@@ -122,6 +128,48 @@ def main() -> int:
         stop(worker.pid, timeout=10)
         os.kill(state["redis"].pid, signal.SIGCONT)
         state["redis"].terminate()
+    return 0
+
+
+def sentinel_main(args: argparse.Namespace) -> int:
+    from tests.redis_servers import start_sentinel_setup
+
+    work = Path(tempfile.mkdtemp(prefix="tinkerq-failover-"))
+    model = os.path.abspath(build_tiny_llama(work / "model"))
+    setup = start_sentinel_setup(work / "sentinel")
+    log = work / "worker.log"
+    worker = start_process(worker_command(model, setup.url, threads=1), log, {"TINKERQ_HEARTBEAT_S": "1"})
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+
+    conn = Connection.open(Settings(broker_url=setup.url))
+    wait_for(lambda: bool(conn.workers_serving(model)), 90, "worker", worker, log)
+    conn.close()
+
+    def kill_primary() -> dict:
+        marks: dict = {}
+
+        def go() -> None:
+            t = time.monotonic()
+            setup.kill_primary()
+            marks["down_s"] = time.monotonic() - t
+
+        threading.Thread(target=go).start()
+        return marks
+
+    try:
+        base = run(setup.url, model, args.steps, args.window)
+        print(f"baseline (through sentinel): {args.steps} steps in {base['total_s']:.2f} s, longest wait for an "
+              f"answer {base['max_gap_s']:.2f} s")
+        out = run(setup.url, model, args.steps, args.window, kill_primary)
+        same = np.allclose(out["norms"], base["norms"], rtol=1e-5)
+        print(f"failover (SIGKILL of the primary, sentinel down-after 1 s): no primary for {out['down_s']:.1f} s, "
+              f"stall {out['max_gap_s']:.2f} s (extra {out['max_gap_s'] - out['down_s']:.2f} s), total "
+              f"{out['total_s']:.2f} s ({out['total_s'] / base['total_s']:.2f}x baseline), steps lost 0, grad norms "
+              f"equal to the baseline run: {same}")
+    finally:
+        stop(worker.pid, timeout=10)
+        setup.stop()
     return 0
 
 
