@@ -87,16 +87,19 @@ def main() -> int:
                   f"echo rate); RSS {after_fuzz:.0f} MB ({after_fuzz / base:.3f}x), worker alive: "
                   f"{worker.poll() is None}")
 
-            big = make_batch(np.random.default_rng(2), 1, min_len=3, max_len=4)
-            tokens = np.ones(limit // 8 // 3, np.int64)  # tokens + targets + weights under the limit
-            from tinkerq import types
+            from tinkerq.wire import messages
 
-            big[0] = types.Datum(model_input=types.ModelInput.from_ints(tokens.tolist()),
-                                 loss_fn_inputs={"target_tokens": tokens, "weights": np.zeros(len(tokens), np.float32)})
+            # One datum near the limit, too long for the model: the worker fetches and decodes all of it, then
+            # refuses it (sent raw, past the producer's own checks, which would refuse it before sending).
+            n = limit // 8 // 3
+            body = {"loss_fn": "cross_entropy", "loss_fn_config": None, "data": [
+                {"tokens": np.ones(n, np.int64), "inputs": {"target_tokens": np.ones(n, np.int64),
+                                                           "weights": np.zeros(n, np.float32)}}]}
             peak = after_fuzz
             for _ in range(args.large):
-                err = tc.forward(big).exception(timeout=120)  # refused (too long for the model): decoded first
-                assert err is not None
+                err = tc._submit("forward", body, messages.decode_forward_backward_output,
+                                 argsrepr="large").exception(timeout=120)
+                assert err is not None and err.category == "user", err
                 peak = max(peak, rss_mb(worker.pid))
             time.sleep(2)
             after_large = rss_mb(worker.pid)

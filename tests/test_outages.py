@@ -160,3 +160,32 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
         assert all(a["error"]["type"] == "WorkerLostError" for a in reaped)
     finally:
         stop(proc.pid, timeout=10)
+
+
+def test_a_frozen_worker_is_lost_too(tmp_path, model_dir, redis_url):
+    """SIGSTOP: the process exists but does nothing; its heartbeat stops and its futures fail (then SIGCONT:
+    it beats again and serves new sessions)."""
+    from producer import ServiceClient
+    from tinkerq.errors import WorkerLostError
+    from tinkerq.settings import Settings
+
+    log = tmp_path / "worker.log"
+    proc = _private_worker(model_dir, redis_url, log, "frozen-model")
+    try:
+        with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
+            tc = sc.create_training_client("frozen-model")
+            tc.forward(make_batch(np.random.default_rng(82), 2)).result(timeout=60)
+            os.kill(proc.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            futures = [tc.forward(make_batch(np.random.default_rng(83), 2)) for _ in range(5)]
+            errors = [f.exception(timeout=30) for f in futures]
+            assert all(isinstance(e, WorkerLostError) for e in errors), errors
+            assert time.monotonic() - frozen < 2.0 + 1.0
+            os.kill(proc.pid, signal.SIGCONT)
+            wait_for(lambda: bool(sc.connection.workers_serving("frozen-model")), 10, "the worker to beat again")
+            fresh = sc.create_training_client("frozen-model")
+            assert np.isfinite(fresh.forward(make_batch(np.random.default_rng(84), 2)).result(timeout=60)
+                               .metrics["loss:sum"])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop(proc.pid, timeout=10)

@@ -33,7 +33,13 @@ NOT_TRANSIENT: tuple[type[BaseException], ...] = (redis.AuthenticationError,)
 MAX_BACKOFF_S = 0.5  # how late, at most, an operation notices that Redis is back
 
 
+# Errors a server answers while it changes role or loads its data (a failover, a restart): wait them out.
+_TRANSIENT_REPLIES = ("UNBLOCKED", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN")
+
+
 def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES):
+        return True
     return isinstance(exc, TRANSIENT) and not isinstance(exc, NOT_TRANSIENT)
 
 
