@@ -128,3 +128,20 @@ def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(tra
         err = future.exception(timeout=WORKER_GAP_TIMEOUT_S + 30)
         assert isinstance(err, errors.ServerError) and "never reached" in err.message, err
     assert time.monotonic() - start < WORKER_GAP_TIMEOUT_S + 10
+
+
+def test_futures_are_awaited_concurrently(training_client):
+    """asyncio code (the cookbook's gather over *_async calls) gets every answer, in its own order."""
+    import asyncio
+
+    tc = training_client
+    rng = np.random.default_rng(15)
+    batches = [make_batch(rng, 2) for _ in range(6)]
+
+    async def run() -> list:
+        futures = [await tc.forward_async(b) for b in batches]
+        return await asyncio.gather(*reversed(futures))
+
+    outs = list(reversed(asyncio.run(run())))
+    for batch, out in zip(batches, outs, strict=True):
+        assert out.metrics == tc.forward(batch).result(timeout=60).metrics
