@@ -59,7 +59,8 @@ class Registration:
         self._wedged = False
 
     def beat(self) -> None:
-        self.store.set(self.key, json.dumps(self.record).encode(), ttl_s=3 * self.period_s)
+        if not self._withdrawn.is_set():
+            self.store.set(self.key, json.dumps(self.record).encode(), ttl_s=3 * self.period_s)
         self.store.beat(keys.HEARTBEATS, self.worker_id)
 
     def start(self) -> None:
@@ -70,8 +71,6 @@ class Registration:
     def _loop(self) -> None:
         # Twice per period: a producer declares a worker lost after 1.5 periods without a beat.
         while not self._stop.wait(self.period_s / 2):
-            if self._withdrawn.is_set():
-                continue
             if not self.consuming():
                 if not self._wedged:
                     log.error("the worker's consumer loop has stopped taking messages: heartbeats stop, so "
@@ -93,9 +92,12 @@ class Registration:
                 self.on_redis_back()
 
     def withdraw(self) -> None:
-        """Stop announcing the model for now (e.g. while a shard group re-forms); :meth:`resume` undoes it."""
+        """Stop announcing the model for now (e.g. while a shard group re-forms); :meth:`resume` undoes it.
+
+        The heartbeat goes on: the worker still answers what it owes (with the group's error).
+        """
         self._withdrawn.set()
-        self._delete()
+        self._delete(heartbeat=False)
 
     def resume(self) -> None:
         self._withdrawn.clear()
@@ -106,10 +108,11 @@ class Registration:
         self._stop.set()
         self._delete()
 
-    def _delete(self) -> None:
+    def _delete(self, heartbeat: bool = True) -> None:
         try:
             self.store.delete(self.key)
-            self.store.forget(keys.HEARTBEATS, self.worker_id)
+            if heartbeat:
+                self.store.forget(keys.HEARTBEATS, self.worker_id)
         except Exception as exc:  # the TTL removes the registration anyway; the reaper the heartbeat
             log.warning("could not remove registration %s: %s", self.key, exc)
 
