@@ -416,10 +416,12 @@ def admit_session(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]
     """Refuse a new training session that would not fit (with the room training needs, and the AdamW
     state open sessions have not allocated yet)."""
     shape, shards = ModelShape.of(model), settings.shards
-    needed = (session_state_bytes(shape, shards) + training_working_bytes(shape, shards)
-              + unallocated_state_bytes(sessions))
+    promised = unallocated_state_bytes(sessions)
+    needed = session_state_bytes(shape, shards) + training_working_bytes(shape, shards) + promised
     require(needed, "a new training session (weights, gradients and AdamW state"
-            + (f", 1/{shards} per shard" if shards > 1 else "") + ")",
+            + (f", 1/{shards} per shard" if shards > 1 else "")
+            + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
+               f"optim_step" if promised else "") + ")",
             settings.device, limit_mb=settings.memory_limit_mb,
             advice="close unused training clients (tc.close()), or create this one on another worker")
 
