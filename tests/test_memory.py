@@ -293,6 +293,7 @@ def test_large_requests_and_replies_are_recognised():
     assert memory.is_large({"inline": b""}, ("ok", b"x" * (memory.LARGE_BYTES + 1), {}))
     assert not memory.is_large({"blob": "k", "size": 1000}, ("error", {"message": "m"}, {}))
     assert not memory.is_large(None, None)
+    assert not memory.is_large({"blob": "k", "size": "huge"}, ("ok", b"x", {}))  # a hostile ref: no error
 
 
 def test_release_memory_returns_freed_heap_to_the_os():
