@@ -38,6 +38,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     os.umask(0o077)  # checkpoints, saved weights and anything else this worker writes: owner-only
     settings = _settings(args, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
+                         memory_limit_mb=args.memory_limit_mb,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
                          metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
                          rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout)
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", help="torch device (default: cpu, or TINKERQ_DEVICE)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
     w.add_argument("--max-sessions", type=int, help="training sessions held at once (default 4)")
+    w.add_argument("--memory-limit-mb", type=int,
+                   help="cap on the worker's RSS; requests that would not fit are refused (default: no cap)")
     w.add_argument("--checkpoint-dir", help="where save_weights_for_sampler writes (default ~/.cache/tinkerq)")
     w.add_argument("--loss-backend", choices=["auto", "apex", "torch", "reference"],
                    help="loss head: auto = apex on CUDA when installed, else chunked torch (default)")

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import make_batch
 from tinkerq import types
-from tinkerq.errors import ServerError
+from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
 from worker import memory
 from worker.batching import pad_batch
@@ -352,8 +352,8 @@ def capacity_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _refusal(future) -> ServerError:
     err = future.exception(timeout=120)
-    # CapacityError once tinkerq.errors knows it; until then producers rebuild it as a ServerError.
-    assert isinstance(err, ServerError) and type(err).__name__ in ("CapacityError", "ServerError"), err
+    # Typed on the producer's side too (tinkerq.errors), and a server error: the request was fine.
+    assert isinstance(err, CapacityError) and isinstance(err, ServerError), err
     assert "needs about" in err.message and "is free" in err.message and "nothing was allocated" in err.message, err
     return err
 

@@ -91,6 +91,13 @@ class ShardGroupError(ServerError):
     """A sharded worker's group cannot serve: a shard died, hung, or has not joined yet."""
 
 
+class CapacityError(ServerError):
+    """The worker does not have the memory a request needs; nothing was allocated, the session goes on.
+
+    The message says what was asked, how much it needs, how much is free, and what to do.
+    """
+
+
 _BY_NAME: dict[str, type[TinkerqError]] = {
     cls.__name__: cls
     for cls in (
@@ -106,6 +113,7 @@ _BY_NAME: dict[str, type[TinkerqError]] = {
         WorkerError,
         WorkerLostError,
         ShardGroupError,
+        CapacityError,
     )
 }
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tinkerq.errors import ServerError
+from tinkerq.errors import CapacityError
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -52,13 +52,6 @@ LARGE_BYTES = 8 * MiB
 HOST_HEADROOM_BYTES = 32 * MiB
 # cgroup v1 reports "no limit" as a huge number (PAGE_COUNTER_MAX pages); anything above this is no limit.
 _NO_LIMIT = 1 << 60
-
-
-class CapacityError(ServerError):
-    """The worker does not have the memory a request needs; nothing was allocated, the session goes on.
-
-    The message says what was asked, how much it needs, how much is free, and what to do.
-    """
 
 
 # -- what is free ------------------------------------------------------------------------------------------

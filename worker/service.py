@@ -276,8 +276,8 @@ class WorkerService:
             self._inboxes[task_id] = inbox
             if not ordering.buffer(seq_id, op, envelope, task_id):
                 self._inboxes.pop(task_id, None)
-                raise ServerError(f"session {model_id} has too many out-of-order requests waiting for seq "
-                                  f"{ordering.next_seq}")
+                raise ServerError(f"session {model_id} cannot keep request seq {seq_id} until seq "
+                                  f"{ordering.next_seq} arrives: {ordering.refusal}")
             return None
         outcome = self._apply(slot, op, envelope, seq_id)
         # Requests that arrived early can run now; their callers get their answers through the backend.
