@@ -130,5 +130,9 @@ def test_a_forged_model_id_is_refused_and_writes_nothing(training_client, checkp
             envelope = messages.make_envelope(op, model_id, 1, {"inline": codec.packb(body)})
             err = send_raw(tc, op, envelope).exception(timeout=30)
             assert err is not None and err.category == "user" and "model_id" in err.message, (op, model_id, err)
+    # Malformed at tinkerq's own layer: answered (above) and kept as dead letters too.
+    r = redis.Redis.from_url(tc.service.settings.broker_url)
+    newest = codec.unpackb(r.lindex(keys.DEAD_LETTERS, 0))
+    assert "model_id" in newest["reason"] and newest["queue"].startswith("task tinkerq.")
     assert sorted(p.name for p in Path(checkpoint_dir).iterdir()) == before
     assert [p.name for p in outside.iterdir()] == ["keep"] and (outside / "keep").read_text() == "mine"

@@ -164,11 +164,12 @@ class DeadLetters:
     worker_id: str
 
     def refuse(self, reason: str, raw: bytes | str | None, queue: str, task_id: str | None = None,
-               inbox: str | None = None) -> None:
+               inbox: str | None = None, *, answer: bool = True) -> None:
+        """Log, answer (unless the caller answers itself) and keep a message no worker can use."""
         data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else (raw or b"")
         log.warning("dead-lettered a message on %s: %s (task id %s, %d bytes)", queue, reason[:300], task_id,
                     len(data))
-        if task_id is not None:
+        if task_id is not None and answer:
             error = MalformedMessageError(f"request refused by worker {self.worker_id}: {reason}")
             self.answer(task_id, inbox, messages.error_reply(error))
         entry = {"reason": reason, "queue": queue, "task_id": task_id, "worker": self.worker_id,

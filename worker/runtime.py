@@ -68,7 +68,7 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     register_tasks(connection.app, service)
     liveness = ConsumerLiveness(settings.heartbeat_s)
     if not settings.is_embedded:
-        guard_intake(connection, worker_id, liveness)
+        service.dead_letters = guard_intake(connection, worker_id, liveness)
 
     def redis_back() -> None:
         service.redis_back_at = time.monotonic()
@@ -112,19 +112,21 @@ class PromptConsumer(Consumer):
         return super().ensure_connected(conn)
 
 
-def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiveness) -> None:
+def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiveness) -> DeadLetters:
     """Check every message before kombu and Celery see it (worker/intake.py); tick liveness from the loop."""
     app, settings = connection.app, connection.settings
     assert settings.broker_url is not None
+    dead_letters = DeadLetters(connection.store, settings, worker_id)
     app.conf.broker_transport = transport_for(settings.broker_url)
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
-        "tinkerq_dead_letters": DeadLetters(connection.store, settings, worker_id),
+        "tinkerq_dead_letters": dead_letters,
     }
     # Through an outage the consumer reconnects for as long as it takes (Celery's default gives up).
     app.conf.broker_connection_max_retries = None
     app.conf.worker_consumer = "worker.runtime:PromptConsumer"
     app.steps["consumer"].add(consumer_liveness_step(liveness))
+    return dead_letters
 
 
 def run_worker(model_path: str, settings: Settings, *, name: str | None = None, loglevel: str = "INFO",

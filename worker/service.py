@@ -18,6 +18,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from tinkerq import keys, types
+from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
 from tinkerq.errors import (
     MalformedMessageError,
@@ -32,7 +33,7 @@ from tinkerq.errors import (
 from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_sampling
 from tinkerq.wire import codec, messages
 from worker import checkpoints, memory
-from worker.intake import store_reply
+from worker.intake import DeadLetters, store_reply
 from worker.logprobs import LogprobComputer
 from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
@@ -83,6 +84,7 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         self._lock = threading.RLock()
         self._inboxes: dict[str, str | None] = {}  # buffered task id -> its sender's reply inbox
+        self.dead_letters: DeadLetters | None = None  # set by a worker on Redis (not the embedded fleet)
         # When Redis last came back after an outage: a missing predecessor cannot arrive while Redis is down,
         # so the gap timeout counts from here (set by the heartbeat, which notices outages first).
         self.redis_back_at = time.monotonic()
@@ -117,6 +119,9 @@ class WorkerService:
                     outcome = self._create_model(envelope)
                 else:
                     outcome = self._sequenced(op, envelope, task_id, inbox)
+            except MalformedMessageError as exc:  # our own envelope or body layer: answered, and kept
+                outcome = ("error", exc.to_wire(), NO_TIMING)
+                self._dead_letter(op, envelope, task_id, exc)
             except TinkerqError as exc:
                 outcome = ("error", exc.to_wire(), NO_TIMING)
             except Exception as exc:  # a bug: answer it, log it, keep serving
@@ -310,6 +315,8 @@ class WorkerService:
                 self.claim_check.discard(ref)
             except TinkerqError as exc:
                 outcome = ("error", exc.to_wire(), timing)
+                if isinstance(exc, MalformedMessageError):
+                    self._dead_letter(op, envelope, None, exc)
             except Exception as exc:  # state may be half-changed: refuse everything after it
                 log.exception("%s seq %d of session %s failed", op, seq_id, model_id)
                 slot.broken = (f"session {model_id} is unusable since {op} seq {seq_id} failed in the worker "
@@ -413,6 +420,16 @@ class WorkerService:
         """Answer requests that were buffered (they are answered when they run, or fail)."""
         for task_id in task_ids:
             self.answer(task_id, self._inboxes.pop(task_id, None), self._reply(outcome))
+
+    def _dead_letter(self, op: str, envelope: Any, task_id: str | None, exc: MalformedMessageError) -> None:
+        """Keep a request whose envelope or body is malformed in tinkerq.dead (its sender is answered anyway)."""
+        if self.dead_letters is None:
+            return
+        try:
+            raw = codec.packb(envelope)
+        except TinkerqError:
+            raw = repr(envelope)[:4096].encode()
+        self.dead_letters.refuse(exc.message, raw, f"task {TASK_NAMES.get(op, op)}", task_id, answer=False)
 
     def answer(self, task_id: str, inbox: str | None, reply: dict[str, Any]) -> None:
         """Store ``reply`` for ``task_id`` and push it to the sender's inbox; retried through Redis outages."""
