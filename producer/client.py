@@ -238,8 +238,7 @@ class TrainingClient:
         """Post one ordered request. ``seq_id`` is given only by tests that replay or reorder requests."""
         try:  # encode first: a body that cannot be sent must not use up a sequence number
             encoded = codec.packb(body)
-            if len(encoded) > self.service.settings.max_message_bytes:
-                self.service.connection.claim_check().wrap(encoded)  # raises the size error
+            self.service.connection.claim_check().check_size(len(encoded))
         except TinkerqError as exc:
             return APIFuture.failed(exc)
         if seq_id is None:

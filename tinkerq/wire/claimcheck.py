@@ -22,12 +22,16 @@ class ClaimCheck:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
 
-    def wrap(self, payload: bytes) -> dict[str, Any]:
-        if len(payload) > self.max_bytes:
+    def check_size(self, size: int) -> None:
+        """Refuse a request body larger than the fleet's limit, before anything is sent."""
+        if size > self.max_bytes:
             raise MalformedMessageError(
-                f"request of {len(payload)} bytes exceeds the limit of {self.max_bytes} bytes "
+                f"request of {size} bytes exceeds the limit of {self.max_bytes} bytes "
                 f"(TINKERQ_MAX_MESSAGE_BYTES); split the batch into several forward_backward calls"
             )
+
+    def wrap(self, payload: bytes) -> dict[str, Any]:
+        self.check_size(len(payload))
         if len(payload) <= self.threshold_bytes:
             return {"inline": payload}
         key = keys.blob(uuid.uuid4().hex)
