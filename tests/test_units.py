@@ -107,3 +107,31 @@ def test_metric_totals_merged_across_ranks_equal_one_pass():
         part.add(metrics(rows))
         merged.merge(part.raw())
     assert merged.result() == pytest.approx(whole.result(), rel=1e-9)
+
+
+def test_a_worker_that_stops_consuming_stops_beating():
+    """Liveness means consuming: with the consumer loop silent and no task running, no heartbeat is sent."""
+    import time
+
+    from tinkerq import keys
+    from tinkerq.store import MemoryStore
+    from worker.registry import ConsumerLiveness, Registration
+
+    store = MemoryStore()
+    liveness = ConsumerLiveness(period_s=0.2)
+    liveness.enabled = True  # as when the consumer's event loop has started
+    registration = Registration(store, "m", "w1", 0.2, consuming=liveness)
+    registration.start()
+    try:
+        for _ in range(5):  # the loop ticks: beats keep the age small
+            liveness.tick()
+            time.sleep(0.1)
+        assert store.ages(keys.HEARTBEATS)["w1"] < 0.25
+        time.sleep(1.4)  # no ticks (a wedged loop), no task running: the heartbeat goes stale
+        assert store.ages(keys.HEARTBEATS)["w1"] > 0.5
+        liveness.tick()  # consuming again: beats resume
+        time.sleep(0.3)
+        assert store.ages(keys.HEARTBEATS)["w1"] < 0.25
+    finally:
+        registration.stop()
+    assert "w1" not in store.ages(keys.HEARTBEATS)  # a stopped worker leaves the set at once
