@@ -228,7 +228,7 @@ class TrainingClient:
             return APIFuture.failed(exc)  # refused here: no sequence number used, the model is untouched
         tokens = sum(d.model_input.length for d in data)
         return self._submit(
-            op, messages.encode_loss_request(data, loss_fn, loss_fn_config),
+            op, messages.encode_loss_request(list(data), loss_fn, loss_fn_config),
             messages.decode_forward_backward_output,
             argsrepr=f"loss_fn={loss_fn} datums={len(data)} tokens={tokens}",
         )

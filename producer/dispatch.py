@@ -302,11 +302,19 @@ class Dispatcher:
         for worker, heartbeat_s in owed.items():
             limit = LOST_AFTER_BEATS * heartbeat_s
             if ages.get(worker, float("inf")) > limit and seen_for > limit:
-                n = self._fail_where(lambda r, w=worker: r.worker == w, lambda r, w=worker: WorkerLostError(
-                    f"{r.future._describe}: worker {w}, which holds this training session, stopped (no "
-                    f"heartbeat for {min(ages.get(w, float('inf')), 1e9):.1f} s) before answering; the request "
-                    f"may or may not have been applied. Create a new training client, or resume from your last "
-                    f"checkpoint (create_training_client_from_state)"))
+                silent = min(ages.get(worker, float("inf")), 1e9)
+
+                def lost(r: Request, w: str = worker, silent: float = silent) -> TinkerqError:
+                    return WorkerLostError(
+                        f"{r.future._describe}: worker {w}, which holds this training session, stopped (no "
+                        f"heartbeat for {silent:.1f} s) before answering; the request may or may not have been "
+                        f"applied. Create a new training client, or resume from your last checkpoint "
+                        f"(create_training_client_from_state)")
+
+                def owed_by(r: Request, w: str = worker) -> bool:
+                    return r.worker == w
+
+                n = self._fail_where(owed_by, lost)
                 log.warning("worker %s is gone: %d pending request(s) failed", worker, n)
 
     def _resend_stalled(self, pending: list[Request], now: float) -> None:

@@ -126,5 +126,6 @@ def error_from_wire(wire: Any) -> TinkerqError:
     category = wire.get("category")
     if cls is None:  # a newer worker's error type: keep its category
         cls = UserError if category == "user" else ServerError
-    details = wire.get("details") if isinstance(wire.get("details"), dict) else {}
+    raw = wire.get("details")
+    details: dict[str, Any] = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
     return cls(str(wire.get("message", "")), **details)

@@ -78,12 +78,12 @@ class RedisStore:
         return bool(self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s), nx=True)))
 
     def get(self, key: str) -> bytes | None:
-        return self._do(f"reading {key}", lambda: self.client.get(key))
+        return _bytes(self._do(f"reading {key}", lambda: self.client.get(key)))
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
-        return self._do("reading replies", lambda: self.client.mget(keys))
+        return [_bytes(v) for v in self._do("reading replies", lambda: self.client.mget(keys))]
 
     def delete(self, key: str) -> None:
         self._do(f"deleting {key}", lambda: self.client.delete(key))
@@ -107,13 +107,14 @@ class RedisStore:
     def pop(self, key: str, timeout_s: float) -> bytes | None:
         # BRPOP: the oldest first (LPUSH + BRPOP is FIFO). Not retried here: a listener loops anyway.
         item = self.client.brpop([key], timeout=timeout_s)
-        return None if item is None else item[1]
+        return None if item is None else _bytes(item[1])
 
     def pop_tail(self, key: str) -> bytes | None:
-        return self._do(f"reading {key}", lambda: self.client.rpop(key))
+        return _bytes(self._do(f"reading {key}", lambda: self.client.rpop(key)))  # type: ignore[arg-type]
 
     def list_range(self, key: str, start: int, stop: int) -> list[bytes]:
-        return self._do(f"reading {key}", lambda: self.client.lrange(key, start, stop))
+        items = self._do(f"reading {key}", lambda: self.client.lrange(key, start, stop))
+        return [v if isinstance(v, bytes) else str(v).encode() for v in items]
 
     def length(self, key: str) -> int:
         return int(self._do(f"reading {key}", lambda: self.client.llen(key)))
@@ -148,6 +149,13 @@ class RedisStore:
 
     def forget(self, zset: str, member: str) -> None:
         self._do("removing a heartbeat", lambda: self.client.zrem(zset, member))
+
+
+def _bytes(value: object) -> bytes | None:
+    """A reply of redis-py as bytes (it answers str only for a client made with decode_responses)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode()
 
 
 def _ms(ttl_s: float) -> int:

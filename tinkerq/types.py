@@ -103,7 +103,7 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int] | np.ndarray) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=tokens)])
+        return cls(chunks=[EncodedTextChunk(tokens=tokens)])  # type: ignore[arg-type]  # an array is kept as is
 
     @classmethod
     def empty(cls) -> ModelInput:

@@ -38,7 +38,7 @@ def make_envelope(op: str, model_id: str, seq_id: int, payload_ref: dict[str, An
             "sent_at": time.time()}
 
 
-def check_envelope(envelope: Any, expected_op: str) -> tuple[str, int, dict[str, Any]]:
+def check_envelope(envelope: Any, expected_op: str) -> tuple[str, int, Any]:
     """Return (model_id, seq_id, payload_ref) or raise MalformedMessageError naming the defect."""
     if not isinstance(envelope, dict):
         raise MalformedMessageError(f"request envelope must be a map, got {type(envelope).__name__}")
@@ -188,7 +188,7 @@ def decode_model_info(body: Any) -> types.ModelInfo:
 
 def encode_sample_request(sampler_id: str, prompt: types.ModelInput, num_samples: int,
                           params: types.SamplingParams) -> dict[str, Any]:
-    stop = params.stop
+    stop: Any = params.stop
     if stop is not None and not isinstance(stop, str):
         stop = list(stop)
     return {
