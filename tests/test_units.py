@@ -118,20 +118,20 @@ def test_a_worker_that_stops_consuming_stops_beating():
     from worker.registry import ConsumerLiveness, Registration
 
     store = MemoryStore()
-    liveness = ConsumerLiveness(period_s=0.2)
+    liveness = ConsumerLiveness(period_s=0.4)  # beats every 0.2 s; silent loop after 0.8 s
     liveness.enabled = True  # as when the consumer's event loop has started
-    registration = Registration(store, "m", "w1", 0.2, consuming=liveness)
+    registration = Registration(store, "m", "w1", 0.4, consuming=liveness)
     registration.start()
     try:
-        for _ in range(5):  # the loop ticks: beats keep the age small
+        for _ in range(6):  # the loop ticks: beats keep the age small
             liveness.tick()
             time.sleep(0.1)
-        assert store.ages(keys.HEARTBEATS)["w1"] < 0.25
-        time.sleep(1.4)  # no ticks (a wedged loop), no task running: the heartbeat goes stale
-        assert store.ages(keys.HEARTBEATS)["w1"] > 0.5
+        assert store.ages(keys.HEARTBEATS)["w1"] < 0.6
+        time.sleep(2.5)  # no ticks (a wedged loop), no task running: the heartbeat goes stale
+        assert store.ages(keys.HEARTBEATS)["w1"] > 1.2
         liveness.tick()  # consuming again: beats resume
-        time.sleep(0.3)
-        assert store.ages(keys.HEARTBEATS)["w1"] < 0.25
+        time.sleep(0.7)
+        assert store.ages(keys.HEARTBEATS)["w1"] < 0.6
     finally:
         registration.stop()
     assert "w1" not in store.ages(keys.HEARTBEATS)  # a stopped worker leaves the set at once
