@@ -221,7 +221,7 @@ class GuardedChannel(kombu_redis.Channel):
             return True
         finally:
             self._in_poll = None
-            self._flush_brpop_reauth()
+            getattr(self, "_flush_brpop_reauth", lambda: None)()  # kombu >= 5.7 re-auth hook
 
     def _get(self, queue: str) -> dict[str, Any]:
         # The polling path (basic_get): the same checks; a refused message is reported as "nothing there".
