@@ -103,6 +103,16 @@ def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, mod
                 assert np.isfinite(fb.result(timeout=60).metrics["loss:sum"])
             saved = tc.save_weights_for_sampler("after-outages").result(timeout=60).path
             tc.close()
+            # Requests running when the connection dropped could not be acknowledged; once answered, they do not
+            # wait 12 h in kombu's unacked record to come back as repeats: the worker's cleanup drops them.
+            import redis as redis_py
+
+            from tinkerq import keys
+
+            client = redis_py.Redis(port=redis.port)
+            print(f"\nkombu's unacked record after the run: {client.hlen(keys.KOMBU_UNACKED)} message(s)")
+            wait_for(lambda: client.hlen(keys.KOMBU_UNACKED) == 0, 30, "answered requests to leave kombu's record")
+            client.close()
         assert proc.poll() is None
     finally:
         stop(proc.pid, timeout=10)
@@ -189,3 +199,31 @@ def test_a_frozen_worker_is_lost_too(tmp_path, model_dir, redis_url):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         stop(proc.pid, timeout=10)
+
+
+def test_answered_requests_leave_kombus_unacked_record(redis_url):
+    """A request answered but never acknowledged (the connection dropped) is dropped from kombu's record;
+    one not answered yet stays, for kombu to deliver again after the visibility timeout."""
+    import json
+
+    import redis as redis_py
+
+    from tinkerq import keys
+    from tinkerq.store import RedisStore
+    from worker.registry import drop_answered_unacked
+
+    client = redis_py.Redis.from_url(redis_url)
+    store = RedisStore(client, retry_s=5)
+    records = {}
+    for name in ("answered", "running"):
+        message = {"headers": {"id": f"task-{name}-1234"}, "properties": {"delivery_tag": f"tag-{name}"}}
+        records[name] = f"tag-{name}"
+        client.hset(keys.KOMBU_UNACKED, f"tag-{name}", json.dumps([message, "", "tinkerq.worker.x"]))
+        client.zadd(keys.KOMBU_UNACKED_INDEX, {f"tag-{name}": time.time()})
+    store.set(keys.reply("task-answered-1234"), b"\x80", ttl_s=60)
+    assert drop_answered_unacked(store) == 1
+    assert not client.hexists(keys.KOMBU_UNACKED, "tag-answered")
+    assert client.zscore(keys.KOMBU_UNACKED_INDEX, "tag-answered") is None
+    assert client.hexists(keys.KOMBU_UNACKED, "tag-running")
+    client.hdel(keys.KOMBU_UNACKED, "tag-running")
+    client.zrem(keys.KOMBU_UNACKED_INDEX, "tag-running")

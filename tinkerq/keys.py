@@ -67,3 +67,7 @@ def deliveries(delivery_tag: str) -> str:
 
 
 REAPER_LOCK = f"{PREFIX}:reaper"
+
+# kombu's Redis transport (default transport options): delivered, unacknowledged messages and their times.
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"

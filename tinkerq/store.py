@@ -42,6 +42,9 @@ class KeyValueStore(Protocol):
     def beat(self, zset: str, member: str) -> None: ...
     def ages(self, zset: str) -> dict[str, float]: ...
     def forget(self, zset: str, member: str) -> None: ...
+    # kombu's record of delivered, unacknowledged messages (a hash + its time index), for the cleanup pass.
+    def hash_items(self, key: str) -> dict[str, bytes]: ...
+    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None: ...
 
 
 _BEAT = """
@@ -149,6 +152,22 @@ class RedisStore:
 
     def forget(self, zset: str, member: str) -> None:
         self._do("removing a heartbeat", lambda: self.client.zrem(zset, member))
+
+    def hash_items(self, key: str) -> dict[str, bytes]:
+        items = self._do(f"reading {key}", lambda: self.client.hgetall(key))
+        return {_text(k): v if isinstance(v, bytes) else str(v).encode() for k, v in items.items()}
+
+    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None:
+        if not fields:
+            return
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hdel(hash_key, *fields)
+            pipe.zrem(index_key, *fields)
+            pipe.execute()
+
+        self._do(f"cleaning {hash_key}", run)
 
 
 def _bytes(value: object) -> bytes | None:
@@ -286,3 +305,9 @@ class MemoryStore:
     def forget(self, zset: str, member: str) -> None:
         with self._lock:
             self._zsets[zset].pop(member, None)
+
+    def hash_items(self, key: str) -> dict[str, bytes]:
+        return {}  # the in-memory transport keeps no unacked record in the store
+
+    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None:
+        return None

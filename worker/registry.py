@@ -153,7 +153,37 @@ def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:
     for worker, age in ages.items():  # heartbeats of workers gone long ago, whose queues never existed
         if worker != me and age > 100 * REAP_AFTER_BEATS * period:
             store.forget(keys.HEARTBEATS, worker)
+    drop_answered_unacked(store)
     return answered
+
+
+def drop_answered_unacked(store: KeyValueStore) -> int:
+    """Forget kombu's unacknowledged records of requests that were answered.
+
+    When the connection drops while a request runs (a Redis restart), the worker answers it but cannot
+    acknowledge it: kombu keeps the message in its ``unacked`` hash and would put it back in the queue
+    only after the visibility timeout (12 h). A stored reply proves it was answered, so the record goes.
+    """
+    records = store.hash_items(keys.KOMBU_UNACKED)
+    task_ids = {tag: _sender(_unacked_message(raw))[0] for tag, raw in records.items()}
+    known = {tag: task_id for tag, task_id in task_ids.items() if task_id is not None}
+    if not known:
+        return 0
+    replies = store.get_many([keys.reply(t) for t in known.values()])
+    answered = [tag for tag, reply in zip(known, replies, strict=True) if reply is not None]
+    store.drop_unacked(keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX, answered)
+    if answered:
+        log.info("dropped %d answered request(s) from kombu's unacked record", len(answered))
+    return len(answered)
+
+
+def _unacked_message(raw: bytes) -> bytes:
+    """The message inside kombu's unacked record ``[message, exchange, routing_key]`` (JSON)."""
+    try:
+        record = json.loads(raw)
+        return json.dumps(record[0]).encode() if isinstance(record, list) and record else b""
+    except (ValueError, UnicodeDecodeError):
+        return b""
 
 
 def _sender(item: bytes) -> tuple[str | None, str | None]:
