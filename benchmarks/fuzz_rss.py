@@ -26,13 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
 from tests.fuzz_messages import fuzz_messages
 from tests.helpers import build_tiny_llama, make_batch
+from worker import memory
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return memory.rss_bytes(pid) / 2**20
 
 
 def main() -> int:

@@ -252,7 +252,7 @@ class Dispatcher:
                     continue
                 except TinkerqError:
                     pass
-            if request.body or request.op:  # hand-made messages (expect()) cannot be re-posted
+            if request.op:  # hand-made messages (expect()) cannot be re-posted
                 self._post(request, store)
                 reposted += 1
         if reposted:

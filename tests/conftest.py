@@ -46,6 +46,22 @@ def start_worker_process(model_dir: Path, redis_url: str, log: Path, env: dict[s
     return start_process(cmd, log, env)
 
 
+def start_named_worker(model_dir: Path, redis_url: str, name: str, log: Path, env: dict[str, str] | None = None,
+                       extra: list[str] | None = None, timeout: float = 120) -> subprocess.Popen:
+    """A private worker serving ``model_dir`` as ``name`` (heartbeat 1 s), registered when this returns."""
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+
+    proc = start_worker_process(model_dir, redis_url, log, {"TINKERQ_HEARTBEAT_S": "1", **(env or {})},
+                                extra=["--name", name, *(extra or [])])
+    conn = Connection.open(Settings(broker_url=redis_url))
+    try:
+        wait_for(lambda: bool(conn.workers_serving(name)), timeout, f"tinkerq worker {name}", proc, log)
+    finally:
+        conn.close()
+    return proc
+
+
 @pytest.fixture(scope="session")
 def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[subprocess.Popen]:
     """A real `tinkerq worker` process serving the tiny model from the private Redis."""

@@ -18,6 +18,7 @@ from tests.fuzz_messages import KINDS, base_message, fuzz_messages
 from tests.helpers import make_batch
 from tinkerq import keys
 from tinkerq.wire import codec, messages
+from worker import memory
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,10 +26,7 @@ PER_QUEUE = 2600  # >= 5000 messages in all
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return memory.rss_bytes(pid) / 2**20
 
 
 def _reply(r: redis.Redis, task_id: str) -> dict | None:

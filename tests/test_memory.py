@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tinkerq import types
 from tinkerq.errors import CapacityError, ServerError
@@ -317,21 +317,6 @@ def test_release_memory_returns_freed_heap_to_the_os():
 # -- a real worker process -----------------------------------------------------------------------------------------
 
 
-def _start_worker(model: Path, redis_url: str, name: str, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    from launcher.processes import start_process, wait_for, worker_command
-    from tinkerq.connection import Connection
-
-    proc = start_process(worker_command(str(model), redis_url, threads=1,
-                                        extra=["--name", name, "--max-sessions", "64"]), log,
-                         {"TINKERQ_HEARTBEAT_S": "1", **env})
-    conn = Connection.open(Settings(broker_url=redis_url))
-    try:
-        wait_for(lambda: bool(conn.workers_serving(name)), 120, "tinkerq worker", proc, log)
-    finally:
-        conn.close()
-    return proc
-
-
 @pytest.fixture(scope="module")
 def capacity_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A worker capped at 1200 MiB serving a 7M-parameter model (a session is estimated at ~170 MB), with
@@ -344,8 +329,9 @@ def capacity_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
     _llama(384, 1152, 4).save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
     name = "memory-capacity-model"
-    proc = _start_worker(model_dir, redis_url, name, root / "worker.log",
-                         {"TINKERQ_MEMORY_LIMIT_MB": "1200", "TINKERQ_MICROBATCH_TOKENS": str(1 << 20)})
+    proc = start_named_worker(model_dir, redis_url, name, root / "worker.log",
+                              {"TINKERQ_MEMORY_LIMIT_MB": "1200", "TINKERQ_MICROBATCH_TOKENS": str(1 << 20)},
+                              extra=["--max-sessions", "64"])
     yield name
     stop(proc.pid, timeout=20)
 
@@ -412,8 +398,8 @@ def test_worker_rss_returns_near_its_baseline_after_large_requests(model_dir, re
     from launcher.processes import stop
     from producer import ServiceClient
 
-    proc = _start_worker(model_dir, redis_url, "memory-rss-model", tmp_path / "worker.log",
-                         {"TINKERQ_MAX_MESSAGE_BYTES": str(32 << 20)})
+    proc = start_named_worker(model_dir, redis_url, "memory-rss-model", tmp_path / "worker.log",
+                              {"TINKERQ_MAX_MESSAGE_BYTES": str(32 << 20)}, extra=["--max-sessions", "64"])
     try:
         with ServiceClient(broker_url=redis_url) as sc:
             tc = sc.create_training_client("memory-rss-model")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from launcher.processes import free_port, start_redis, stop, wait_for
+from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step
 from tinkerq import types
 
@@ -50,27 +51,13 @@ class DurableRedis:
             self.proc.wait(10)
 
 
-def _private_worker(model_dir: Path, url: str, log: Path, name: str, **env: str):
-    from tinkerq.connection import Connection
-    from tinkerq.settings import Settings
-
-    proc = start_process(worker_command(str(model_dir), url, threads=1, extra=["--name", name]), log,
-                         {"TINKERQ_HEARTBEAT_S": "1", **env})
-    conn = Connection.open(Settings(broker_url=url))
-    try:
-        wait_for(lambda: bool(conn.workers_serving(name)), 90, "worker", proc, log)
-    finally:
-        conn.close()
-    return proc
-
-
 def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, model_dir):
     from producer import ServiceClient
     from tinkerq.settings import Settings
 
     redis = DurableRedis(tmp_path / "redis")
     log = tmp_path / "worker.log"
-    proc = _private_worker(model_dir, redis.url, log, "outage-model")
+    proc = start_named_worker(model_dir, redis.url, "outage-model", log)
     rng = np.random.default_rng(80)
     batches = [make_batch(rng, 24, min_len=20, max_len=40) for _ in range(30)]  # > 16 KiB: claim-checked
     adam = types.AdamParams(learning_rate=5e-3, weight_decay=0.01)
@@ -131,7 +118,7 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
-    proc = _private_worker(model_dir, redis_url, log, "kill9-model")
+    proc = start_named_worker(model_dir, redis_url, "kill9-model", log)
     try:
         with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
             tc = sc.create_training_client("kill9-model")
@@ -180,7 +167,7 @@ def test_a_frozen_worker_is_lost_too(tmp_path, model_dir, redis_url):
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
-    proc = _private_worker(model_dir, redis_url, log, "frozen-model")
+    proc = start_named_worker(model_dir, redis_url, "frozen-model", log)
     try:
         with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
             tc = sc.create_training_client("frozen-model")

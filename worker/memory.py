@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from tinkerq.errors import CapacityError
+from worker.batching import microbatch_ranges
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -375,8 +376,6 @@ REQUEST_BYTES_PER_DATUM = 4096
 
 def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, int]]:
     """(rows, longest row) of each micro-batch run_loss will make of a batch (worker/batching.py)."""
-    from worker.batching import microbatch_ranges
-
     return [(stop - start, max(lengths[start:stop])) for start, stop in microbatch_ranges(lengths, microbatch_tokens)]
 
 

@@ -25,6 +25,7 @@ from tinkerq.errors import TinkerqError, WorkerLostError
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import messages
+from worker.intake import store_reply
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -141,8 +142,6 @@ def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:
             error = WorkerLostError(f"worker {worker} stopped before taking this request; create a new training "
                                     f"client, or resume from your last checkpoint (create_training_client_from_state)")
             try:
-                from worker.intake import store_reply
-
                 store_reply(store, settings, task_id, inbox, messages.error_reply(error))
                 answered += 1
             except TinkerqError as exc:
