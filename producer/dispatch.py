@@ -20,6 +20,7 @@ Redis stays away longer than ``TINKERQ_REDIS_RETRY_S``, pending requests fail wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -40,6 +41,7 @@ from tinkerq.wire.claimcheck import ClaimCheck
 log = logging.getLogger("tinkerq.producer")
 
 LOST_AFTER_BEATS = 1.5  # as worker.registry: a worker beats twice per period
+WAKE = b"wake"  # pushed to a client's own inbox by close(), so its listener stops at once
 
 
 @dataclass
@@ -204,6 +206,8 @@ class Dispatcher:
                 delay = min(delay * 2, 0.5)
                 continue
             delay = 0.02
+            if self._stop.is_set():
+                return
             self._reached()
             if item is None:
                 continue
@@ -331,7 +335,17 @@ class Dispatcher:
                          head.future._describe, model_id[:8], quiet)
 
     def close(self) -> None:
+        """Stop both threads before the caller closes the connection they use.
+
+        A thread still blocked on a socket that gets closed under it would go on reading whatever file the
+        process opens next under the same descriptor number (seen with TLS: OpenSSL reads the raw fd).
+        """
         self._stop.set()
+        with contextlib.suppress(Exception):  # wake the listener's BRPOP now; else it returns within 1 s
+            self.store.with_retry(0).push(self.inbox, WAKE, ttl_s=60)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         self._fail_where(lambda r: True, lambda r: ServerError(f"{r.future._describe}: the client was closed"))
 
 

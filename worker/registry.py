@@ -212,6 +212,9 @@ def consumer_liveness_step(liveness: ConsumerLiveness) -> type:
         def stop(self, c) -> None:
             if getattr(self, "_timer", None) is not None:
                 self._timer.cancel()
+            # Stopped by Celery itself (reconnecting after a broker outage, or a warm shutdown): the worker is
+            # not wedged, it waits for the broker or finishes its task. Judged again once the loop restarts.
+            liveness.enabled = False
 
     return LoopTick
 
