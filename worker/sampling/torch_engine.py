@@ -1,0 +1,475 @@
+"""Continuous batching on Hugging Face causal LMs with a KV cache, in one background thread (torch only).
+
+Each loop iteration admits waiting jobs, then for every group of rows sharing weights (``model_key``) runs
+one decode forward for its running rows and prefills its newcomers, samples one token per row, applies the
+per-row stop rules and reports finished jobs. A job submitted while others run joins them at the next
+iteration instead of waiting for the batch to drain.
+
+Numerics: rows of one group are left-padded to a common cache length, with an attention mask and explicit
+position ids, so a row's logits are those of its own unpadded sequence (padded keys get exactly zero
+attention weight); prompts are prefilled without padding (each distinct prompt once, batched with prompts of
+the same length). Each token's logprob is log_softmax of the raw logits (temperature 1).
+
+Seeds: row ``r`` (sample index) of a job with seed ``s`` uses ``torch.Generator().manual_seed(row_seed(s, r))``
+with ``row_seed(s, r) = (s * 1_000_003 + r) mod 2**64`` (unseeded jobs draw ``s`` at random). Its k-th token
+is picked by inverse CDF with the k-th uniform of that generator over the temperature-scaled, top-k/top-p
+filtered distribution; greedy rows (temperature 0) draw nothing. So a seed gives the same tokens whatever
+other rows share the batch. The uniforms are drawn up front (``torch.rand(max_tokens)`` on the CPU: the same
+values as one draw per step, and the same on every device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from tinkerq import types
+from worker.sampling.engine import EngineClosed, SampleJob
+from worker.sampling.rules import StopRule, filter_logits
+
+log = logging.getLogger(__name__)
+
+ROW_SEED_STRIDE = 1_000_003
+PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (bounds its activations)
+
+
+def row_seed(seed: int, row: int) -> int:
+    return (seed * ROW_SEED_STRIDE + row) % 2**64
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers 5 names the KV cache argument ``cache``; older releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _pad_cat(parts: list[torch.Tensor], dim: int, left: bool, fill: float) -> torch.Tensor:
+    """Concatenate along dim 0, padding ``dim`` to the widest part (on the left or the right) with ``fill``."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.shape[dim] for p in parts)
+    shape = list(parts[0].shape)
+    shape[0], shape[dim] = sum(p.shape[0] for p in parts), width
+    out = parts[0].new_full(shape, fill)
+    row = 0
+    for p in parts:
+        start = width - p.shape[dim] if left else 0
+        out[row:row + p.shape[0]].narrow(dim, start, p.shape[dim]).copy_(p)
+        row += p.shape[0]
+    return out
+
+
+# The 2-D per-row tensors: (pad on the left?, fill) when rows of different widths are concatenated.
+_PAD2D = {
+    "mask": (True, 0),  # (B, T) 1 where the cache column holds a real token; left-padded like the cache
+    "uniforms": (False, 0.0),  # (B, W) column k: the uniform that picks the row's k-th token
+    "out_tok": (False, 0),  # (B, W) tokens sampled so far (column gen is scratch)
+    "out_lp": (False, 0.0),  # (B, W) their logprobs
+    "stop_ids": (False, -1),  # (B, S) the row's stop token ids, -1 = none
+}
+# The 1-D ones, all (B,): pos (position of the next fed token), last (token to feed next), gen (tokens
+# sampled), maxtok, active (not finished), temp (1 for greedy rows), greedy.
+
+
+class _Job:
+    """A submitted job's progress: its sequences as rows finish."""
+
+    def __init__(self, job: SampleJob) -> None:
+        self.job = job
+        self.results: list[types.SampledSequence | None] = [None] * job.num_samples
+        self.left = job.num_samples
+        self.reported = False
+
+    def report(self, sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
+        if self.reported:
+            return
+        self.reported = True
+        try:
+            self.job.on_done(sequences, error)
+        except Exception:  # a caller's bug must not stop the engine
+            log.exception("sampling on_done callback raised; ignored")
+
+
+class _Rows:
+    """Rows sharing one KV cache. Every tensor has the row (batch) dim first; ``kv`` is per layer."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], t: dict[str, torch.Tensor],
+                 jobs: list[_Job], samples: list[int]) -> None:
+        self.kv = kv  # per layer (keys, values), each (B, H, T, D), left-padded along T
+        self.t = t
+        self.jobs = jobs  # (B,) the job of each row
+        self.samples = samples  # (B,) the row's sample index in its job
+
+    def select(self, idx: torch.Tensor) -> _Rows:
+        """The rows ``idx`` (B',), with the leading cache columns that are padding in all of them dropped."""
+        t = {name: x.index_select(0, idx) for name, x in self.t.items()}
+        first = int(t["mask"].any(0).int().argmax())  # every row holds its prompt, so some column is real
+        t["mask"] = t["mask"][:, first:]
+        kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self.kv]
+        keep = idx.tolist()
+        return _Rows(kv, t, [self.jobs[i] for i in keep], [self.samples[i] for i in keep])
+
+    @staticmethod
+    def cat(parts: list[_Rows]) -> _Rows:
+        if len(parts) == 1:
+            return parts[0]
+        t = {}
+        for name in parts[0].t:
+            left, fill = _PAD2D.get(name, (False, 0))
+            xs = [p.t[name] for p in parts]
+            t[name] = _pad_cat(xs, 1, left, fill) if name in _PAD2D else torch.cat(xs)
+        kv = [(_pad_cat([p.kv[i][0] for p in parts], 2, True, 0.0), _pad_cat([p.kv[i][1] for p in parts], 2, True, 0.0))
+              for i in range(len(parts[0].kv))]
+        return _Rows(kv, t, [j for p in parts for j in p.jobs], [s for p in parts for s in p.samples])
+
+
+class _Group:
+    """The running rows of one model_key: one cache, one forward per step."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache_kwarg = _cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.cache: Any = None  # a DynamicCache the model made; its layers are (re)pointed at rows.kv
+        self.rows: _Rows | None = None
+        self.finished = 0  # rows finished but not yet dropped (compaction is amortised)
+        self.refresh()
+
+    @property
+    def size(self) -> int:
+        return 0 if self.rows is None else len(self.rows.jobs)
+
+    def refresh(self) -> None:
+        """Per-row facts that change only when rows join or leave."""
+        self.filters: list[tuple[int, float, torch.Tensor]] = []  # (top_k, top_p, rows)
+        self.py_stop: list[int] = []  # rows whose stop rule needs Python (stop strings)
+        self.all_greedy = self.any_greedy = False
+        self.plain = False  # every row samples at temperature 1 with no filter (the common RL case)
+        if self.rows is None:
+            return
+        by_filter: dict[tuple[int, float], list[int]] = {}
+        greedy = []
+        for r, job in enumerate(self.rows.jobs):
+            p = job.job.params
+            greedy.append(p.temperature == 0)
+            if p.temperature != 0 and (p.top_k > 0 or p.top_p < 1.0):
+                by_filter.setdefault((p.top_k, p.top_p), []).append(r)
+            if not _vectorised_stop(job.job.stop):
+                self.py_stop.append(r)
+        self.filters = [(k, p, torch.tensor(rows, device=self.device)) for (k, p), rows in by_filter.items()]
+        self.all_greedy, self.any_greedy = all(greedy), any(greedy)
+        self.plain = not by_filter and all(j.job.params.temperature == 1.0 for j in self.rows.jobs)
+
+
+def _vectorised_stop(stop: StopRule) -> bool:
+    """A plain StopRule with ids only: checked on tensors (its ``done`` is ``tokens[-1] in ids``)."""
+    return type(stop) is StopRule and not stop.strings
+
+
+class TorchEngine:
+    """Continuous batching for Hugging Face causal LMs. ``gate`` wraps every forward (to share compute)."""
+
+    def __init__(self, max_rows: int = 256, gate: Callable[[], AbstractContextManager] | None = None) -> None:
+        self.max_rows = max_rows
+        self._gate = gate or contextlib.nullcontext
+        self._cond = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._waiting_rows = 0
+        self._running_rows = 0
+        self._groups: dict[Hashable, _Group] = {}  # engine thread only
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # loop iterations done: lets tests (and metrics) observe progress
+
+    # -- the interface ---------------------------------------------------------------------------------
+
+    def submit(self, job: SampleJob) -> None:
+        if job.num_samples < 1 or job.max_tokens < 1 or not job.prompt:
+            raise ValueError("a sample job needs a prompt, num_samples >= 1 and max_tokens >= 1")
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the sampling engine is closed")
+            self._waiting.append(_Job(job))
+            self._waiting_rows += job.num_samples
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sampling-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def load(self) -> int:
+        return self._waiting_rows + self._running_rows
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():  # not inference_mode: a model's lazily built buffers must stay usable in training
+                while self._iteration():
+                    self.steps += 1
+        except BaseException:
+            log.exception("sampling engine thread died")
+        finally:
+            with self._cond:
+                self._closed = True
+                waiting, self._waiting = list(self._waiting), deque()
+                self._waiting_rows = 0
+            error = EngineClosed("the sampling engine closed before the job finished")
+            for group in self._groups.values():
+                for job in group.rows.jobs if group.rows else []:
+                    job.report(None, error)
+            self._groups.clear()
+            self._running_rows = 0
+            for job in waiting:
+                job.report(None, error)
+
+    def _iteration(self) -> bool:
+        with self._cond:
+            while not self._closed and not self._waiting and not self._groups:
+                self._cond.wait()
+            if self._closed:
+                return False
+            # Admit in FIFO order while the rows fit (a job larger than max_rows alone still runs).
+            running = sum(g.size - g.finished for g in self._groups.values())
+            admitted: dict[Hashable, list[_Job]] = {}
+            while self._waiting and (running == 0 or running + self._waiting[0].job.num_samples <= self.max_rows):
+                job = self._waiting.popleft()
+                self._waiting_rows -= job.job.num_samples
+                running += job.job.num_samples
+                admitted.setdefault(job.job.model_key, []).append(job)
+            self._running_rows = running
+        for key, newcomers in admitted.items():
+            if key not in self._groups:
+                try:
+                    self._groups[key] = _Group(newcomers[0].job.model)
+                except Exception as exc:
+                    for job in newcomers:
+                        job.report(None, exc)
+        for key in list(self._groups):
+            group = self._groups[key]
+            self._step(group, admitted.get(key, []))
+            if group.rows is None:
+                del self._groups[key]
+        self._running_rows = sum(g.size - g.finished for g in self._groups.values())
+        return True
+
+    def _step(self, group: _Group, newcomers: list[_Job]) -> None:
+        """One token for every row of ``group``; an error fails this group's jobs only."""
+        logits = None
+        if group.rows is not None:
+            try:
+                logits = self._decode(group)  # (B, V)
+            except Exception as exc:
+                self._fail(group, exc)
+        parts, new_logits = [], []
+        for chunk in self._prefill_chunks(newcomers):
+            try:
+                rows, chunk_logits = self._prefill(group, chunk)
+                parts.append(rows)
+                new_logits.append(chunk_logits)
+            except Exception as exc:
+                for job in chunk:
+                    job.report(None, exc)
+        if group.rows is None and not parts:
+            return
+        try:
+            if group.rows is None and len(parts) == 1:  # nothing to merge with
+                group.rows, parts = parts[0], []
+                logits = new_logits[0]
+                group.refresh()
+            if parts:  # merge the newcomers in; the finished rows go at the same time
+                if group.rows is not None and group.finished == 0:
+                    parts.insert(0, group.rows)
+                    new_logits.insert(0, logits)
+                elif group.rows is not None:
+                    keep = group.rows.t["active"].nonzero().squeeze(1)  # (B',)
+                    parts.insert(0, group.rows.select(keep))
+                    new_logits.insert(0, logits.index_select(0, keep))
+                group.rows, group.finished = _Rows.cat(parts), 0
+                logits = torch.cat(new_logits)
+                group.refresh()
+            self._sample(group, logits)
+        except Exception as exc:
+            for rows in parts:  # newcomers not merged yet
+                for job in rows.jobs:
+                    job.report(None, exc)
+            self._fail(group, exc)
+
+    def _fail(self, group: _Group, exc: BaseException) -> None:
+        log.exception("sampling step failed for %d rows", group.size, exc_info=exc)
+        for job in group.rows.jobs if group.rows else []:
+            job.report(None, exc)
+        group.rows, group.finished = None, 0
+        group.refresh()
+
+    # -- forwards --------------------------------------------------------------------------------------
+
+    def _decode(self, group: _Group) -> torch.Tensor:
+        """Feed each row's last token; returns the next-token logits (B, V) float32."""
+        rows = group.rows
+        t = rows.t
+        mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
+        for layer, (k, v) in zip(group.cache.layers, rows.kv, strict=True):
+            layer.keys, layer.values = k, v
+        with self._gate():
+            out = group.model(input_ids=t["last"][:, None], attention_mask=mask, position_ids=t["pos"][:, None],
+                              use_cache=True, logits_to_keep=1, **{group.cache_kwarg: group.cache})
+        group.cache = _returned_cache(out)
+        rows.kv = [(layer.keys, layer.values) for layer in group.cache.layers]
+        t["mask"] = mask
+        t["pos"] += 1
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def _prefill_chunks(newcomers: list[_Job]) -> list[list[_Job]]:
+        """Jobs grouped so that each chunk's distinct prompts have one length and fit PREFILL_TOKENS."""
+        by_len: dict[int, dict[tuple[int, ...], list[_Job]]] = {}
+        for job in newcomers:
+            by_len.setdefault(len(job.job.prompt), {}).setdefault(tuple(job.job.prompt), []).append(job)
+        chunks = []
+        for length, prompts in by_len.items():
+            per_chunk = max(1, PREFILL_TOKENS // length)
+            groups = list(prompts.values())
+            chunks += [[j for g in groups[i:i + per_chunk] for j in g] for i in range(0, len(groups), per_chunk)]
+        return chunks
+
+    def _prefill(self, group: _Group, jobs: list[_Job]) -> tuple[_Rows, torch.Tensor]:
+        """Prefill the distinct prompts of ``jobs`` (all one length) in one unpadded forward; returns their
+        rows (num_samples per job, the prompt's cache repeated) and the logits after the prompt (R, V)."""
+        device = group.device
+        index: dict[tuple[int, ...], int] = {}
+        for job in jobs:
+            index.setdefault(tuple(job.job.prompt), len(index))
+        ids = torch.tensor(list(index), dtype=torch.long, device=device)  # (N, P)
+        with self._gate():
+            out = group.model(input_ids=ids, use_cache=True, logits_to_keep=1)  # never (N, P, V) logits
+        cache = _returned_cache(out)
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):
+            raise NotImplementedError("the sampling engine needs a full-attention DynamicCache (no sliding window)")
+        if group.cache is None:
+            group.cache = cache
+        src = torch.tensor([index[tuple(j.job.prompt)] for j in jobs for _ in range(j.job.num_samples)],
+                           device=device)  # (R,) the prompt of each row
+        kv = [(layer.keys.index_select(0, src), layer.values.index_select(0, src)) for layer in cache.layers]
+        logits = out.logits[:, -1].float().index_select(0, src)  # (R, V)
+
+        rows_n, length = len(src), ids.shape[1]
+        width = max(j.job.max_tokens for j in jobs) + 1  # + a scratch column written by finished rows
+        uniforms = torch.zeros(rows_n, width)
+        stops = [sorted(j.job.stop.ids) if _vectorised_stop(j.job.stop) else [] for j in jobs]
+        stop_ids = torch.full((rows_n, max(map(len, stops))), -1, dtype=torch.long)
+        temp, maxtok, samples, row_jobs = [], [], [], []
+        r = 0
+        for job, stop in zip(jobs, stops, strict=True):
+            p, n = job.job.params, job.job.num_samples
+            seed = p.seed if p.seed is not None else secrets.randbits(63)
+            for s in range(n):
+                if p.temperature != 0:  # greedy rows draw nothing
+                    gen = torch.Generator().manual_seed(row_seed(seed, s))
+                    uniforms[r, :job.job.max_tokens] = torch.rand(job.job.max_tokens, generator=gen)
+                stop_ids[r, :len(stop)] = torch.tensor(stop, dtype=torch.long)
+                temp.append(p.temperature or 1.0)
+                maxtok.append(job.job.max_tokens)
+                samples.append(s)
+                row_jobs.append(job)
+                r += 1
+        temp_t = torch.tensor(temp, dtype=torch.float32, device=device)
+        t = {
+            "mask": torch.ones(rows_n, length, dtype=torch.long, device=device),
+            "uniforms": uniforms.to(device),
+            "out_tok": torch.zeros(rows_n, width, dtype=torch.long, device=device),
+            "out_lp": torch.zeros(rows_n, width, dtype=torch.float32, device=device),
+            "stop_ids": stop_ids.to(device),
+            "pos": torch.full((rows_n,), length, dtype=torch.long, device=device),
+            "last": torch.zeros(rows_n, dtype=torch.long, device=device),
+            "gen": torch.zeros(rows_n, dtype=torch.long, device=device),
+            "maxtok": torch.tensor(maxtok, dtype=torch.long, device=device),
+            "active": torch.ones(rows_n, dtype=torch.bool, device=device),
+            "temp": temp_t,
+            "greedy": torch.tensor([j.job.params.temperature == 0 for j in row_jobs], device=device),
+        }
+        return _Rows(kv, t, row_jobs, samples), logits
+
+    # -- sampling --------------------------------------------------------------------------------------
+
+    def _sample(self, group: _Group, logits: torch.Tensor) -> None:
+        """Pick one token per row from ``logits`` (B, V), record it, finish rows, report finished jobs."""
+        rows = group.rows
+        t = rows.t
+        gen = t["gen"]
+        greedy_tok = logits.argmax(-1) if group.any_greedy else None  # (B,)
+        lse = None
+        if group.all_greedy:
+            tok = greedy_tok
+        else:
+            scaled = logits if group.plain else logits / t["temp"][:, None]  # (B, V)
+            for top_k, top_p, idx in group.filters:  # one call per distinct (top_k, top_p)
+                scaled[idx] = filter_logits(scaled[idx], top_k, top_p)
+            # Inverse CDF over the unnormalised probabilities: the first token whose cumulative mass exceeds
+            # u * total (filtered tokens add nothing, so they are never picked).
+            peak = scaled.amax(-1, keepdim=True)  # (B, 1)
+            cdf = (scaled - peak).exp_().cumsum_(-1)  # (B, V)
+            target = t["uniforms"].gather(1, gen[:, None]) * cdf[:, -1:]  # (B, 1)
+            tok = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+            if greedy_tok is not None:
+                tok = torch.where(t["greedy"], greedy_tok, tok)
+            if group.plain:  # the sampling distribution is the temperature-1 one: reuse its normaliser
+                lse = peak.squeeze(1) + cdf[:, -1].log()
+        if lse is None:
+            lse = torch.logsumexp(logits, -1)
+        lp = logits.gather(1, tok[:, None]).squeeze(1) - lse  # (B,) log p at temperature 1
+
+        active = t["active"]
+        t["out_tok"].scatter_(1, gen[:, None], tok[:, None])  # finished rows write their scratch column
+        t["out_lp"].scatter_(1, gen[:, None], lp[:, None])
+        t["last"] = tok
+        gen += active
+        stopped = (tok[:, None] == t["stop_ids"]).any(1)  # (B,)
+        if group.py_stop:  # stop strings: the rule decodes the row's tokens
+            idx = torch.tensor(group.py_stop, device=gen.device)
+            for r, alive, n in zip(group.py_stop, active[idx].tolist(), gen[idx].tolist(), strict=True):
+                if alive and rows.jobs[r].job.stop.done(t["out_tok"][r, :n].tolist()):
+                    stopped[r] = True
+        done = active & (stopped | (gen >= t["maxtok"]))
+        finished = done.nonzero().squeeze(1)
+        if len(finished) == 0:
+            return
+        active &= ~done
+        group.finished += len(finished)
+        toks, lps = t["out_tok"][finished], t["out_lp"][finished]  # (F, W)
+        for i, (r, n, stop) in enumerate(zip(finished.tolist(), gen[finished].tolist(),
+                                             stopped[finished].tolist(), strict=True)):
+            job = rows.jobs[r]
+            job.results[rows.samples[r]] = types.SampledSequence(
+                stop_reason="stop" if stop else "length", tokens=toks[i, :n].tolist(), logprobs=lps[i, :n].tolist())
+            job.left -= 1
+            if job.left == 0:
+                job.report(job.results, None)  # type: ignore[arg-type]
+        # Drop finished rows once they are >= 1/8 of the batch (each drop copies the cache).
+        if group.finished == group.size:
+            group.rows, group.finished = None, 0
+            group.refresh()
+        elif group.finished * 8 >= group.size:
+            group.rows, group.finished = rows.select(active.nonzero().squeeze(1)), 0
+            group.refresh()
