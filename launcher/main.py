@@ -41,7 +41,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          memory_limit_mb=args.memory_limit_mb,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
                          metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
-                         rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout)
+                         rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout,
+                         role=args.role)
     if settings.shard_rank > 0:  # a follower shard: no broker, it takes its commands from rank 0
         from worker.sharding.follower import run_follower
 
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", help="torch device (default: cpu, or TINKERQ_DEVICE)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
     w.add_argument("--max-sessions", type=int, help="training sessions held at once (default 4)")
+    w.add_argument("--role", choices=["trainer", "sampler"],
+                   help="sampler: serve only sampling (snapshots, saved weights, the base model), hold no training "
+                        "sessions (default trainer: both)")
     w.add_argument("--memory-limit-mb", type=int,
                    help="cap on the worker's RSS; requests that would not fit are refused (default: no cap)")
     w.add_argument("--checkpoint-dir", help="where save_weights_for_sampler writes (default ~/.cache/tinkerq)")

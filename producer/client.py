@@ -8,6 +8,7 @@ forward_backward / optim_step pairs without waiting.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ from typing import Any
 
 from producer.dispatch import Dispatcher
 from producer.futures import APIFuture
-from producer.sampling import SamplingClient
+from producer.sampling import SamplingClient, SamplingWorkers
 from tinkerq import keys, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
@@ -47,6 +48,7 @@ class ServiceClient:
         self.settings = settings
         self.connection = Connection.open(settings)
         self._dispatch = Dispatcher(self.connection)
+        self._sampling_workers = SamplingWorkers(self)
 
     def get_server_capabilities(self) -> list[str]:
         """Base models some live worker currently serves."""
@@ -81,6 +83,23 @@ class ServiceClient:
                 f"(registered workers may be busy or gone); check `tinkerq fleet status`"
             ) from None
         return TrainingClient(self, info)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        """Sample from saved weights (a ``save_weights_for_sampler`` path) or from ``base_model`` itself.
+
+        Requests go to every live worker of the base model (trainers and ``--role sampler`` workers).
+        With ``model_path``, ``base_model`` is read from the directory when omitted.
+        """
+        if model_path is not None:
+            if not isinstance(model_path, str) or not model_path:
+                raise UserError(f"model_path must be a path returned by save_weights_for_sampler(), got {model_path!r}")
+            base_model = base_model or _weights_base_model(model_path)
+            source: dict[str, Any] = {"path": model_path}
+        elif base_model is None:
+            raise UserError("create_sampling_client needs model_path= (saved weights) or base_model=")
+        else:
+            source = {"base": True}
+        return SamplingClient(self, source, normalize_model_name(base_model))
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, **_: Any) -> TrainingClient:
         """Tinker's LoRA entry point. tinkerq trains every parameter; this says so instead of pretending."""
@@ -172,11 +191,19 @@ class TrainingClient:
                                              timeout: float | None = None) -> SamplingClient:
         """Freeze the weights as of every request submitted so far and return a client that samples them.
 
-        Waits for the earlier requests to be applied. ``name`` is accepted for Tinker compatibility (the
-        snapshot lives in the worker's memory; use save_weights_for_sampler for a directory on disk).
+        Waits for the earlier requests to be applied (later training requests do not wait for its samples).
+        The snapshot is published to every worker of the model (docs/sampling.md). ``name`` is accepted for
+        Tinker compatibility; use save_weights_for_sampler for a directory on disk.
         """
         future = self._submit("create_sampler", {}, lambda body: str(body["sampler_id"]), argsrepr="")
-        return SamplingClient(self, future.result(timeout=timeout))
+        return SamplingClient(self.service, {"snapshot": future.result(timeout=timeout)}, self.info.base_model)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        return await asyncio.get_running_loop().run_in_executor(None, self.save_weights_and_get_sampling_client, name)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        """A sampling client on saved weights of this client's base model (``save_weights_for_sampler``)."""
+        return self.service.create_sampling_client(model_path=model_path, base_model=self.info.base_model)
 
     def echo(self, body: dict[str, Any]) -> APIFuture[dict[str, Any]]:
         """Send ``body`` through the fleet and back, untouched (latency probes, benchmarks)."""
@@ -266,6 +293,21 @@ def _state_base_model(path: str) -> str:
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(
             f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by save_state()"
+        ) from None
+
+
+def _weights_base_model(path: str) -> str:
+    """The base model saved weights belong to (their tinkerq_weights.json), when the directory is readable here."""
+    import json
+
+    meta = os.path.join(path, "tinkerq_weights.json")
+    try:
+        with open(meta) as f:
+            return str(json.load(f)["base_model"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(
+            f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by "
+            f"save_weights_for_sampler()"
         ) from None
 
 

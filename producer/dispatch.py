@@ -59,6 +59,11 @@ class Request:
     posted_at: float = 0.0  # monotonic
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     also: list[APIFuture[Any]] = field(default_factory=list)  # more futures for the same task id (tests)
+    # A request outside any session's order (sampling) is pushed straight to its worker's intake list
+    # (worker/sample_intake.py), not through Celery, and may go to another worker when its worker is lost:
+    # reroute() names one (worker, queue, heartbeat_s), or None to give up.
+    sequenced: bool = True
+    reroute: Callable[[], tuple[str, str, float] | None] | None = None
 
     @property
     def futures(self) -> list[APIFuture[Any]]:
@@ -97,12 +102,13 @@ class Dispatcher:
 
     def submit(self, op: str, body: bytes, *, model_id: str, seq_id: int, queue: str, argsrepr: str,
                decode: Callable[[Any], Any], worker: str | None = None, heartbeat_s: float | None = None,
-               describe: str | None = None) -> APIFuture[Any]:
+               describe: str | None = None, sequenced: bool = True,
+               reroute: Callable[[], tuple[str, str, float] | None] | None = None) -> APIFuture[Any]:
         """Post one request (now, or as soon as Redis is reachable) and return its future."""
         future: APIFuture[Any] = APIFuture(decode, claim_check=self.connection.claim_check(),
                                            describe=describe or f"{op} seq={seq_id}")
         request = Request(op, model_id, seq_id, body, queue, argsrepr, future, worker,
-                          heartbeat_s or self.settings.heartbeat_s)
+                          heartbeat_s or self.settings.heartbeat_s, sequenced=sequenced, reroute=reroute)
         future.task_id = request.task_id
         with self._lock:
             self._pending[request.task_id] = request
@@ -147,6 +153,11 @@ class Dispatcher:
         s = self.settings
         ref = ClaimCheck(store, s.claim_check_bytes, s.blob_ttl_s, s.max_message_bytes).wrap(request.body)
         envelope = messages.make_envelope(request.op, request.model_id, request.seq_id, ref)
+        if not request.sequenced:
+            store.push(request.queue, messages.make_sample_item(request.task_id, self.inbox, envelope))
+            request.posted = True
+            request.posted_at = time.monotonic()
+            return
         self.connection.app.send_task(
             TASK_NAMES[request.op], args=(envelope,), queue=request.queue, task_id=request.task_id,
             headers={messages.REPLY_HEADER: self.inbox},
@@ -318,15 +329,33 @@ class Dispatcher:
                 def owed_by(r: Request, w: str = worker) -> bool:
                     return r.worker == w
 
+                moved = self._reroute([r for r in pending if r.worker == worker])
                 n = self._fail_where(owed_by, lost)
-                log.warning("worker %s is gone: %d pending request(s) failed", worker, n)
+                log.warning("worker %s is gone: %d pending request(s) failed, %d sent to other workers",
+                            worker, n, moved)
+
+    def _reroute(self, requests: list[Request]) -> int:
+        """Send the requests that may run anywhere (sampling) to another worker; returns how many moved."""
+        moved = 0
+        for r in requests:
+            target = r.reroute() if r.reroute is not None else None
+            if target is None:
+                continue
+            r.worker, r.queue, r.heartbeat_s = target
+            r.posted = False
+            if self._try_post(r):
+                moved += 1
+        return moved
 
     def _resend_stalled(self, pending: list[Request], now: float) -> None:
         """Post again the oldest request of each session that has had no answer for ``resend_after_s``."""
         heads: dict[str, Request] = {}
         for r in pending:
             # Not create_model: a repeat of it could open a second session on another worker of the model.
-            if r.worker and r.posted and (r.model_id not in heads or r.seq_id < heads[r.model_id].seq_id):
+            # Not sampling: a long sample is no sign of a lost message (its worker's heartbeat covers it).
+            if not (r.sequenced and r.worker and r.posted):
+                continue
+            if r.model_id not in heads or r.seq_id < heads[r.model_id].seq_id:
                 heads[r.model_id] = r
         for model_id, head in heads.items():
             quiet = now - max(head.posted_at, self._progress.get(model_id, 0.0))

@@ -136,10 +136,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"after SFT warm-up: held-out greedy reward {before[0]:.3f}, exact match {100 * before[1]:.0f}%")
 
         metrics_path = out_dir / "metrics.jsonl"
+        totals: dict[str, float] = {}
         started = time.perf_counter()
         with open(metrics_path, "w") as log, tqdm(total=args.iterations, desc="rl", unit="iter") as bar:
             for it in range(args.iterations):
+                t_start = time.perf_counter()
                 sampler = tc.save_weights_and_get_sampling_client()
+                t_snapshot = time.perf_counter()
                 batch = rng.sample(train, args.prompts)
                 prompts = [_prompt(tokenizer, p["prompt"]) for p in batch]
                 # Seeded from --seed: the same command samples the same completions (on the same hardware).
@@ -154,6 +157,7 @@ def main(args: argparse.Namespace) -> int:
                     mean = sum(group) / len(group)
                     groups.append((prompt.to_ints(), seqs, [r - mean for r in group]))
                     rewards.extend(group)
+                t_sampled = time.perf_counter()
                 n_tokens = sum(len(s.tokens) for _, seqs, _ in groups for s in seqs)
                 for prompt_tokens, seqs, advs in groups:
                     # Normalising is the client's job: advantages scaled so the loss is a per-token mean.
@@ -167,11 +171,21 @@ def main(args: argparse.Namespace) -> int:
                     out = steps[-1][0].result(timeout=600)  # the last update is the most off-policy
                     row.update({k.replace(":", "_"): v for k, v in out.metrics.items()})
                     row["grad_norm"] = steps[-1][1].result(timeout=600).metrics["grad_norm:mean"]
+                t_end = time.perf_counter()
+                # Where the iteration's time went: freezing the weights, sampling, training (and the client).
+                timing = {"snapshot_s": t_snapshot - t_start, "sample_s": t_sampled - t_snapshot,
+                          "train_s": t_end - t_sampled, "iteration_s": t_end - t_start}
+                row.update({k: round(v, 4) for k, v in timing.items()})
+                row["samples_per_s"] = round(args.prompts * args.group_size / timing["sample_s"], 1)
+                row["sampled_tokens_per_s"] = round(n_tokens / timing["sample_s"], 1)
+                for k, v in timing.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                totals["samples"] = totals.get("samples", 0.0) + args.prompts * args.group_size
                 row["elapsed_s"] = round(time.perf_counter() - started, 2)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward']:.3f}")
+                bar.set_postfix(reward=f"{row['reward']:.3f}", samples_s=f"{row['samples_per_s']:.0f}")
         rl_seconds = time.perf_counter() - started
         after = evaluate(tc, tokenizer, heldout)
         print(f"after RL: held-out greedy reward {after[0]:.3f}, exact match {100 * after[1]:.0f}%")
@@ -179,11 +193,19 @@ def main(args: argparse.Namespace) -> int:
 
     plot = plot_metrics(metrics_path, out_dir / "reward.png", keys=["reward"], x="iteration",
                         title=f"tinkerq rl ({args.loss_fn}): mean sampled reward", smooth=5)
+    share = {k: round(totals.get(k, 0.0) / max(totals.get("iteration_s", 0.0), 1e-9), 3)
+             for k in ("snapshot_s", "sample_s", "train_s")}
+    samples_per_s = totals.get("samples", 0.0) / max(totals.get("sample_s", 0.0), 1e-9)
     summary = {"model": model_dir, "loss_fn": args.loss_fn, "iterations": args.iterations,
                "rl_seconds": round(rl_seconds, 1),
+               "iteration_s": round(totals.get("iteration_s", 0.0) / max(args.iterations, 1), 3),
+               "samples_per_s": round(samples_per_s, 1), "share": share,
                "heldout_before": {"reward": before[0], "exact_match": before[1]},
                "heldout_after": {"reward": after[0], "exact_match": after[1]},
                "metrics": str(metrics_path), "plot": str(plot)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"{args.iterations} RL iterations in {rl_seconds:.0f} s; metrics: {metrics_path}; curve: {plot}")
+    print(f"{args.iterations} RL iterations in {rl_seconds:.0f} s ({summary['iteration_s']:.2f} s each): "
+          f"{samples_per_s:.0f} samples/s while sampling; time share: sampling {100 * share['sample_s']:.0f}%, "
+          f"training {100 * share['train_s']:.0f}%, snapshot {100 * share['snapshot_s']:.0f}%")
+    print(f"metrics: {metrics_path}; curve: {plot}")
     return 0

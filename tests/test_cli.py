@@ -80,6 +80,14 @@ def test_rl_job_runs_on_the_embedded_fleet(tmp_path: Path):
     assert trained and all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-3) for r in trained)  # on-policy
     assert (tmp_path / "run" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert "after RL:" in out.stdout
+    # Where the time went: every iteration splits into snapshot + sampling + training (+ client work).
+    for r in rows:
+        parts = r["snapshot_s"] + r["sample_s"] + r["train_s"]
+        assert r["sample_s"] > 0 and r["samples_per_s"] == pytest.approx(16 / r["sample_s"], rel=0.01)
+        assert parts == pytest.approx(r["iteration_s"], abs=2e-3)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["samples_per_s"] > 0 and sum(summary["share"].values()) == pytest.approx(1.0, abs=0.01)
+    assert "samples/s while sampling" in out.stdout and "sampling " in out.stdout
 
 
 def test_rl_reward_rule():

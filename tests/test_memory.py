@@ -152,7 +152,7 @@ def test_session_and_snapshot_estimates_match_the_tensors_they_hold(model_dir):
     steps = 4 * len(session.params)  # AdamW's 0-dim float32 step per parameter: not estimated
     print(f"\nsession state: held {held} B, estimated {estimate} B (+{steps} B of step counters)")
     assert held == estimate + steps
-    snapshot = session.sampler(session.create_sampler())
+    snapshot = session.snapshot()
     snap = _storage_bytes([*snapshot.parameters(), *snapshot.buffers()])
     print(f"sampler snapshot: held {snap} B, estimated {memory.snapshot_bytes(shape)} B")
     assert snap == memory.snapshot_bytes(shape)
@@ -223,7 +223,7 @@ def test_estimates_cover_the_measured_peak_memory_of_real_requests():
         est = memory.batch_bytes(shape, lengths, microbatch_tokens=16384, backward=backward,
                                  chunk_tokens=session.logprobs.chunk_tokens)
         rows.append(("forward_backward" if backward else "forward", peak, est))
-    snapshot = session.sampler(session.create_sampler())
+    snapshot = session.snapshot()
     for prompt, new, n in ((100, 1, 16), (1, 300, 16), (100, 200, 8)):
         params = types.SamplingParams(max_tokens=new, temperature=1.0, seed=0)
         peak = _peak_rss_growth(lambda p=prompt, m=new, s=n, sp=params: sample(
@@ -371,9 +371,9 @@ def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capac
         for other in extra:
             other.close()
 
-        # A KV cache of ~12 GB: refused.
-        huge = _refusal(sampler.sample(prompt, 1024, types.SamplingParams(max_tokens=2000, temperature=1.0)))
-        assert "sampling 1024 sequence(s)" in huge.message and "fewer samples" in huge.message
+        # A KV cache of ~3 GB: refused.
+        huge = _refusal(sampler.sample(prompt, 256, types.SamplingParams(max_tokens=2000, temperature=1.0)))
+        assert "sampling 256 sequence(s)" in huge.message and "fewer samples" in huge.message
         # One pass over 1000 x 200 tokens (the worker's micro-batches allow it): tens of GB of activations.
         big = make_batch(np.random.default_rng(8), 1000, min_len=200, max_len=200)
         for fut in (tc.forward_backward(big), tc.forward(big)):

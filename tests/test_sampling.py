@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pytest
 
 from tests.helpers import make_batch
-from tinkerq import errors, types
+from tinkerq import errors, keys, types
+from tinkerq.wire import codec, messages
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPT = types.ModelInput.from_ints([1, 10, 11, 12, 13])
+NEVER = "\u2603\u2603"  # a stop string outside the tiny vocabulary: requests that must run to max_tokens
 
 
 def _forward_logprobs(tc, prompt: types.ModelInput, seq: types.SampledSequence) -> np.ndarray:
@@ -89,8 +93,10 @@ def test_sampling_client_keeps_its_snapshot(training_client):
         (types.ModelInput.from_ints([]), 1, types.SamplingParams(max_tokens=2), "prompt is empty"),
         (types.ModelInput.from_ints([1, 500]), 1, types.SamplingParams(max_tokens=2), "vocabulary"),
         (PROMPT, 0, types.SamplingParams(max_tokens=2), "num_samples"),
+        (PROMPT, 257, types.SamplingParams(max_tokens=2), "TINKERQ_MAX_NUM_SAMPLES"),
         (PROMPT, 1, types.SamplingParams(max_tokens=0), "max_tokens"),
-        (PROMPT, 1, types.SamplingParams(max_tokens=10_000), "maximum"),
+        (PROMPT, 1, types.SamplingParams(max_tokens=10_000), "TINKERQ_MAX_SAMPLE_TOKENS"),
+        (PROMPT, 1, types.SamplingParams(max_tokens=5_000), "maximum"),
         (PROMPT, 1, types.SamplingParams(max_tokens=2, temperature=-1), "temperature"),
         (PROMPT, 1, types.SamplingParams(max_tokens=2, top_k=0), "top_k"),
         (PROMPT, 1, types.SamplingParams(max_tokens=2, top_p=0), "top_p"),
@@ -103,21 +109,98 @@ def test_bad_sampling_requests_are_user_errors(training_client, prompt, num, par
     assert isinstance(err, errors.UserError) and words in err.message, err
 
 
-def test_worker_checks_sampling_too(training_client):
-    """A request that skipped the producer's checks is refused by the worker, which keeps serving."""
-    from tinkerq.wire import messages
+def post_sample(service, worker: str, body: dict):
+    """A sample request sent as the producer would, with whatever body, to one worker's sampling intake."""
+    return service._dispatch.submit(
+        "sample", codec.packb(body), model_id=uuid.uuid4().hex, seq_id=0, queue=keys.sample_queue(worker),
+        decode=messages.decode_sample_response, worker=worker, sequenced=False, argsrepr="")
+
+
+def test_worker_checks_sampling_too(service, training_client, redis_url):
+    """Requests that skipped the producer's checks are refused by the worker, at once, while a batch runs;
+    the rows already decoding are not disturbed and the worker keeps serving."""
+    import redis
 
     tc = training_client
+    worker = tc.info.worker
     sampler = tc.save_weights_and_get_sampling_client()
-    body = messages.encode_sample_request(sampler.sampler_id, PROMPT, 1, types.SamplingParams(max_tokens=2))
-    body["params"]["temperature"] = float("nan")
-    err = tc._submit("sample", body, messages.decode_sample_response, argsrepr="").exception(timeout=30)
-    assert isinstance(err, errors.UserError) and "temperature" in err.message
-    body = messages.encode_sample_request("nope", PROMPT, 1, types.SamplingParams(max_tokens=2))
-    err = tc._submit("sample", body, messages.decode_sample_response, argsrepr="").exception(timeout=30)
-    assert isinstance(err, errors.UserError) and "no longer held" in err.message
+    running = sampler.sample(PROMPT, 4, types.SamplingParams(max_tokens=60, seed=5, stop=NEVER))
+    source = {"snapshot": sampler.sampler_id}
+
+    def body(**changes):
+        b = messages.encode_sample_request(source, PROMPT, 1, types.SamplingParams(max_tokens=2))
+        b.update(changes)
+        return b
+
+    bad = body()
+    bad["params"]["temperature"] = float("nan")
+    cases = [
+        (bad, errors.UserError, "temperature"),
+        (body(source={"snapshot": "0" * 32}), errors.UserError, "not available"),
+        (body(source={"snapshot": "../../etc"}), errors.MalformedMessageError, "snapshot id"),
+        (body(source={"path": "/etc"}), errors.UserError, "outside"),
+        (body(num_samples=100_000), errors.UserError, "TINKERQ_MAX_NUM_SAMPLES"),
+        (body(prompt=np.arange(1, 600, dtype=np.int64) % 90 + 1), errors.UserError, "maximum"),
+    ]
+    futures = [post_sample(service, worker, b) for b, _, _ in cases]
+    # Not even a request: garbage in the intake list is dead-lettered, and the worker goes on.
+    r = redis.Redis.from_url(redis_url)
+    r.lpush(keys.sample_queue(worker), b"\xc1not msgpack")
+    r.close()
+    for future, (_, kind, words) in zip(futures, cases, strict=True):
+        err = future.exception(timeout=30)
+        assert isinstance(err, kind) and words in err.message, err
+    assert not running.done() or running.exception() is None
+    out = running.result(timeout=60)
+    for seq in out.sequences:  # the running rows finished untouched
+        assert seq.stop_reason == "length" and len(seq.tokens) == 60
+        np.testing.assert_allclose(seq.logprobs, _forward_logprobs(tc, PROMPT, seq), atol=1e-4, rtol=0)
     ok = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=2, seed=0)).result(timeout=30)
     assert len(ok.sequences[0].tokens) == 2 or ok.sequences[0].stop_reason == "stop"
+
+
+def test_sampling_does_not_wait_for_later_training(training_client):
+    """A sample on a snapshot is not queued behind the training requests submitted after it, and the
+    training requests still run meanwhile (fair turns): ordering, not timing."""
+    tc = training_client
+    sampler = tc.save_weights_and_get_sampling_client()
+    data = make_batch(np.random.default_rng(21), 16, max_len=60)
+    steps = [tc.forward_backward(data) for _ in range(12)]
+    sample = sampler.sample(PROMPT, 2, types.SamplingParams(max_tokens=4, seed=1))
+    sample.result(timeout=120)
+    assert not steps[-1].done(), "the sample waited for every training request submitted before it"
+    for step in steps:
+        assert np.isfinite(step.result(timeout=120).metrics["loss:sum"])
+
+
+def test_concurrent_awaits_do_not_block_each_other(training_client):
+    """asyncio.gather over sample futures (the cookbook's pattern): a short request's await returns while a
+    long one submitted before it is still decoding, in the same batch."""
+    import asyncio
+
+    sampler = training_client.save_weights_and_get_sampling_client()
+    finished: list[tuple[str, bool]] = []
+
+    async def main() -> None:
+        long = sampler.sample(PROMPT, 2, types.SamplingParams(max_tokens=120, seed=3, stop=NEVER))
+        short = sampler.sample_async(PROMPT, 2, types.SamplingParams(max_tokens=2, seed=4, stop=NEVER))
+
+        async def wait_long() -> types.SampleResponse:
+            out = await long
+            finished.append(("long", True))
+            return out
+
+        async def wait_short() -> types.SampleResponse:
+            out = await short  # a coroutine giving the SampleResponse itself, as Tinker's sample_async
+            finished.append(("short", long.done()))
+            return out
+
+        long_out, short_out = await asyncio.gather(wait_long(), wait_short())
+        assert isinstance(short_out, types.SampleResponse) and len(short_out.sequences[0].tokens) == 2
+        assert len(long_out.sequences[0].tokens) == 120
+
+    asyncio.run(main())
+    assert finished == [("short", False), ("long", True)]
 
 
 def test_tinker_conveniences(service, training_client, model_dir):

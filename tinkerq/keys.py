@@ -25,9 +25,20 @@ def worker_queue(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}"
 
 
+def sample_queue(worker_id: str) -> str:
+    """A worker's sampling intake: a Redis list of sample requests, read by its own thread, not by Celery
+    (so a sample never waits behind training requests in Celery's single slot)."""
+    return f"{PREFIX}:samples:{worker_id}"
+
+
 def blob(blob_id: str) -> str:
     """A claim-checked payload (raw bytes, with a TTL)."""
     return f"{PREFIX}:blob:{blob_id}"
+
+
+def snapshot(snapshot_id: str) -> str:
+    """A published sampling snapshot (msgpack: its base model, and its weights or the file holding them)."""
+    return f"{PREFIX}:snapshot:{snapshot_id}"
 
 
 def serving(base_model: str, worker_id: str) -> str:

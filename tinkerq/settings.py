@@ -73,8 +73,24 @@ class Settings:
     dtype: str = "float32"
     # Training sessions (each a full copy of weights + AdamW state) one worker holds at once.
     max_sessions: int = 4
-    # Sampling snapshots (frozen weight copies) kept per training session; older ones are dropped.
+    # Sampling snapshots published per training session (save_weights_and_get_sampling_client): older ones
+    # are unpublished, and sampling from them is refused (docs/sampling.md).
     max_samplers: int = 2
+    # -- sampling (docs/sampling.md) -----------------------------------------------------------------------
+    # "trainer" serves training sessions and sampling; "sampler" serves sampling only (no optimizer state).
+    role: str = "trainer"
+    # Rows (sequences) one worker decodes together at most; more requests wait their turn between steps.
+    sample_max_rows: int = 512
+    # Per-request limits, refused with a user error before anything runs.
+    max_num_samples: int = 256
+    max_sample_tokens: int = 8192
+    # Snapshots a worker keeps loaded for sampling (LRU; also bounded by free memory).
+    sampler_cache_size: int = 4
+    # Published snapshots up to this size travel through Redis; larger ones are written below the
+    # checkpoint directory (which every worker of the model must then share).
+    snapshot_inline_max_bytes: int = 64 * 1024 * 1024
+    # How long a published snapshot stays loadable by other workers.
+    snapshot_ttl_s: int = 6 * 3600
     # Sessions idle this long may be closed to make room for a new one.
     session_idle_ttl_s: float = 1800.0
     # A request that waits this long for a missing predecessor fails (with every request after it), and
@@ -139,7 +155,8 @@ class Settings:
     def check(self) -> None:
         for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
                      "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s", "resend_after_s",
-                     "max_batch_tokens", "max_sessions", "microbatch_tokens"):
+                     "max_batch_tokens", "max_sessions", "microbatch_tokens", "max_samplers", "sample_max_rows",
+                     "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.shards < 1 or not 0 <= self.shard_rank < self.shards:
@@ -155,6 +172,8 @@ class Settings:
         for name in ("rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
+        if self.role not in ("trainer", "sampler"):
+            raise SettingsError(f"TINKERQ_ROLE must be trainer or sampler, got {self.role!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"TINKERQ_DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.loss_backend not in ("auto", "apex", "torch", "reference"):

@@ -198,11 +198,9 @@ def validate_adam(params: Any) -> None:
         raise ValidationError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {params.grad_clip_norm}")
 
 
-MAX_SAMPLES = 1024
-
-
 def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size: int | None = None,
-                      max_seq_len: int | None = None) -> None:
+                      max_seq_len: int | None = None, max_num_samples: int = 256,
+                      max_tokens: int = 8192) -> None:
     """Raise ValidationError for the first problem in a sample request."""
     if not isinstance(prompt, types.ModelInput):
         raise ValidationError(f"prompt must be a types.ModelInput, got {type(prompt).__name__}")
@@ -212,14 +210,20 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
     if tokens.dtype.kind not in "iu":
         raise ValidationError(f"prompt tokens must be integers, got dtype {tokens.dtype}")
     _check_ids("prompt", tokens, vocab_size)
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_SAMPLES:
-        raise ValidationError(f"num_samples must be an integer in [1, {MAX_SAMPLES}], got {num_samples!r}")
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+        raise ValidationError(f"num_samples must be a positive integer, got {num_samples!r}")
+    if num_samples > max_num_samples:
+        raise ValidationError(f"num_samples={num_samples} is over this fleet's limit of {max_num_samples} per "
+                              f"request (TINKERQ_MAX_NUM_SAMPLES); send several requests instead")
     if not isinstance(params, types.SamplingParams):
         raise ValidationError(f"sampling_params must be types.SamplingParams, got {type(params).__name__}")
     room = None if max_seq_len is None else max_seq_len - tokens.shape[0]
     if params.max_tokens is not None:
         if not isinstance(params.max_tokens, int) or isinstance(params.max_tokens, bool) or params.max_tokens < 1:
             raise ValidationError(f"SamplingParams.max_tokens must be a positive integer, got {params.max_tokens!r}")
+        if params.max_tokens > max_tokens:
+            raise ValidationError(f"SamplingParams.max_tokens={params.max_tokens} is over this fleet's limit of "
+                                  f"{max_tokens} (TINKERQ_MAX_SAMPLE_TOKENS)")
         if room is not None and params.max_tokens > room:
             raise ValidationError(
                 f"prompt ({tokens.shape[0]} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "

@@ -41,6 +41,7 @@ from tinkerq.errors import ValidationError
 
 STATE_FORMAT = 1
 STATE_FILE = "tinkerq_state.json"
+WEIGHTS_FILE = "tinkerq_weights.json"  # in save_weights_for_sampler directories: the base model's name
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # Files that make a saved directory a complete model for from_pretrained (weights come from the session).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -201,12 +202,41 @@ def write_state(directory: Path, *, write_weights: Callable[[Path], None], shape
 
 def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
     """A training-state directory inside the checkpoint directory, or a ValidationError saying what is wrong."""
+    directory = _saved_directory(path, checkpoint_dir, "save_state()")
+    state_file = _refuse_link(directory / STATE_FILE)
+    if state_file is None or not stat.S_ISREG(state_file.st_mode):
+        raise ValidationError(
+            f"{path!r} is not a training state (no {STATE_FILE}): pass a path returned by save_state(); "
+            f"save_weights_for_sampler() writes weights only"
+        )
+    refuse_links_inside(directory)
+    return directory
+
+
+def resolve_weights_path(path: Any, checkpoint_dir: str) -> Path:
+    """A model directory (save_weights_for_sampler, or a save_state) inside the checkpoint directory."""
+    directory = _saved_directory(path, checkpoint_dir, "save_weights_for_sampler()")
+    config = _refuse_link(directory / "config.json")
+    if config is None or not stat.S_ISREG(config.st_mode):
+        raise ValidationError(f"{path!r} holds no model (no config.json): pass a path returned by "
+                              f"save_weights_for_sampler()")
+    refuse_links_inside(directory)
+    return directory
+
+
+def write_weights_marker(directory: Path, base_model: str) -> None:
+    """Name the base model in a saved weights directory, so a sampling client can be made from the path alone."""
+    (directory / WEIGHTS_FILE).write_text(json.dumps({"format": STATE_FORMAT, "base_model": base_model}))
+
+
+def _saved_directory(path: Any, checkpoint_dir: str, returned_by: str) -> Path:
+    """An existing directory below the checkpoint directory named by ``path`` (absolute, or relative to it)."""
     if not isinstance(path, str) or not path:
         raise ValidationError(f"checkpoint path must be a non-empty string, got {path!r}")
     root = checkpoint_root(checkpoint_dir)
     given = Path(path) if os.path.isabs(path) else root / path  # relative: to the checkpoint directory
     outside = (f"checkpoint path {path!r} is outside this fleet's checkpoint directory {root}: pass a path "
-               f"returned by save_state()")
+               f"returned by {returned_by}")
     if ".." in given.parts or "\0" in path:  # judged on the text: '..' after a link could lead anywhere
         raise ValidationError(outside)
     # The path save_state() returned starts with the configured root; accept the resolved root as well.
@@ -218,20 +248,13 @@ def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
     if rel is None:
         raise ValidationError(outside)
     if not rel.parts:
-        raise ValidationError(f"{path!r} is the checkpoint directory itself: pass a path returned by save_state()")
+        raise ValidationError(f"{path!r} is the checkpoint directory itself: pass a path returned by {returned_by}")
     directory = path_below(checkpoint_dir, *rel.parts, what="checkpoint path component")
     st = _refuse_link(directory)
     if st is None:
         raise ValidationError(f"checkpoint {path!r} does not exist")
     if not stat.S_ISDIR(st.st_mode):
-        raise ValidationError(f"checkpoint {path!r} is not a directory: pass a path returned by save_state()")
-    state_file = _refuse_link(directory / STATE_FILE)
-    if state_file is None or not stat.S_ISREG(state_file.st_mode):
-        raise ValidationError(
-            f"{path!r} is not a training state (no {STATE_FILE}): pass a path returned by save_state(); "
-            f"save_weights_for_sampler() writes weights only"
-        )
-    refuse_links_inside(directory)
+        raise ValidationError(f"checkpoint {path!r} is not a directory: pass a path returned by {returned_by}")
     return directory
 
 

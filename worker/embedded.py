@@ -39,14 +39,17 @@ class EmbeddedFleet:
         )
         self._ctx.__enter__()
         self.worker.registration.start()
+        self.worker.sampling.start()
         self._watchdog = self.worker.service.start_watchdog()
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self.worker is not None
         self.worker.registration.stop()
+        self.worker.sampling.stop()
         self._watchdog.set()
         self._ctx.__exit__(None, None, None)
+        self.worker.service.close()
 
     @property
     def base_model(self) -> str:

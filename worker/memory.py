@@ -314,8 +314,8 @@ def snapshot_bytes(shape: ModelShape) -> int:
 
         snapshot = weights + buffers
 
-    SamplerCache evicts its oldest snapshot only after adding the new one, so a full cache still needs
-    this much free for a moment.
+    A snapshot is made (or loaded) before an older one may be evicted (worker/snapshots.py), so this much
+    must be free for a moment.
     """
     return shape.param_bytes + shape.buffer_bytes
 
@@ -341,10 +341,10 @@ def unallocated_state_bytes(sessions: Iterable[Any]) -> int:
 
 def sample_bytes(shape: ModelShape, prompt_tokens: int, max_tokens: int, num_samples: int, *,
                  device_type: str = "cpu") -> int:
-    """A sample request (worker/sampling.py): the KV cache, the logits rows, the prompt pass.
+    """A sample request's share of the running batch (worker/sampling/): its KV cache, logits rows, prompt pass.
 
-    All ``S = num_samples`` sequences decode as one batch with the prompt repeated, so the cache ends at
-    ``T = prompt + max_tokens`` positions per sequence:
+    Its ``S = num_samples`` rows end at ``T = prompt + max_tokens`` cache positions each (the engine prefills
+    the prompt once and copies its cache, so ``prompt`` below is an upper bound):
 
         kv     = 2 (K and V) x layers x kv_heads x head_dim x T x S x dtype_bytes
         grow   = kv / layers  on CUDA (the cache grows by torch.cat: one layer's old and new K/V coexist)

@@ -25,6 +25,7 @@ from tinkerq.settings import Settings
 from worker.intake import DeadLetters, transport_for
 from worker.model_loading import load_causal_lm
 from worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
+from worker.sample_intake import SampleIntake
 from worker.service import WorkerService
 from worker.sharding.follower import build_host
 from worker.sharding.group import ShardSpec
@@ -39,10 +40,14 @@ class AssembledWorker:
     service: WorkerService
     registration: Registration
     worker_id: str
+    sampling: SampleIntake
 
     @property
     def queues(self) -> list[str]:
-        return [keys.model_queue(self.service.base_model), keys.worker_queue(self.worker_id)]
+        own = keys.worker_queue(self.worker_id)
+        if self.service.settings.role == "sampler":  # takes no training sessions: only its own queue
+            return [own]
+        return [keys.model_queue(self.service.base_model), own]
 
 
 def served_name(model_path: str, name: str | None = None) -> str:
@@ -69,6 +74,7 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     liveness = ConsumerLiveness(settings.heartbeat_s)
     if not settings.is_embedded:
         service.dead_letters = guard_intake(connection, worker_id, liveness)
+    sampling = SampleIntake(service, service.dead_letters)
 
     def redis_back() -> None:
         service.redis_back_at = time.monotonic()
@@ -76,7 +82,8 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     registration = Registration(
         connection.store, base_model, worker_id, settings.heartbeat_s,
         info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype,
-              "loss_backend": service.logprobs.backend, "shards": settings.shards},
+              "loss_backend": service.logprobs.backend, "shards": settings.shards, "role": settings.role,
+              "vocab_size": service.vocab_size, "max_seq_len": service.max_seq_len},
         consuming=liveness, on_redis_back=redis_back,
     )
     if shards is not None:
@@ -96,7 +103,7 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         service.metrics.shard_group_up.set(1)
     log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, worker_id, service.logprobs.backend)
-    return AssembledWorker(connection, service, registration, worker_id)
+    return AssembledWorker(connection, service, registration, worker_id, sampling)
 
 
 class PromptConsumer(Consumer):
@@ -138,6 +145,7 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     app = w.connection.app
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.
     signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
+    signals.worker_ready.connect(lambda **_: w.sampling.start(), weak=False)
     w.service.start_watchdog()
     if w.service.shards is not None:
         w.service.shards.start_pings()
@@ -146,6 +154,7 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
         w.service.metrics.serve(settings.metrics_port)
         log.info("Prometheus metrics on :%d/metrics", settings.metrics_port)
     signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
+    signals.worker_shutdown.connect(lambda **_: (w.sampling.stop(), w.service.close()), weak=False)
     app.worker_main([
         "worker",
         # One request at a time, in a thread: the model is not shared across processes, CUDA is never

@@ -39,9 +39,13 @@ from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
 from worker.registry import reap_dead_workers
-from worker.sampling import StopRule, sample
+from worker.sampling.engine import SampleJob
+from worker.sampling.rules import StopRule
+from worker.sampling.torch_engine import TorchEngine
 from worker.session import TrainingSession
 from worker.sharding.host import LeaderSession, ShardHost
+from worker.snapshots import Snapshots
+from worker.turns import ComputeTurns
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -88,6 +92,12 @@ class WorkerService:
         # When Redis last came back after an outage: a missing predecessor cannot arrive while Redis is down,
         # so the gap timeout counts from here (set by the heartbeat, which notices outages first).
         self.redis_back_at = time.monotonic()
+        # Sampling runs in the engine's thread, decoupled from the training stream; the two take fair turns
+        # on the compute (worker/turns.py).
+        self.turns = ComputeTurns()
+        self.snapshots = Snapshots(connection.store, self.settings, base_model, model,
+                                   sessions=lambda: [slot.session for slot in self.slots.values()])
+        self.engine = TorchEngine(max_rows=self.settings.sample_max_rows, gate=lambda: self.turns.take("sample"))
         # op -> (session, body) -> (reply body bytes, tokens processed)
         self._ops: dict[str, Callable[[Session, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
@@ -96,11 +106,7 @@ class WorkerService:
             "save_weights_for_sampler": self._save_weights,
             "save_state": self._save_state,
             "load_state": self._load_state,
-            # The memory check returns None (or refuses with CapacityError) before the snapshot is copied.
-            "create_sampler": lambda s, body: memory.admit_snapshot(
-                self.model, self.settings, [slot.session for slot in self.slots.values()]
-            ) or (codec.packb({"sampler_id": s.create_sampler()}), 0),
-            "sample": self._sample,
+            "create_sampler": self._create_sampler,
             "echo": lambda s, body: (codec.packb(body), 0),
             "close_model": lambda s, body: (codec.packb({}), 0),
         }
@@ -117,6 +123,8 @@ class WorkerService:
             try:
                 if op == "create_model":
                     outcome = self._create_model(envelope)
+                elif op == "sample":  # not in any session's order: it joins the running sampling batch
+                    outcome = self._sample(envelope, task_id, inbox)
                 else:
                     outcome = self._sequenced(op, envelope, task_id, inbox)
             except MalformedMessageError as exc:  # our own envelope or body layer: answered, and kept
@@ -141,6 +149,9 @@ class WorkerService:
         requested = body.get("base_model") if isinstance(body, dict) else None
         if requested != self.base_model:
             raise UnknownModelError(f"this worker serves {self.base_model!r}, not {requested!r}")
+        if self.settings.role == "sampler":
+            raise UnknownModelError(f"worker {self.worker_id} only samples (--role sampler); training sessions "
+                                    f"open on workers started without it")
         deadline = body.get("deadline")
         if isinstance(deadline, (int, float)) and time.time() > deadline:
             # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
@@ -162,10 +173,10 @@ class WorkerService:
 
     def _new_session(self, model_id: str) -> Session:
         if self.shards is not None:
-            return LeaderSession(self.shards, model_id, max_samplers=self.settings.max_samplers)
+            return LeaderSession(self.shards, model_id)
         return TrainingSession(model_id, copy.deepcopy(self.model), base_dir=self.model_dir,
                                microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs,
-                               blank_model=lambda: copy.deepcopy(self.model), max_samplers=self.settings.max_samplers)
+                               blank_model=lambda: copy.deepcopy(self.model))
 
     def shard_group_failed(self, reason: str) -> None:
         """The shard group broke: every session it held is gone. Answer their waiting requests now."""
@@ -198,6 +209,7 @@ class WorkerService:
     def _close(self, model_id: str) -> None:
         slot = self.slots.pop(model_id)
         slot.session.close()
+        self.snapshots.forget_session(model_id)
         gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), NO_TIMING)
         for pending in slot.ordering.buffered.values():
             self._store_late(pending.task_ids, gone)
@@ -251,6 +263,10 @@ class WorkerService:
 
         threading.Thread(target=loop, name="tinkerq-gap-watchdog", daemon=True).start()
         return stop
+
+    def close(self) -> None:
+        """Stop the sampling engine (requests still decoding are answered with an error)."""
+        self.engine.close()
 
     # -- ordered requests --------------------------------------------------------------------------------------------
 
@@ -306,7 +322,8 @@ class WorkerService:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
             try:
-                body, tokens = self._ops[op](slot.session, self._decode(ref))
+                with self.turns.take("train"):
+                    body, tokens = self._ops[op](slot.session, self._decode(ref))
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens))
                 if tokens:
@@ -352,18 +369,50 @@ class WorkerService:
             self.metrics.shard_state_bytes.set(metrics["shard_state_bytes:max"])
         return codec.packb({"metrics": metrics}), 0
 
-    def _sample(self, session: Session, body: Any) -> bytes:
-        sampler_id, prompt, num_samples, params = messages.decode_sample_request(body)
-        validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
-        memory.admit_sample(self.model, self.settings, prompt.length,
-                            params.max_tokens or (self.max_seq_len - prompt.length), num_samples)
-        model = session.sampler(sampler_id)
-        tokens = prompt.to_ints()
+    def _create_sampler(self, session: Session, body: Any) -> tuple[bytes, int]:
+        # Refused (CapacityError) before the weights are copied when the copy would not fit.
+        memory.admit_snapshot(self.model, self.settings, [slot.session for slot in self.slots.values()])
+        snapshot_id = self.snapshots.add(session.snapshot(), session.model_id)
+        return codec.packb({"sampler_id": snapshot_id}), 0
+
+    def _sample(self, envelope: Any, task_id: str, inbox: str | None) -> Outcome | None:
+        """Check a sample request and hand it to the engine; it is answered when its rows are done (None)."""
+        _, _, ref = messages.check_envelope(envelope, "sample")
+        source, prompt, num_samples, params = messages.decode_sample_request(self._decode(ref))
+        s = self.settings
+        validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                          max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
+        max_tokens = params.max_tokens or min(self.max_seq_len - prompt.length, s.max_sample_tokens)
+        memory.admit_sample(self.model, s, prompt.length, max_tokens, num_samples)
+        key, model = self.snapshots.resolve(source)
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
-        max_tokens = params.max_tokens or (self.max_seq_len - len(tokens))
-        sequences = sample(model, tokens, num_samples, params, stop, max_tokens)
-        generated = sum(len(seq.tokens) for seq in sequences)
-        return codec.packb(messages.encode_sample_response(types.SampleResponse(sequences=sequences))), generated
+        started = time.time()
+        timing: dict[str, float] = {}
+        sent_at = envelope.get("sent_at")
+        if isinstance(sent_at, (int, float)):
+            timing["queue_wait_s"] = max(0.0, started - sent_at)
+
+        def done(sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
+            outcome: Outcome
+            if sequences is not None:
+                tokens = sum(len(seq.tokens) for seq in sequences)
+                compute = time.time() - started
+                timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
+                response = messages.encode_sample_response(types.SampleResponse(sequences=sequences))
+                outcome = ("ok", codec.packb(response), timing)
+            elif isinstance(error, TinkerqError):
+                outcome = ("error", error.to_wire(), timing)
+            else:
+                log.error("sampling failed: %s", error, exc_info=error)
+                outcome = ("error", WorkerError(f"sampling failed in the worker: {type(error).__name__}: "
+                                                f"{error}").to_wire(), timing)
+            self.metrics.observe("sample", outcome[0], timing)
+            self.answer(task_id, inbox, self._reply(outcome))
+            self.claim_check.discard(ref)
+
+        self.engine.submit(SampleJob(model=model, model_key=key, prompt=prompt.to_ints(), num_samples=num_samples,
+                                     params=params, stop=stop, max_tokens=max_tokens, on_done=done))
+        return None
 
     def _default_stop_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None) or self.model.config.eos_token_id
@@ -402,7 +451,8 @@ class WorkerService:
 
     def _save_weights(self, session: Session, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None
-        return codec.packb({"path": session.save_weights(self.settings.checkpoint_dir, name)}), 0
+        path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model)
+        return codec.packb({"path": path}), 0
 
     # -- wire -------------------------------------------------------------------------------------------------------
 

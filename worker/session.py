@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import NonFiniteError, ValidationError
+from tinkerq.errors import NonFiniteError
 from tinkerq.validation import resolve_loss_config
 from worker import checkpoints
 from worker.batching import microbatch_ranges, pad_batch
@@ -31,12 +29,10 @@ from worker.losses import LOSSES, MetricTotals, score
 class TrainingSession:
     def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
                  logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel] | None = None,
-                 max_samplers: int = 2) -> None:
+                 ) -> None:
         self.model_id = model_id
         self.model = model
         self.logprobs = logprobs
-        # Sampling snapshots: frozen copies of the weights as of the request that made them (oldest evicted).
-        self.samplers = SamplerCache(max_samplers)
         self._blank_model = blank_model
         self.base_dir = base_dir
         self.microbatch_tokens = microbatch_tokens
@@ -127,26 +123,24 @@ class TrainingSession:
 
     # -- sampling ---------------------------------------------------------------------------------------------------
 
-    def create_sampler(self) -> str:
-        """Freeze the current weights for sampling; returns the snapshot's id."""
+    def snapshot(self) -> PreTrainedModel:
+        """A frozen copy of the current weights, for sampling (worker/snapshots.py keeps and publishes it)."""
         snapshot = self._blank_model() if self._blank_model else copy.deepcopy(self.model)
         snapshot.load_state_dict(self.model.state_dict())
+        snapshot.requires_grad_(False)
         self.last_used = time.monotonic()
-        return self.samplers.add(f"{self.model_id}:{self.steps}", snapshot)
-
-    def sampler(self, sampler_id: str) -> PreTrainedModel:
-        self.last_used = time.monotonic()
-        return self.samplers.get(sampler_id)
+        return snapshot
 
     # -- weights out -------------------------------------------------------------------------------------------
 
-    def save_weights(self, checkpoint_dir: str, name: str) -> str:
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
 
         def fill(tmp: Path) -> None:
             self.model.save_pretrained(tmp)
             checkpoints.copy_tokenizer_files(self.base_dir, tmp)
+            checkpoints.write_weights_marker(tmp, base_model)
 
         checkpoints.write_atomically(final, fill)
         self.last_used = time.monotonic()
@@ -188,35 +182,6 @@ class TrainingSession:
 
     def close(self) -> None:
         """Nothing to release beyond dropping the session (its tensors are freed with it)."""
-
-
-class SamplerCache:
-    """Sampling snapshots of one session: frozen copies of the weights, the newest ``size`` kept."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._models: OrderedDict[str, PreTrainedModel] = OrderedDict()
-
-    def add(self, prefix: str, snapshot: PreTrainedModel) -> str:
-        for p in snapshot.parameters():
-            p.requires_grad_(False)
-            p.grad = None
-        snapshot.eval()
-        sampler_id = f"{prefix}:{uuid.uuid4().hex[:8]}"
-        self._models[sampler_id] = snapshot
-        while len(self._models) > self.size:
-            self._models.popitem(last=False)
-        return sampler_id
-
-    def get(self, sampler_id: str) -> PreTrainedModel:
-        model = self._models.get(sampler_id)
-        if model is None:
-            raise ValidationError(
-                f"sampling client {sampler_id} is no longer held by the worker (it keeps the {self.size} "
-                f"newest per training client); call save_weights_and_get_sampling_client() again"
-            )
-        self._models.move_to_end(sampler_id)
-        return model
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:

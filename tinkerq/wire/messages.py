@@ -26,6 +26,7 @@ from tinkerq.wire import codec
 
 WIRE_VERSION = 1
 MODEL_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+TASK_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 # Message header naming the sender's reply inbox (tinkerq.keys.reply_list): readable even when a body is not.
 REPLY_HEADER = "tinkerq_reply"
 
@@ -69,6 +70,22 @@ def error_reply(error: TinkerqError) -> dict[str, Any]:
 def make_reply_item(task_id: str, reply: dict[str, Any]) -> bytes:
     """What a worker pushes to a producer's reply inbox: the task id and its reply, in one msgpack map."""
     return codec.packb({"task_id": task_id, "reply": reply})
+
+
+def make_sample_item(task_id: str, inbox: str, envelope: dict[str, Any]) -> bytes:
+    """A sample request as pushed to a worker's sampling intake (tinkerq.keys.sample_queue)."""
+    return codec.packb({"task_id": task_id, "inbox": inbox, "envelope": envelope})
+
+
+def read_sample_item(item: bytes, max_bytes: int) -> tuple[str, str | None, Any]:
+    """(task id, reply inbox or None, envelope) from an intake item; MalformedMessageError naming the defect."""
+    decoded = codec.unpackb(item, max_bytes=max_bytes)
+    if not isinstance(decoded, dict):
+        raise MalformedMessageError(f"sample intake item is a {type(decoded).__name__}, not a map")
+    task_id, inbox = decoded.get("task_id"), decoded.get("inbox")
+    if not isinstance(task_id, str) or not TASK_ID_RE.match(task_id):
+        raise MalformedMessageError(f"sample intake item has no valid task id (got {task_id!r:.80})")
+    return task_id, inbox if isinstance(inbox, str) else None, decoded.get("envelope")
 
 
 def read_reply_item(item: bytes) -> tuple[str, Any]:
@@ -186,30 +203,44 @@ def decode_model_info(body: Any) -> types.ModelInfo:
 
 # -- sampling -----------------------------------------------------------------------------------------------
 
-def encode_sample_request(sampler_id: str, prompt: types.ModelInput, num_samples: int,
+def encode_sample_request(source: dict[str, Any], prompt: types.ModelInput, num_samples: int,
                           params: types.SamplingParams) -> dict[str, Any]:
+    """``source`` names the weights: ``{"snapshot": id}``, ``{"path": dir}`` or ``{"base": True}``."""
     stop: Any = params.stop
     if stop is not None and not isinstance(stop, str):
         stop = list(stop)
     return {
-        "sampler_id": sampler_id, "prompt": prompt.to_numpy(), "num_samples": num_samples,
+        "source": source, "prompt": prompt.to_numpy(), "num_samples": num_samples,
         "params": {"max_tokens": params.max_tokens, "seed": params.seed, "stop": stop,
                    "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
     }
 
 
-def decode_sample_request(body: Any) -> tuple[str, types.ModelInput, Any, types.SamplingParams]:
+def decode_sample_request(body: Any) -> tuple[dict[str, Any], types.ModelInput, Any, types.SamplingParams]:
     if not isinstance(body, dict):
         raise MalformedMessageError("sample body must be a map")
-    sampler_id, prompt, params = body.get("sampler_id"), body.get("prompt"), body.get("params")
-    if not isinstance(sampler_id, str):
-        raise MalformedMessageError("sample body needs a string 'sampler_id'")
+    source, prompt, params = check_source(body.get("source")), body.get("prompt"), body.get("params")
     if not isinstance(prompt, np.ndarray):
         raise MalformedMessageError("sample body needs an array 'prompt'")
     if not isinstance(params, dict):
         raise MalformedMessageError("sample body needs a map 'params'")
     _reject_unknown_fields(types.SamplingParams, params)
-    return sampler_id, types.ModelInput.from_ints(prompt), body.get("num_samples"), types.SamplingParams(**params)
+    return source, types.ModelInput.from_ints(prompt), body.get("num_samples"), types.SamplingParams(**params)
+
+
+def check_source(source: Any) -> dict[str, Any]:
+    """The weights a sample request names: exactly one of a snapshot id (32 hex), a saved path, the base model."""
+    if not isinstance(source, dict) or len(source) != 1:
+        raise MalformedMessageError("sample body needs a map 'source' with one of: snapshot, path, base")
+    (kind, value), = source.items()
+    if kind == "snapshot" and isinstance(value, str) and MODEL_ID_RE.match(value):
+        return source
+    if kind == "path" and isinstance(value, str) and value:
+        return source
+    if kind == "base" and value is True:
+        return source
+    raise MalformedMessageError(f"sample source {kind!r}: {value!r:.80} is not a snapshot id (32 hex digits), "
+                                f"a saved path or base=True")
 
 
 def encode_sample_response(response: types.SampleResponse) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
 from worker import checkpoints
 from worker.logprobs import LogprobComputer
-from worker.session import SamplerCache
 from worker.sharding.group import ShardGroup, describe_failure
 from worker.sharding.session import ShardedSession
 
@@ -190,10 +189,9 @@ class ShardHost:
 class LeaderSession:
     """Rank 0's handle on a sharded training session, with :class:`TrainingSession`'s interface."""
 
-    def __init__(self, host: ShardHost, model_id: str, *, max_samplers: int) -> None:
+    def __init__(self, host: ShardHost, model_id: str) -> None:
         self.host = host
         self.model_id = model_id
-        self.samplers = SamplerCache(max_samplers)
         self.last_used = time.monotonic()
         host.run("create", model_id=model_id)
 
@@ -213,26 +211,24 @@ class LeaderSession:
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
         return self._run("optim_step", adam=messages.encode_adam(adam))
 
-    def create_sampler(self) -> str:
+    def snapshot(self) -> PreTrainedModel:
+        """The full weights gathered to rank 0, as a frozen model for sampling."""
         weights = self._run("gather_weights")
         snapshot = copy.deepcopy(self.host.base_model)
         with torch.no_grad():
             for name, p in snapshot.named_parameters():
                 p.copy_(weights[name])
-        snapshot.to(self.host.group.spec.device)
-        return self.samplers.add(f"{self.model_id}:{self.steps}", snapshot)
+        snapshot.requires_grad_(False)
+        return snapshot.to(self.host.group.spec.device)
 
-    def sampler(self, sampler_id: str) -> PreTrainedModel:
-        self.last_used = time.monotonic()
-        return self.samplers.get(sampler_id)
-
-    def save_weights(self, checkpoint_dir: str, name: str) -> str:
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str:
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
         weights = self._run("gather_weights")
 
         def fill(tmp: Path) -> None:
             self.host.base_model.save_pretrained(tmp, state_dict=weights)
             checkpoints.copy_tokenizer_files(self.host.model_dir, tmp)
+            checkpoints.write_weights_marker(tmp, base_model)
 
         checkpoints.write_atomically(final, fill)
         return str(final)

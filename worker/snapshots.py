@@ -1,0 +1,217 @@
+"""The weights sample requests name, as one worker holds them.
+
+A sample request names its weights by *source* (tinkerq.wire.messages.check_source):
+
+* ``{"snapshot": id}`` — a frozen copy made by ``save_weights_and_get_sampling_client()`` on the worker that
+  holds the training session. That worker *publishes* it so every worker of the same base model can serve
+  it: in Redis (``tinkerq:snapshot:<id>``, with a TTL) when it is at most ``snapshot_inline_max_bytes``,
+  otherwise as ``<checkpoint_dir>/snapshots/<id>.safetensors`` (the checkpoint directory is then shared).
+  Each training session keeps its ``max_samplers`` newest snapshots published; older ones are withdrawn.
+* ``{"path": dir}`` — a ``save_weights_for_sampler`` directory below the checkpoint directory.
+* ``{"base": True}`` — the weights the worker was started with.
+
+Loaded weights stay in an LRU of ``sampler_cache_size`` entries (the base model is always there); a load
+that would not fit in memory first evicts the least recently used. Everything is safetensors: loading a
+snapshot never unpickles, and no name from a message becomes a path (snapshot ids are 32 hex digits).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from transformers import PreTrainedModel
+
+from tinkerq import keys
+from tinkerq.errors import CapacityError, UnknownModelError, ValidationError
+from tinkerq.settings import Settings
+from tinkerq.store import KeyValueStore
+from tinkerq.wire import codec, messages
+from worker import checkpoints, memory
+from worker.model_loading import load_causal_lm
+
+log = logging.getLogger("tinkerq.worker")
+
+SNAPSHOT_DIR = "snapshots"
+BASE_KEY: Hashable = ("base",)
+
+
+class Snapshots:
+    def __init__(self, store: KeyValueStore, settings: Settings, base_model: str, base: PreTrainedModel,
+                 sessions: Any = lambda: []) -> None:
+        self.store = store
+        self.settings = settings
+        self.base_model = base_model
+        self.base = base
+        self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
+        self._models: OrderedDict[Hashable, PreTrainedModel] = OrderedDict()
+        self._published: dict[str, deque[str]] = {}  # training session -> its published snapshot ids
+        self._lock = threading.Lock()
+
+    # -- made here ------------------------------------------------------------------------------------------
+
+    def add(self, model: PreTrainedModel, session_id: str) -> str:
+        """Keep a snapshot made by a training session on this worker and publish it; returns its id."""
+        snapshot_id = os.urandom(16).hex()
+        model.eval()
+        self._remember(("snapshot", snapshot_id), model)
+        self._publish(snapshot_id, model)
+        published = self._published.setdefault(session_id, deque())
+        published.append(snapshot_id)
+        while len(published) > self.settings.max_samplers:
+            self._withdraw(published.popleft())
+        return snapshot_id
+
+    def forget_session(self, session_id: str) -> None:
+        """A closed session's snapshots stay published until their TTL (sampling clients may outlive it)."""
+        self._published.pop(session_id, None)
+
+    # -- named by a request -------------------------------------------------------------------------------------
+
+    def resolve(self, source: dict[str, Any]) -> tuple[Hashable, PreTrainedModel]:
+        """(cache key, model) for a request's source, loading it if this worker does not hold it."""
+        source = messages.check_source(source)
+        if "base" in source:
+            return BASE_KEY, self.base
+        if "snapshot" in source:
+            key: Hashable = ("snapshot", source["snapshot"])
+            loader = lambda: self._load_published(source["snapshot"])  # noqa: E731
+        else:
+            directory = checkpoints.resolve_weights_path(source["path"], self.settings.checkpoint_dir)
+            weights = [directory / f for f in os.listdir(directory) if f.endswith(".safetensors")]
+            # The same path saved again (same name) is other weights: the files' times are part of the key.
+            key = ("path", str(directory), tuple(sorted(os.stat(w).st_mtime_ns for w in weights)))
+            loader = lambda: self._load_directory(directory)  # noqa: E731
+        with self._lock:
+            model = self._models.get(key)
+            if model is not None:
+                self._models.move_to_end(key)
+                return key, model
+        model = loader()
+        self._remember(key, model)
+        return key, model
+
+    # -- publishing ------------------------------------------------------------------------------------------
+
+    def _publish(self, snapshot_id: str, model: PreTrainedModel) -> None:
+        weights = save_safetensors(_distinct_tensors(model))
+        record: dict[str, Any] = {"base_model": self.base_model}
+        if len(weights) <= self.settings.snapshot_inline_max_bytes:
+            record["weights"] = weights
+        else:
+            path = checkpoints.path_below(self.settings.checkpoint_dir, SNAPSHOT_DIR, f"{snapshot_id}.safetensors",
+                                          create_parents=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(weights)
+            os.replace(tmp, path)
+            record["file"] = path.name
+        self.store.set(keys.snapshot(snapshot_id), codec.packb(record), ttl_s=self.settings.snapshot_ttl_s)
+
+    def _withdraw(self, snapshot_id: str) -> None:
+        with self._lock:
+            self._models.pop(("snapshot", snapshot_id), None)
+        self.store.delete(keys.snapshot(snapshot_id))
+        path = checkpoints.path_below(self.settings.checkpoint_dir, SNAPSHOT_DIR, f"{snapshot_id}.safetensors")
+        if path.is_file():
+            path.unlink()
+
+    def _load_published(self, snapshot_id: str) -> PreTrainedModel:
+        raw = self.store.get(keys.snapshot(snapshot_id))
+        if raw is None:
+            raise ValidationError(
+                f"sampling snapshot {snapshot_id} is not available: it was withdrawn (each training client keeps "
+                f"its {self.settings.max_samplers} newest, TINKERQ_MAX_SAMPLERS) or expired "
+                f"(TINKERQ_SNAPSHOT_TTL_S); call save_weights_and_get_sampling_client() again")
+        record = codec.unpackb(raw)
+        if not isinstance(record, dict) or record.get("base_model") != self.base_model:
+            owner = record.get("base_model") if isinstance(record, dict) else None
+            raise UnknownModelError(f"snapshot {snapshot_id} is of {owner!r}; this worker serves {self.base_model!r}")
+        if isinstance(record.get("weights"), bytes):
+            weights = record["weights"]
+        else:
+            path = checkpoints.path_below(self.settings.checkpoint_dir, SNAPSHOT_DIR, f"{snapshot_id}.safetensors")
+            try:
+                weights = path.read_bytes()
+            except OSError as exc:
+                raise ValidationError(f"snapshot {snapshot_id} was written to {path}, which this worker cannot "
+                                      f"read ({exc}); workers of one model must share TINKERQ_CHECKPOINT_DIR") from None
+        self._make_room()
+        model = copy.deepcopy(self.base)
+        _load_weights(model, load_safetensors(weights))
+        log.info("loaded published snapshot %s (%.1f MB)", snapshot_id, len(weights) / 1e6)
+        return model
+
+    def _load_directory(self, directory: Any) -> PreTrainedModel:
+        marker = directory / checkpoints.WEIGHTS_FILE
+        if marker.is_file():
+            try:
+                saved_from = json.loads(marker.read_text()).get("base_model")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise ValidationError(f"{marker} is unreadable ({exc}): pass a path returned by "
+                                      f"save_weights_for_sampler()") from None
+            if saved_from != self.base_model:
+                raise UnknownModelError(f"{directory} holds weights of {saved_from!r}; this worker serves "
+                                        f"{self.base_model!r}: pass base_model={saved_from!r}")
+        self._make_room()
+        model = load_causal_lm(str(directory), device=self.settings.device, dtype=self.settings.dtype)
+        model.requires_grad_(False)
+        return model
+
+    # -- the cache --------------------------------------------------------------------------------------------
+
+    def _remember(self, key: Hashable, model: PreTrainedModel) -> None:
+        with self._lock:
+            self._models[key] = model
+            self._models.move_to_end(key)
+            while len(self._models) > self.settings.sampler_cache_size:
+                self._models.popitem(last=False)
+
+    def _make_room(self) -> None:
+        """Evict least recently used snapshots until one more copy of the weights fits in memory."""
+        while True:
+            try:
+                memory.admit_snapshot(self.base, self.settings, self.sessions())
+                return
+            except CapacityError:
+                with self._lock:
+                    if not self._models:
+                        raise
+                    evicted, _ = self._models.popitem(last=False)
+                log.warning("evicted sampling weights %s to make room", evicted)
+                memory.release_memory()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+def _distinct_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each tensor once (tied embeddings share storage; safetensors refuses duplicates)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    loaded = {state[n].data_ptr() for n in weights if n in state}
+    tied = {n for n, t in state.items() if n not in weights and t.data_ptr() in loaded}  # set through their twin
+    if unexpected or set(missing) - tied:
+        raise ValidationError(f"published snapshot does not fit this model: missing {sorted(set(missing) - tied)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}")
+    model.requires_grad_(False)
+    model.eval()
