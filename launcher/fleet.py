@@ -31,6 +31,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up = sub.add_parser("up", help="start redis-server, workers and Flower as local processes")
     up.add_argument("--model", action="append", required=True, help="model directory (repeat for several models)")
     up.add_argument("--workers", type=int, default=1, help="workers per model (default 1)")
+    up.add_argument("--samplers", type=int, default=0,
+                    help="extra sampling-only workers per model (--role sampler; default 0)")
     up.add_argument("--shards", type=int, default=1,
                     help="processes per worker, each holding 1/N of the model (default 1; with --device cuda, "
                          "shard r uses cuda:r)")
@@ -97,6 +99,14 @@ def fleet_up(args: argparse.Namespace) -> int:
                     state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log),
                                              "rank": rank})
                     _save(folder, state)
+            for i in range(args.samplers):
+                log = logs / f"sampler-{Path(model).name}-{i}.log"
+                extra = ["--role", "sampler", *(["--device", args.device] if args.device else [])]
+                cmd = processes.worker_command(os.path.abspath(model), None, threads=args.threads, extra=extra)
+                proc = processes.start_process(cmd, log, processes.secret_env(broker))
+                state["workers"].append({"pid": proc.pid, "model": os.path.abspath(model), "log": str(log),
+                                         "rank": 0, "role": "sampler"})
+                _save(folder, state)
         if args.flower_port:
             auth = args.flower_auth or os.environ.get("FLOWER_BASIC_AUTH") or f"admin:{secrets.token_urlsafe(12)}"
             log = logs / "flower.log"
@@ -161,7 +171,8 @@ def fleet_status(args: argparse.Namespace) -> int:
               f"port {state['redis']['port']}")
     for w in state["workers"]:
         shard = f"  (shard {w['rank']} of {state['shards']})" if state.get("shards", 1) > 1 else ""
-        print(f"  worker        pid {w['pid']:>7}  {_up(w['pid'])}  {w['model']}{shard}")
+        kind = "sampler " if w.get("role") == "sampler" else "worker  "
+        print(f"  {kind}      pid {w['pid']:>7}  {_up(w['pid'])}  {w['model']}{shard}")
     if "flower" in state:
         print(f"  flower        pid {state['flower']['pid']:>7}  {_up(state['flower']['pid'])}  "
               f"http://127.0.0.1:{state['flower']['port']}/")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from launcher.processes import ROOT, alive, free_port, stop, wait_for
 from tests.helpers import build_tiny_llama, make_batch
+from tinkerq import types
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,7 +32,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
 
     other = build_tiny_llama(tmp_path / "other-model", seed=1)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
-    up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other),
+    up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other), "--samplers", "1",
                   "--redis-port", str(free_port()), "--flower-port", str(free_port()), "--threads", "1", env=env)
     assert up.returncode == 0, up.stderr[-3000:]
     broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
@@ -38,8 +40,9 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
     try:
         status = _tinkerq("fleet", "status", "--name", "t", env=env)
         assert status.returncode == 0, status.stderr
-        assert status.stdout.count("running") == 4  # redis, two workers, flower
-        assert "2 registered worker(s)" in status.stdout and "idle" in status.stdout
+        assert status.stdout.count("running") == 6  # redis, two workers, two sampling workers, flower
+        assert status.stdout.count("sampler ") == 2
+        assert "4 registered worker(s)" in status.stdout and "idle" in status.stdout
         assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
 
         # Two models share one Redis without interfering: each session lands on its own model's worker.
@@ -53,12 +56,22 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
             assert la != lb  # different weights answered
             with pytest.raises(UnknownModelError):
                 sc.create_training_client(str(tmp_path / "nobody-serves-this"))
+            # Sampling spreads over a model's trainer and its sampling worker; both give the same samples.
+            sampler = sc.create_sampling_client(base_model=str(model_dir))
+            params = types.SamplingParams(max_tokens=8, seed=5)
+            prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+            outs = [sampler.sample(prompt, 2, params).result(timeout=60) for _ in range(4)]
+            assert all([s.tokens for s in o.sequences] == [s.tokens for s in outs[0].sequences] for o in outs)
+            state = json.loads((tmp_path / "home" / "fleet" / "t" / "state.json").read_text())
+            (sampler_log,) = [w["log"] for w in state["workers"]
+                              if w.get("role") == "sampler" and w["model"] == str(model_dir)]
+            assert "sample ok in" in Path(sampler_log).read_text()
             a.close()
             b.close()
     finally:
         down = _tinkerq("fleet", "down", "--name", "t", env=env)
     assert down.returncode == 0, down.stderr
-    assert "5 process(es) stopped" in down.stdout or "4 process(es) stopped" in down.stdout
+    assert "7 process(es) stopped" in down.stdout or "6 process(es) stopped" in down.stdout
     again = _tinkerq("fleet", "status", "--name", "t", env=env)
     assert again.returncode == 2 and "no fleet named 't'" in again.stderr
 

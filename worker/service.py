@@ -407,6 +407,7 @@ class WorkerService:
                 outcome = ("error", WorkerError(f"sampling failed in the worker: {type(error).__name__}: "
                                                 f"{error}").to_wire(), timing)
             self.metrics.observe("sample", outcome[0], timing)
+            log.info("sample %s in %.1f ms", outcome[0], 1000 * (time.time() - started))
             self.answer(task_id, inbox, self._reply(outcome))
             self.claim_check.discard(ref)
 
