@@ -175,7 +175,7 @@ class Dispatcher:
             request = self._pending.pop(task_id, None)
         if request is None:
             return  # a repeat's answer, or one for a future that already failed
-        if request.model_id:
+        if request.model_id and request.sequenced:  # (for stalled sessions; samples are not in one)
             self._progress[request.model_id] = time.monotonic()
         for future in request.futures:
             if error is not None:
