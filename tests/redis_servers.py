@@ -120,6 +120,7 @@ class SentinelSetup:
     folder: Path
     nodes: dict[int, subprocess.Popen] = field(default_factory=dict)  # port -> redis-server
     sentinels: dict[int, subprocess.Popen] = field(default_factory=dict)  # port -> redis-server --sentinel
+    blocked_at_demotion: int = 0  # clients waiting in BRPOP on the old primary when failover() demoted it
 
     @property
     def url(self) -> str:
@@ -167,8 +168,13 @@ class SentinelSetup:
         wait_for(lambda: self._ready(primary), timeout, f"sentinel setup with primary on port {primary}",
                  log=self.folder / "sentinel-0" / "sentinel.log")
 
-    def failover(self, timeout: float = 30.0) -> int:
-        """``SENTINEL FAILOVER``: a replica is promoted while the old primary still runs. Returns the new port."""
+    def failover(self, timeout: float = 30.0, *, when_blocked: bool = False, drop_clients: bool = True) -> int:
+        """``SENTINEL FAILOVER``: a replica is promoted while the old primary still runs. Returns the new port.
+
+        ``when_blocked``: demote the old primary only once its BRPOP clients (an idle worker's) all wait there,
+        so that they get the ``UNBLOCKED`` error a demotion answers them with. ``drop_clients=False``:
+        its clients stay connected to it, and learn of the demotion from its ``READONLY`` answers.
+        """
         old = self.primary_port()
         client = self.sentinel_client()
         try:
@@ -180,13 +186,42 @@ class SentinelSetup:
         # stays a writable master, and clients still connected to it write where nobody reads (a real
         # split brain; docs/redis.md). Demote it now, the way Sentinel does (REPLICAOF, then drop the
         # clients so they reconnect through the sentinels), so the window is milliseconds, not seconds.
-        node = redis.Redis(port=old, socket_timeout=2)
+        self.blocked_at_demotion = self._demote(old, new, when_blocked=when_blocked, drop_clients=drop_clients)
+        return new
+
+    def _demote(self, port: int, primary: int, *, when_blocked: bool = False, drop_clients: bool = True) -> int:
+        """``REPLICAOF primary`` on ``port``, then drop its clients as Sentinel does; returns how many clients
+        were blocked (BRPOP) there when it was demoted.
+
+        The sentinels' own connections are spared: Sentinel never drops its own link (``CLIENT KILL`` skips
+        the caller). Dropping it, as ``CLIENT KILL TYPE normal`` from here would, made the sentinel judge the
+        *new* primary down a second later (+sdown right after +switch-master) and fail back over to this
+        node, leaving two writable primaries for 10 s.
+        """
+        node = redis.Redis(port=port, socket_timeout=2, decode_responses=True)
         try:
-            node.execute_command("REPLICAOF", "127.0.0.1", str(new))
-            node.execute_command("CLIENT", "KILL", "TYPE", "normal")
+            if when_blocked:  # every client whose last command was BRPOP is waiting in it now
+                def all_blocked() -> bool:
+                    waiting = [c for c in node.client_list() if c["cmd"] == "brpop"]
+                    return bool(waiting) and all("b" in c["flags"] for c in waiting)
+
+                wait_for(all_blocked, 10, f"clients blocked in BRPOP on port {port}")
+            pipe = node.pipeline(transaction=True)  # counted at the very moment of the demotion
+            pipe.info("clients")
+            pipe.execute_command("REPLICAOF", "127.0.0.1", str(primary))
+            blocked = int(pipe.execute()[0]["blocked_clients"])
+            if not drop_clients:
+                return blocked
+            me = node.client_id()
+            for client in node.client_list():
+                if (client["name"].startswith("sentinel-") or int(client["id"]) == me
+                        or set(client["flags"]) & {"S", "M"}):  # sentinels, this one, replication links
+                    continue
+                with contextlib.suppress(redis.ResponseError):  # gone meanwhile
+                    node.execute_command("CLIENT", "KILL", "ID", client["id"])
+            return blocked
         finally:
             node.close()
-        return new
 
     def kill_primary(self, timeout: float = 30.0) -> int:
         """SIGKILL the primary (an outage, not a handover): sentinel promotes a replica. Returns the new port."""
@@ -195,12 +230,23 @@ class SentinelSetup:
         self.nodes[old].wait(10)
         return self._wait_new_primary(old, timeout)
 
+    def _settled_port(self) -> int:
+        """The primary's port in ``SENTINEL MASTER``, what redis-py's ``discover_master`` reads. During a
+        failover ``GET-MASTER-ADDR-BY-NAME`` names the promoted replica a little earlier (from the moment it
+        is promoted), while ``SENTINEL MASTER`` still names the old primary until the failover ends."""
+        client = self.sentinel_client()
+        try:
+            return int(client.sentinel_master(MASTER_NAME)["port"])
+        finally:
+            client.close()
+
     def _wait_new_primary(self, old: int, timeout: float) -> int:
+        """The new primary once the failover has ended: every sentinel query names it, and it is a master."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
                 port = self.primary_port()
-                if port != old:
+                if port != old and self._settled_port() == port:
                     node = redis.Redis(port=port, socket_timeout=2)
                     try:
                         if node.info("replication")["role"] == "master":
@@ -214,6 +260,59 @@ class SentinelSetup:
     def stop(self) -> None:
         for proc in [*self.sentinels.values(), *self.nodes.values()]:
             _stop(proc)
+
+    def describe(self, pids: dict[int, str] | None = None) -> str:
+        """What each node holds and who is connected to it, and the sentinel's last words: for a failure report.
+
+        ``pids`` names processes (pid -> name) so each client in ``CLIENT LIST`` says whose it is.
+        """
+        owners = _socket_owners(pids or {})
+        lines = []
+        for port, proc in self.nodes.items():
+            if proc.poll() is not None:
+                lines.append(f"node {port}: exited ({proc.returncode})")
+                continue
+            node = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=1, decode_responses=True)
+            try:
+                info = node.info("replication")
+                sec, usec = node.time()
+                beats = node.zrange("tinkerq:heartbeats", 0, -1, withscores=True)
+                serving = sorted(node.scan_iter(match="tinkerq:serving:*", count=1000))
+                lines.append(f"node {port}: role={info['role']} master_port={info.get('master_port')} "
+                             f"link={info.get('master_link_status')} offset={info.get('master_repl_offset')}")
+                lines.append(f"  heartbeats (age s): {[(m, round(sec + usec / 1e6 - t, 2)) for m, t in beats]}")
+                lines.append(f"  registrations: {serving}")
+                for client in node.client_list():
+                    if client.get("name") == "" and client.get("cmd") == "client|list":
+                        continue  # this very connection
+                    peer = int(client["addr"].rsplit(":", 1)[1])
+                    lines.append(f"  client {client['addr']} of {owners.get(peer, '?')}: flags={client['flags']} "
+                                 f"cmd={client['cmd']} age={client['age']} idle={client['idle']}")
+            except (redis.RedisError, OSError) as exc:
+                lines.append(f"node {port}: {type(exc).__name__}: {exc}")
+            finally:
+                node.close()
+        log = self.folder / "sentinel-0" / "sentinel.log"
+        if log.exists():
+            lines.append("sentinel log (tail):")
+            lines += log.read_text().splitlines()[-25:]
+        return "\n".join(lines)
+
+
+def _socket_owners(pids: dict[int, str]) -> dict[int, str]:
+    """Local TCP port -> the named process holding that socket (from ``ss -tnp``; empty without ss)."""
+    try:
+        out = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    owners = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or "pid=" not in fields[-1]:
+            continue
+        pid = int(fields[-1].split("pid=", 1)[1].split(",", 1)[0])
+        owners[int(fields[3].rsplit(":", 1)[1])] = pids.get(pid, f"pid {pid}")
+    return owners
 
 
 def _replica_usable(fields: dict | list) -> bool:

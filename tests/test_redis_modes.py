@@ -7,10 +7,14 @@ a sentinel; the worker and the producer know only the sentinel's address.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +29,9 @@ from tinkerq import types
 from tinkerq.celery_app import make_celery
 from tinkerq.connection import Connection
 from tinkerq.errors import BrokerUnavailableError
-from tinkerq.redis_client import celery_redis_options, parse_sentinel_url
+from tinkerq.redis_client import SentinelMasterConnection, celery_redis_options, parse_sentinel_url, redis_client
 from tinkerq.settings import Settings, SettingsError
+from worker.intake import GuardedSentinelChannel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -137,14 +142,44 @@ def sentinels(tmp_path_factory) -> Iterator[SentinelSetup]:
     setup.stop()
 
 
+@dataclass
+class SentinelWorker:
+    proc: subprocess.Popen
+    log: Path
+
+
 @pytest.fixture(scope="module")
-def sentinel_worker(sentinels, model_dir, checkpoint_dir, tmp_path_factory) -> Iterator[Path]:
+def sentinel_worker(sentinels, model_dir, checkpoint_dir, tmp_path_factory) -> Iterator[SentinelWorker]:
     log = tmp_path_factory.mktemp("sentinel-logs") / "worker.log"
     proc, conn = _start_worker(model_dir, sentinels.url, SENTINEL_MODEL, log, checkpoint_dir, {},
                                Settings(broker_url=sentinels.url))
-    yield log
+    yield SentinelWorker(proc, log)
     _stop_worker(proc)
     conn.close()
+
+
+@contextlib.contextmanager
+def _explained(sentinels: SentinelSetup, worker: SentinelWorker) -> Iterator[None]:
+    """On failure, the report says what each Redis node holds, whose connections it has, and what the
+    sentinel and the worker logged: enough to tell a split brain from a worker that stopped beating."""
+    try:
+        yield
+    except BaseException as exc:
+        py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")  # where the worker's threads are, if it hangs
+        if py_spy and worker.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                dump = subprocess.run([py_spy, "dump", "--pid", str(worker.proc.pid)], capture_output=True,
+                                      text=True, timeout=30)
+                exc.add_note("py-spy dump of the worker:\n" + dump.stdout + dump.stderr)
+        with contextlib.suppress(Exception):
+            state = sentinels.describe({os.getpid(): "the producer (pytest)", worker.proc.pid: "the worker"})
+            exc.add_note(f"worker pid {worker.proc.pid} exit code {worker.proc.poll()}\n{state}")
+        with contextlib.suppress(Exception):
+            routine = ("received", "succeeded in", " ok in ")
+            lines = [line[:400] for line in worker.log.read_text(errors="replace").splitlines()
+                     if not any(r in line for r in routine)]
+            exc.add_note("worker log (tail, routine lines left out):\n" + "\n".join(lines[-80:]))
+        raise
 
 
 # -- TLS ------------------------------------------------------------------------------------------------
@@ -203,7 +238,43 @@ def _reference_weights_diff(model_dir: Path, batches, adam, saved: str) -> float
     return max_weight_diff(ref, saved)
 
 
+def test_a_connection_dropped_by_a_demoted_primary_reconnects_to_the_new_one(sentinels):
+    """A demoted primary answers writes with READONLY, and redis-py drops the connection. It used to reconnect
+    on its next command to the same node, without asking the sentinels: kombu's restore of unacknowledged
+    messages (a WATCH transaction, retried on every WatchError) then spun forever in the worker's consumer
+    after a failover, and the worker stopped consuming and beating. Runs before the worker starts: the old
+    primary keeps its clients here."""
+    key = "tinkerq:test:unacked"
+    client = redis_client(Settings(broker_url=sentinels.url))
+    attempts: list[int] = []
+
+    def restore(pipe) -> None:  # kombu's QoS.restore_by_tag, in miniature
+        attempts.append(1)
+        if len(attempts) > 100:
+            raise RuntimeError("the transaction keeps failing on the demoted primary")
+        pipe.hget(key, "tag")
+        pipe.multi()
+        pipe.hdel(key, "tag")
+
+    try:
+        client.hset(key, "tag", "message")  # a pooled connection to the primary about to be demoted
+        new = sentinels.failover(drop_clients=False)
+        client.transaction(restore, key)
+        # READONLY on the old primary, then done on the new one (without the fix: the old one forever).
+        assert len(attempts) == 2
+        assert {c.port for c in client.connection_pool._available_connections} == {new}
+    finally:
+        client.close()
+    # The worker's kombu channel (consumer, acknowledgements, restores) connects the same way.
+    assert GuardedSentinelChannel.connection_class is SentinelMasterConnection
+
+
 def test_training_through_sentinel(sentinel_worker, sentinels, model_dir):
+    with _explained(sentinels, sentinel_worker):
+        _train_through(sentinels, model_dir)
+
+
+def _train_through(sentinels: SentinelSetup, model_dir: Path) -> None:
     from producer import ServiceClient
 
     rng = np.random.default_rng(61)
@@ -217,6 +288,18 @@ def test_training_through_sentinel(sentinel_worker, sentinels, model_dir):
         saved = tc.save_weights_for_sampler("through-sentinel").result(timeout=60).path
         tc.close()
     assert _reference_weights_diff(model_dir, batches, adam, saved) < 1e-5
+
+
+def test_idle_worker_survives_the_demotion_of_its_primary(sentinel_worker, sentinels, model_dir):
+    """An idle worker waits in BRPOP on the primary. Demoting that node (REPLICAOF, as Sentinel does after a
+    failover) answers the BRPOP with ``UNBLOCKED ... (master -> replica?)``: that must cost the worker a
+    reconnection through the sentinels, not its life (kombu let it escape as an unrecoverable error)."""
+    with _explained(sentinels, sentinel_worker):
+        sentinels.failover(when_blocked=True)
+        assert sentinels.blocked_at_demotion >= 1, "nobody waited in BRPOP on the old primary: nothing was tested"
+        _train_through(sentinels, model_dir)
+        assert sentinel_worker.proc.poll() is None
+        assert "answered the consumer's BRPOP with UNBLOCKED" in sentinel_worker.log.read_text(errors="replace")
 
 
 def _train_across(disruption: Callable[[], int], sentinels: SentinelSetup, model_dir: Path, seed: int) -> None:
@@ -257,10 +340,12 @@ def _train_across(disruption: Callable[[], int], sentinels: SentinelSetup, model
 
 def test_failover_mid_run_loses_nothing(sentinel_worker, sentinels, model_dir):
     """SENTINEL FAILOVER: a handover, the old primary still runs (and is demoted to a replica)."""
-    _train_across(sentinels.failover, sentinels, model_dir, seed=62)
+    with _explained(sentinels, sentinel_worker):
+        _train_across(sentinels.failover, sentinels, model_dir, seed=62)
 
 
 def test_primary_killed_mid_run_loses_nothing(sentinel_worker, sentinels, model_dir):
     """SIGKILL of the primary: an outage of a few seconds (down-after 1 s, then the election) before the
     replica is promoted; requests posted meanwhile must wait for it, not fail."""
-    _train_across(sentinels.kill_primary, sentinels, model_dir, seed=63)
+    with _explained(sentinels, sentinel_worker):
+        _train_across(sentinels.kill_primary, sentinels, model_dir, seed=63)

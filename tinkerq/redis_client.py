@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import redis
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from tinkerq.settings import SettingsError
 
@@ -124,6 +124,24 @@ def _timeouts(settings: Settings) -> dict[str, float]:
             "socket_timeout": max(settings.connect_timeout_s, 30.0)}
 
 
+class SentinelMasterConnection(SentinelManagedConnection):
+    """A connection to whichever node the sentinels call master, *every* time it connects.
+
+    redis-py asks the sentinels only when the pool hands out a connection that is not connected. A
+    connection dropped while in use (a ``READONLY`` answer from a demoted primary drops it) reconnects on
+    its next command to the address it had: the demoted node, which serves reads and refuses every write,
+    until something drops the connection again. kombu's restore of unacknowledged messages, a ``WATCH``
+    transaction retried on every ``WatchError``, then spun forever in the worker's consumer: each ``EXEC``
+    failed ``READONLY`` there, and the pipeline's ``UNWATCH`` reconnected to the same node. The worker
+    stopped consuming (and so stopped beating) after every failover that demoted a running primary.
+    """
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            self.connect()  # through the sentinels (SentinelManagedConnection.connect), not to the last address
+        super().send_packed_command(command, check_health=check_health)
+
+
 class SentinelMasterRedis(redis.Redis):
     """A client of whichever node the sentinels call master; closing it also closes the sentinel connections.
 
@@ -158,7 +176,8 @@ def redis_client(settings: Settings, url: str | None = None) -> redis.Redis:
         # sentinel_kwargs: the sentinels get the timeouts but not the data nodes' password.
         manager = Sentinel(address.sentinels, sentinel_kwargs=dict(timeouts), **timeouts)
         client = manager.master_for(settings.sentinel_master, redis_class=SentinelMasterRedis,
-                                    username=address.username, password=address.password, db=address.db)
+                                    connection_class=SentinelMasterConnection, username=address.username,
+                                    password=address.password, db=address.db)
         client.sentinel_manager = manager
         return client
     extra = ssl_options(settings) if is_tls(url) else {}

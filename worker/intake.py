@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tinkerq import keys
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.errors import MalformedMessageError, TinkerqError
+from tinkerq.redis_client import SentinelMasterConnection
+from tinkerq.retry import is_transient
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec, messages
@@ -212,6 +215,17 @@ class GuardedChannel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except self.ResponseError as exc:
+                if not is_transient(exc):
+                    raise
+                # The node stopped being a writable primary under this BRPOP: a demotion after a failover
+                # answers every blocked client "UNBLOCKED ... (master -> replica?)" (then READONLY, or LOADING
+                # while it syncs). kombu would let that escape as a channel error, which Celery treats as
+                # unrecoverable: the worker exited. It is a lost connection: Celery reconnects, through the
+                # sentinels, to the new primary.
+                log.warning("Redis answered the consumer's BRPOP with %s: reconnecting", str(exc)[:200])
+                self.client.connection.disconnect()
+                raise RedisConnectionError(f"Redis answered BRPOP with: {exc}") from exc
             if not dest__item:
                 raise kombu_redis.Empty()
             dest, item = dest__item
@@ -287,7 +301,9 @@ class GuardedTransport(kombu_redis.Transport):
 
 
 class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
-    pass
+    # Reconnects go through the sentinels (tinkerq.redis_client.SentinelMasterConnection): with kombu's
+    # default class, the consumer's restore of unacknowledged messages spun forever on a demoted primary.
+    connection_class = SentinelMasterConnection
 
 
 class GuardedSentinelTransport(kombu_redis.SentinelTransport):
