@@ -1,0 +1,87 @@
+"""Published sampling snapshots (worker/snapshots.py): through Redis-sized records and through files, tied
+weights, withdrawal of old ones, and refusals. In-process, with the store the embedded fleet uses."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import build_tiny_llama, load_reference
+from tinkerq import errors, keys
+from tinkerq.settings import Settings
+from tinkerq.store import MemoryStore
+from worker.snapshots import Snapshots
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return out
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_snapshot_published_by_one_worker_loads_identically_on_another(tmp_path: Path, tied: bool, inline: bool):
+    base = load_reference(build_tiny_llama(tmp_path / "model", tied=tied))
+    settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"), max_samplers=2,
+                        snapshot_inline_max_bytes=(64 << 20) if inline else 1)
+    store = MemoryStore()
+    maker = Snapshots(store, settings, "m", base)
+    other = Snapshots(store, settings, "m", copy.deepcopy(base))  # another worker of the same model
+    trained = _perturbed(base, seed=1)
+    sid = maker.add(trained, session_id="a" * 32)
+    files = list((tmp_path / "ckpt" / "snapshots").glob("*.safetensors")) if not inline else []
+    assert len(files) == (0 if inline else 1)
+    key, loaded = other.resolve({"snapshot": sid})
+    assert key == ("snapshot", sid) and loaded is not other.base
+    assert _same_weights(loaded, trained)
+    if tied:  # still one tensor, as in the model that made it
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert other.resolve({"snapshot": sid})[1] is loaded  # kept (LRU), not loaded again
+
+    # A session keeps its max_samplers newest published: the oldest is withdrawn everywhere but in caches.
+    newer = [maker.add(_perturbed(base, seed=s), session_id="a" * 32) for s in (2, 3)]
+    assert store.get(keys.snapshot(sid)) is None and all(store.get(keys.snapshot(n)) for n in newer)
+    if not inline:
+        assert not files[0].exists()
+    fresh = Snapshots(store, settings, "m", copy.deepcopy(base))
+    with pytest.raises(errors.ValidationError, match="save_weights_and_get_sampling_client"):
+        fresh.resolve({"snapshot": sid})
+
+
+def test_snapshots_of_another_model_and_unknown_ids_are_refused(tmp_path: Path):
+    base = load_reference(build_tiny_llama(tmp_path / "model"))
+    settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"))
+    store = MemoryStore()
+    sid = Snapshots(store, settings, "model-a", base).add(_perturbed(base, 1), session_id="b" * 32)
+    with pytest.raises(errors.UnknownModelError, match="model-a"):
+        Snapshots(store, settings, "model-b", base).resolve({"snapshot": sid})
+    with pytest.raises(errors.ValidationError, match="not available"):
+        Snapshots(store, settings, "model-a", base).resolve({"snapshot": "f" * 32})
+    with pytest.raises(errors.MalformedMessageError, match="snapshot id"):
+        Snapshots(store, settings, "model-a", base).resolve({"snapshot": "../x"})
+    assert Snapshots(store, settings, "model-a", base).resolve({"base": True})[1] is base
+
+
+def test_the_cache_is_bounded(tmp_path: Path):
+    base = load_reference(build_tiny_llama(tmp_path / "model"))
+    settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"), sampler_cache_size=2, max_samplers=10)
+    store = MemoryStore()
+    maker = Snapshots(store, settings, "m", base)
+    ids = [maker.add(_perturbed(base, s), session_id="c" * 32) for s in range(4)]
+    assert len(maker) == 2  # the two most recent stay loaded; the others are loaded again when asked for
+    model = maker.resolve({"snapshot": ids[0]})[1]
+    assert _same_weights(model, _perturbed(base, 0)) and len(maker) == 2
