@@ -261,11 +261,15 @@ def test_a_non_finite_loss_on_one_shard_is_refused_by_all_and_changes_nothing(pa
 
 
 def test_sampling_from_a_sharded_model(pair):
-    _, two = pair
-    sc = two.save_weights_and_get_sampling_client()
-    out = sc.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=4, seed=1))
-    seqs = out.result(timeout=60).sequences
-    assert len(seqs) == 2 and all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in seqs)
+    """A snapshot gathered from two shards samples exactly as one worker's snapshot of the same weights."""
+    one, two = pair
+    prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=1)
+    seqs = two.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60).sequences
+    ref = one.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60).sequences
+    assert len(seqs) == 2 and all(len(s.tokens) == len(s.logprobs) for s in seqs)
+    assert [s.tokens for s in seqs] == [s.tokens for s in ref]
+    for a, b in zip(seqs, ref, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_comes_back(
