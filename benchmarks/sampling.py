@@ -142,21 +142,18 @@ def main() -> None:
         two: dict[str, list[float]] = {}
         with Fleet(model_dir, threads=1) as fleet:
             service = fleet.service()
-            one = service.create_sampling_client(base_model=str(fleet.model_dir))
-            run_fleet(one, prompts[:4], 2, 4, seed=0)
-            single = []
-            for rep in range(args.reps):
-                seconds, generated = run_fleet(one, prompts, args.samples, args.tokens, seed=rep)
-                single.append(1e3 * seconds / generated)
-            two["1 worker x 1 thread"] = single
+
+            def measure(label: str) -> None:
+                sampler = service.create_sampling_client(base_model=str(fleet.model_dir))
+                run_fleet(sampler, prompts[:4], 2, 4, seed=0)  # warm-up
+                two[label] = []
+                for rep in range(args.reps):
+                    seconds, generated = run_fleet(sampler, prompts, args.samples, args.tokens, seed=rep)
+                    two[label].append(1e3 * seconds / generated)
+
+            measure("1 worker x 1 thread")
             add_worker(fleet, threads=1, role="sampler")
-            both = service.create_sampling_client(base_model=str(fleet.model_dir))
-            run_fleet(both, prompts[:4], 2, 4, seed=0)
-            pair = []
-            for rep in range(args.reps):
-                seconds, generated = run_fleet(both, prompts, args.samples, args.tokens, seed=rep)
-                pair.append(1e3 * seconds / generated)
-            two["2 workers x 1 thread"] = pair
+            measure("2 workers x 1 thread")
             service.close()
             stop_extra(fleet)
         first = median(two["1 worker x 1 thread"])

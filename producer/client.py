@@ -93,7 +93,8 @@ class ServiceClient:
         if model_path is not None:
             if not isinstance(model_path, str) or not model_path:
                 raise UserError(f"model_path must be a path returned by save_weights_for_sampler(), got {model_path!r}")
-            base_model = base_model or _weights_base_model(model_path)
+            base_model = base_model or _saved_base_model(model_path, "tinkerq_weights.json",
+                                                          "save_weights_for_sampler()")
             source: dict[str, Any] = {"path": model_path}
         elif base_model is None:
             raise UserError("create_sampling_client needs model_path= (saved weights) or base_model=")
@@ -111,7 +112,7 @@ class ServiceClient:
     def create_training_client_from_state(self, path: str, base_model: str | None = None, *,
                                           timeout: float | None = None) -> TrainingClient:
         """A new training session resumed from ``save_state``'s directory (weights + optimizer state)."""
-        base_model = base_model or _state_base_model(path)
+        base_model = base_model or _saved_base_model(path, "tinkerq_state.json", "save_state()")
         tc = self.create_training_client(base_model, timeout=timeout)
         tc.load_state(path).result(timeout=timeout)
         return tc
@@ -282,32 +283,18 @@ class TrainingClient:
             return next(self._seq)
 
 
-def _state_base_model(path: str) -> str:
-    """The base model a saved state was trained from (its tinkerq_state.json), for resuming."""
+def _saved_base_model(path: str, marker: str, returned_by: str) -> str:
+    """The base model a saved directory belongs to, from its ``marker`` file (tinkerq_state.json after
+    save_state, tinkerq_weights.json after save_weights_for_sampler), when the directory is readable here."""
     import json
 
-    meta = os.path.join(path, "tinkerq_state.json")
+    meta = os.path.join(path, marker)
     try:
         with open(meta) as f:
             return str(json.load(f)["base_model"])
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(
-            f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by save_state()"
-        ) from None
-
-
-def _weights_base_model(path: str) -> str:
-    """The base model saved weights belong to (their tinkerq_weights.json), when the directory is readable here."""
-    import json
-
-    meta = os.path.join(path, "tinkerq_weights.json")
-    try:
-        with open(meta) as f:
-            return str(json.load(f)["base_model"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(
-            f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by "
-            f"save_weights_for_sampler()"
+            f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by {returned_by}"
         ) from None
 
 
