@@ -13,6 +13,7 @@ import requests
 
 from launcher.processes import flower_command, free_port, start_process, stop, wait_for
 from tests.helpers import make_batch
+from tinkerq import types
 
 pytestmark = pytest.mark.timeout(180)
 AUTH = ("operator", "s3cret-for-tests")
@@ -110,3 +111,10 @@ def test_worker_prometheus_metrics(worker, training_client):
     assert "tinkerq_queue_wait_seconds_bucket" in text and "tinkerq_compute_seconds_count" in text
     counted = float(text.split('tinkerq_tokens_total{op="forward_backward"} ')[1].split()[0])
     assert counted >= tokens
+    sampler = training_client.save_weights_and_get_sampling_client()
+    sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=3)).result(timeout=60)
+    text = requests.get(worker.metrics_url, timeout=10).text
+    assert 'tinkerq_requests_total{op="sample",outcome="ok"}' in text and "tinkerq_sampling_rows 0.0" in text
+    train_s = float(text.split('tinkerq_compute_turn_seconds{kind="train"} ')[1].split()[0])
+    sample_s = float(text.split('tinkerq_compute_turn_seconds{kind="sample"} ')[1].split()[0])
+    assert train_s > 0 and sample_s > 0

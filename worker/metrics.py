@@ -6,6 +6,8 @@ own registry, so several services in one process (the embedded fleet, tests) nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
@@ -34,6 +36,16 @@ class WorkerMetrics:
                                             "died or hung)", registry=r)
         self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
                                        "the fullest shard, at the latest optim_step", registry=r)
+
+    def watch_sampling(self, rows: Callable[[], int], compute_seconds: Callable[[], dict[str, float]]) -> None:
+        """Gauges read at scrape time: the sampling batch's rows, and compute time by kind (worker/turns.py)."""
+        Gauge("tinkerq_sampling_rows", "Sampling rows waiting or decoding in this worker's batch",
+              registry=self.registry).set_function(rows)
+        turns = Gauge("tinkerq_compute_turn_seconds", "Compute seconds used by training and by sampling since "
+                      "the worker started (their shares, when both have work, are balanced)", ["kind"],
+                      registry=self.registry)
+        for kind in ("train", "sample"):
+            turns.labels(kind=kind).set_function(lambda k=kind: compute_seconds()[k])
 
     def observe(self, op: str, status: str, timing: dict[str, float]) -> None:
         self.requests.labels(op=op, outcome=status).inc()

@@ -98,6 +98,7 @@ class WorkerService:
         self.snapshots = Snapshots(connection.store, self.settings, base_model, model,
                                    sessions=lambda: [slot.session for slot in self.slots.values()])
         self.engine = TorchEngine(max_rows=self.settings.sample_max_rows, gate=lambda: self.turns.take("sample"))
+        self.metrics.watch_sampling(self.engine.load, self.turns.seconds)
         # op -> (session, body) -> (reply body bytes, tokens processed)
         self._ops: dict[str, Callable[[Session, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
