@@ -3,7 +3,10 @@ weights, withdrawal of old ones, and refusals. In-process, with the store the em
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from tests.helpers import build_tiny_llama, load_reference
 from tinkerq import errors, keys
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
+from tinkerq.wire import messages
 from worker.snapshots import Snapshots
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,6 +31,28 @@ def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return out
 
 
+@contextlib.contextmanager
+def publisher(store: MemoryStore, owner: Snapshots) -> Iterator[list[str]]:
+    """The owner worker's publisher thread (worker/sample_intake.py): answers publish requests; yields the ids."""
+    asked: list[str] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            item = store.pop(keys.publish_queue(owner.worker_id), timeout_s=0.1)
+            if item is not None:
+                asked.append(messages.read_intake_item(item, max_bytes=1 << 20))
+                owner.publish(asked[-1])
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield asked
+    finally:
+        stop.set()
+        thread.join(5)
+
+
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -39,13 +65,16 @@ def test_a_snapshot_published_by_one_worker_loads_identically_on_another(tmp_pat
     settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"), max_samplers=2,
                         snapshot_inline_max_bytes=(64 << 20) if inline else 1)
     store = MemoryStore()
-    maker = Snapshots(store, settings, "m", base)
-    other = Snapshots(store, settings, "m", copy.deepcopy(base))  # another worker of the same model
+    maker = Snapshots(store, settings, "m", base, worker_id="w1")
+    other = Snapshots(store, settings, "m", copy.deepcopy(base), worker_id="w2")  # another worker of the model
     trained = _perturbed(base, seed=1)
     sid = maker.add(trained, session_id="a" * 32)
-    files = list((tmp_path / "ckpt" / "snapshots").glob("*.safetensors")) if not inline else []
+    assert maker.resolve({"snapshot": sid})[1] is trained  # its maker samples it as it is
+    with publisher(store, maker) as asked:
+        key, loaded = other.resolve({"snapshot": sid})  # asks the maker to publish it, then loads it
+    assert asked == [sid]
+    files = list((tmp_path / "ckpt" / "snapshots").glob("*.safetensors"))
     assert len(files) == (0 if inline else 1)
-    key, loaded = other.resolve({"snapshot": sid})
     assert key == ("snapshot", sid) and loaded is not other.base
     assert _same_weights(loaded, trained)
     if tied:  # still one tensor, as in the model that made it
@@ -66,7 +95,7 @@ def test_snapshots_of_another_model_and_unknown_ids_are_refused(tmp_path: Path):
     base = load_reference(build_tiny_llama(tmp_path / "model"))
     settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"))
     store = MemoryStore()
-    sid = Snapshots(store, settings, "model-a", base).add(_perturbed(base, 1), session_id="b" * 32)
+    sid = Snapshots(store, settings, "model-a", base, worker_id="w1").add(_perturbed(base, 1), session_id="b" * 32)
     with pytest.raises(errors.UnknownModelError, match="model-a"):
         Snapshots(store, settings, "model-b", base).resolve({"snapshot": sid})
     with pytest.raises(errors.ValidationError, match="not available"):
@@ -80,8 +109,31 @@ def test_the_cache_is_bounded(tmp_path: Path):
     base = load_reference(build_tiny_llama(tmp_path / "model"))
     settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"), sampler_cache_size=2, max_samplers=10)
     store = MemoryStore()
-    maker = Snapshots(store, settings, "m", base)
+    maker = Snapshots(store, settings, "m", base, worker_id="w1")
+    other = Snapshots(store, settings, "m", copy.deepcopy(base), worker_id="w2")
     ids = [maker.add(_perturbed(base, s), session_id="c" * 32) for s in range(4)]
-    assert len(maker) == 2  # the two most recent stay loaded; the others are loaded again when asked for
-    model = maker.resolve({"snapshot": ids[0]})[1]
-    assert _same_weights(model, _perturbed(base, 0)) and len(maker) == 2
+    with publisher(store, maker):
+        for sid in ids:
+            other.resolve({"snapshot": sid})
+        assert len(other) == 2  # the two most recent loads stay; the others are loaded again when asked for
+        model = other.resolve({"snapshot": ids[0]})[1]
+    assert _same_weights(model, _perturbed(base, 0)) and len(other) == 2
+
+
+def test_two_workers_waiting_on_each_others_snapshots_do_not_deadlock(tmp_path: Path):
+    """Each worker's intake blocks while it fetches the other's snapshot; publishing runs apart from it."""
+    base = load_reference(build_tiny_llama(tmp_path / "model"))
+    settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"))
+    store = MemoryStore()
+    a = Snapshots(store, settings, "m", base, worker_id="a")
+    b = Snapshots(store, settings, "m", copy.deepcopy(base), worker_id="b")
+    sa, sb = a.add(_perturbed(base, 1), "d" * 32), b.add(_perturbed(base, 2), "e" * 32)
+    got: dict[str, torch.nn.Module] = {}
+    with publisher(store, a), publisher(store, b):
+        threads = [threading.Thread(target=lambda: got.update(a=a.resolve({"snapshot": sb})[1])),
+                   threading.Thread(target=lambda: got.update(b=b.resolve({"snapshot": sa})[1]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert _same_weights(got["a"], _perturbed(base, 2)) and _same_weights(got["b"], _perturbed(base, 1))

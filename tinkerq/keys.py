@@ -31,6 +31,12 @@ def sample_queue(worker_id: str) -> str:
     return f"{PREFIX}:samples:{worker_id}"
 
 
+def publish_queue(worker_id: str) -> str:
+    """Requests from other workers to publish the weights of snapshots this worker made (worker/snapshots.py);
+    read by a thread of their own, so two workers waiting on each other's snapshots never deadlock."""
+    return f"{PREFIX}:publish:{worker_id}"
+
+
 def blob(blob_id: str) -> str:
     """A claim-checked payload (raw bytes, with a TTL)."""
     return f"{PREFIX}:blob:{blob_id}"

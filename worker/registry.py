@@ -133,12 +133,13 @@ def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:
     answered = 0
     # A dead worker's sampling intake is only deleted: the producers send its requests to other workers
     # themselves (sampling/reroute), and an error answered here could reach a request already moved.
-    samples = keys.sample_queue("")
-    for queue in store.scan(samples + "*"):
-        worker = queue[len(samples):]
-        if worker != me and ages.get(worker, float("inf")) > REAP_AFTER_BEATS * period:
-            store.delete(queue)
-            log.warning("worker %s is gone: removed its sampling intake", worker)
+    for prefix_of in (keys.sample_queue, keys.publish_queue):
+        lists = prefix_of("")
+        for queue in store.scan(lists + "*"):
+            worker = queue[len(lists):]
+            if worker != me and ages.get(worker, float("inf")) > REAP_AFTER_BEATS * period:
+                store.delete(queue)
+                log.warning("worker %s is gone: removed its list %s", worker, queue)
     for queue in store.scan(prefix + "*"):
         worker = queue[len(prefix):]
         if worker == me or ages.get(worker, float("inf")) <= REAP_AFTER_BEATS * period:

@@ -96,7 +96,8 @@ class WorkerService:
         # on the compute (worker/turns.py).
         self.turns = ComputeTurns()
         self.snapshots = Snapshots(connection.store, self.settings, base_model, model,
-                                   sessions=lambda: [slot.session for slot in self.slots.values()])
+                                   sessions=lambda: [slot.session for slot in self.slots.values()],
+                                   worker_id=worker_id)
         self.engine = TorchEngine(max_rows=self.settings.sample_max_rows, gate=lambda: self.turns.take("sample"))
         self.metrics.watch_sampling(self.engine.load, self.turns.seconds)
         # op -> (session, body) -> (reply body bytes, tokens processed)

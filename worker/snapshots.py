@@ -3,10 +3,13 @@
 A sample request names its weights by *source* (tinkerq.wire.messages.check_source):
 
 * ``{"snapshot": id}`` — a frozen copy made by ``save_weights_and_get_sampling_client()`` on the worker that
-  holds the training session. That worker *publishes* it so every worker of the same base model can serve
-  it: in Redis (``tinkerq:snapshot:<id>``, with a TTL) when it is at most ``snapshot_inline_max_bytes``,
+  holds the training session. That worker announces it at once (``tinkerq:snapshot:<id>``: its base model
+  and owner, with a TTL) and *publishes* its weights the first time another worker asks for them (through
+  the owner's ``tinkerq:publish:<worker>`` list, read by a thread of its own), so a run whose samples all
+  stay on one worker never serialises a snapshot: in Redis when it is at most ``snapshot_inline_max_bytes``,
   otherwise as ``<checkpoint_dir>/snapshots/<id>.safetensors`` (the checkpoint directory is then shared).
-  Each training session keeps its ``max_samplers`` newest snapshots published; older ones are withdrawn.
+  Each training session keeps its ``max_samplers`` newest snapshots (held by their owner, announced); older
+  ones are withdrawn.
 * ``{"path": dir}`` — a ``save_weights_for_sampler`` directory below the checkpoint directory.
 * ``{"base": True}`` — the weights the worker was started with.
 
@@ -22,6 +25,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Any
@@ -32,7 +36,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import PreTrainedModel
 
 from tinkerq import keys
-from tinkerq.errors import CapacityError, UnknownModelError, ValidationError
+from tinkerq.errors import CapacityError, UnknownModelError, ValidationError, WorkerError
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec, messages
@@ -43,18 +47,21 @@ log = logging.getLogger("tinkerq.worker")
 
 SNAPSHOT_DIR = "snapshots"
 BASE_KEY: Hashable = ("base",)
+PUBLISH_WAIT_S = 60.0  # how long a worker waits for a snapshot's owner to publish it
 
 
 class Snapshots:
     def __init__(self, store: KeyValueStore, settings: Settings, base_model: str, base: PreTrainedModel,
-                 sessions: Any = lambda: []) -> None:
+                 sessions: Any = lambda: [], worker_id: str = "") -> None:
         self.store = store
+        self.worker_id = worker_id
         self.settings = settings
         self.base_model = base_model
         self.base = base
         self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
         self._models: OrderedDict[Hashable, PreTrainedModel] = OrderedDict()
-        self._published: dict[str, deque[str]] = {}  # training session -> its published snapshot ids
+        self._published: dict[str, deque[str]] = {}  # training session -> its announced snapshot ids
+        self._own: dict[str, PreTrainedModel] = {}  # snapshots made here, held while announced
         self._lock = threading.Lock()
 
     # -- made here ------------------------------------------------------------------------------------------
@@ -63,8 +70,11 @@ class Snapshots:
         """Keep a snapshot made by a training session on this worker and publish it; returns its id."""
         snapshot_id = os.urandom(16).hex()
         model.eval()
+        with self._lock:
+            self._own[snapshot_id] = model
         self._remember(("snapshot", snapshot_id), model)
-        self._publish(snapshot_id, model)
+        record = {"base_model": self.base_model, "owner": self.worker_id}
+        self.store.set(keys.snapshot(snapshot_id), codec.packb(record), ttl_s=self.settings.snapshot_ttl_s)
         published = self._published.setdefault(session_id, deque())
         published.append(snapshot_id)
         while len(published) > self.settings.max_samplers:
@@ -96,15 +106,32 @@ class Snapshots:
             if model is not None:
                 self._models.move_to_end(key)
                 return key, model
+            if "snapshot" in source and source["snapshot"] in self._own:
+                model = self._own[source["snapshot"]]
+                self._models[key] = model
+                return key, model
         model = loader()
         self._remember(key, model)
         return key, model
 
     # -- publishing ------------------------------------------------------------------------------------------
 
+    def publish(self, snapshot_id: str) -> None:
+        """Write the weights of a snapshot made here where other workers can load them (asked for by one)."""
+        with self._lock:
+            model = self._own.get(snapshot_id)
+        raw = self.store.get(keys.snapshot(snapshot_id))
+        if model is None or raw is None:
+            return  # withdrawn meanwhile: the asking worker reports it as unavailable
+        record = codec.unpackb(raw)
+        if isinstance(record, dict) and ("weights" in record or "file" in record):
+            return  # another worker asked first
+        self._publish(snapshot_id, model)
+        log.info("published snapshot %s for other workers", snapshot_id)
+
     def _publish(self, snapshot_id: str, model: PreTrainedModel) -> None:
         weights = save_safetensors(_distinct_tensors(model))
-        record: dict[str, Any] = {"base_model": self.base_model}
+        record: dict[str, Any] = {"base_model": self.base_model, "owner": self.worker_id}
         if len(weights) <= self.settings.snapshot_inline_max_bytes:
             record["weights"] = weights
         else:
@@ -119,22 +146,14 @@ class Snapshots:
     def _withdraw(self, snapshot_id: str) -> None:
         with self._lock:
             self._models.pop(("snapshot", snapshot_id), None)
+            self._own.pop(snapshot_id, None)
         self.store.delete(keys.snapshot(snapshot_id))
         path = checkpoints.path_below(self.settings.checkpoint_dir, SNAPSHOT_DIR, f"{snapshot_id}.safetensors")
         if path.is_file():
             path.unlink()
 
     def _load_published(self, snapshot_id: str) -> PreTrainedModel:
-        raw = self.store.get(keys.snapshot(snapshot_id))
-        if raw is None:
-            raise ValidationError(
-                f"sampling snapshot {snapshot_id} is not available: it was withdrawn (each training client keeps "
-                f"its {self.settings.max_samplers} newest, TINKERQ_MAX_SAMPLERS) or expired "
-                f"(TINKERQ_SNAPSHOT_TTL_S); call save_weights_and_get_sampling_client() again")
-        record = codec.unpackb(raw)
-        if not isinstance(record, dict) or record.get("base_model") != self.base_model:
-            owner = record.get("base_model") if isinstance(record, dict) else None
-            raise UnknownModelError(f"snapshot {snapshot_id} is of {owner!r}; this worker serves {self.base_model!r}")
+        record = self._published_record(snapshot_id)
         if isinstance(record.get("weights"), bytes):
             weights = record["weights"]
         else:
@@ -149,6 +168,38 @@ class Snapshots:
         _load_weights(model, load_safetensors(weights))
         log.info("loaded published snapshot %s (%.1f MB)", snapshot_id, len(weights) / 1e6)
         return model
+
+    def _published_record(self, snapshot_id: str) -> dict[str, Any]:
+        """The snapshot's record once its weights are published: asks its owner to publish them if needed."""
+        deadline, asked = time.monotonic() + PUBLISH_WAIT_S, False
+        while True:
+            record = self._record(snapshot_id)
+            if "weights" in record or "file" in record:
+                return record
+            owner = record.get("owner")
+            if not isinstance(owner, str) or not owner:
+                raise ValidationError(f"snapshot {snapshot_id} has no weights and no owner to ask for them")
+            if not asked:
+                self.store.push(keys.publish_queue(owner), messages.make_publish_item(snapshot_id))
+                asked = True
+            if time.monotonic() > deadline:
+                raise WorkerError(f"worker {owner}, which made snapshot {snapshot_id}, did not publish it within "
+                                  f"{PUBLISH_WAIT_S:g} s (it may be gone or busy); try again, or make a new "
+                                  f"snapshot with save_weights_and_get_sampling_client()")
+            time.sleep(0.05)
+
+    def _record(self, snapshot_id: str) -> dict[str, Any]:
+        raw = self.store.get(keys.snapshot(snapshot_id))
+        if raw is None:
+            raise ValidationError(
+                f"sampling snapshot {snapshot_id} is not available: it was withdrawn (each training client keeps "
+                f"its {self.settings.max_samplers} newest, TINKERQ_MAX_SAMPLERS) or expired "
+                f"(TINKERQ_SNAPSHOT_TTL_S); call save_weights_and_get_sampling_client() again")
+        record = codec.unpackb(raw)
+        if not isinstance(record, dict) or record.get("base_model") != self.base_model:
+            theirs = record.get("base_model") if isinstance(record, dict) else None
+            raise UnknownModelError(f"snapshot {snapshot_id} is of {theirs!r}; this worker serves {self.base_model!r}")
+        return record
 
     def _load_directory(self, directory: Any) -> PreTrainedModel:
         marker = directory / checkpoints.WEIGHTS_FILE

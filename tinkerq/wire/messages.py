@@ -77,11 +77,22 @@ def make_sample_item(task_id: str, inbox: str, envelope: dict[str, Any]) -> byte
     return codec.packb({"task_id": task_id, "inbox": inbox, "envelope": envelope})
 
 
-def read_sample_item(item: bytes, max_bytes: int) -> tuple[str, str | None, Any]:
-    """(task id, reply inbox or None, envelope) from an intake item; MalformedMessageError naming the defect."""
+def make_publish_item(snapshot_id: str) -> bytes:
+    """A worker's request to a snapshot's owner, through the owner's sampling intake: publish its weights."""
+    return codec.packb({"publish": snapshot_id})
+
+
+def read_intake_item(item: bytes, max_bytes: int) -> tuple[str, str | None, Any] | str:
+    """A sampling intake item: (task id, reply inbox or None, envelope) for a sample request, or the snapshot
+    id of a publish request; MalformedMessageError naming the defect."""
     decoded = codec.unpackb(item, max_bytes=max_bytes)
     if not isinstance(decoded, dict):
         raise MalformedMessageError(f"sample intake item is a {type(decoded).__name__}, not a map")
+    if "publish" in decoded:
+        snapshot_id = decoded["publish"]
+        if not isinstance(snapshot_id, str) or not MODEL_ID_RE.match(snapshot_id):
+            raise MalformedMessageError(f"publish request for {snapshot_id!r:.80}: not a snapshot id")
+        return snapshot_id
     task_id, inbox = decoded.get("task_id"), decoded.get("inbox")
     if not isinstance(task_id, str) or not TASK_ID_RE.match(task_id):
         raise MalformedMessageError(f"sample intake item has no valid task id (got {task_id!r:.80})")
