@@ -7,6 +7,7 @@ our own wire format, and the worker keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -96,7 +97,7 @@ class WorkerService:
         # on the compute (worker/turns.py).
         self.turns = ComputeTurns()
         self.snapshots = Snapshots(connection.store, self.settings, base_model, model,
-                                   sessions=lambda: [slot.session for slot in self.slots.values()],
+                                   sessions=lambda: [slot.session for slot in list(self.slots.values())],
                                    worker_id=worker_id)
         self.engine = TorchEngine(max_rows=self.settings.sample_max_rows, gate=lambda: self.turns.take("sample"))
         self.metrics.watch_sampling(self.engine.load, self.turns.seconds)
@@ -121,7 +122,9 @@ class WorkerService:
         ``inbox`` is the sender's reply list: a buffered request is answered there when it finally runs.
         """
         started = time.perf_counter()
-        with self._lock:
+        # A sample request touches no session: it is checked and handed to the engine without waiting for the
+        # training request that may hold the lock (its snapshots, engine and memory checks are thread-safe).
+        with self._lock if op != "sample" else contextlib.nullcontext():
             try:
                 if op == "create_model":
                     outcome = self._create_model(envelope)
