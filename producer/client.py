@@ -193,7 +193,7 @@ class TrainingClient:
         """Freeze the weights as of every request submitted so far and return a client that samples them.
 
         Waits for the earlier requests to be applied (later training requests do not wait for its samples).
-        The snapshot is published to every worker of the model (docs/sampling.md). ``name`` is accepted for
+        Any worker of the model can serve the snapshot (docs/sampling.md). ``name`` is accepted for
         Tinker compatibility; use save_weights_for_sampler for a directory on disk.
         """
         future = self._submit("create_sampler", {}, lambda body: str(body["sampler_id"]), argsrepr="")

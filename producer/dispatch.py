@@ -155,16 +155,14 @@ class Dispatcher:
         envelope = messages.make_envelope(request.op, request.model_id, request.seq_id, ref)
         if not request.sequenced:
             store.push(request.queue, messages.make_sample_item(request.task_id, self.inbox, envelope))
-            request.posted = True
-            request.posted_at = time.monotonic()
-            return
-        self.connection.app.send_task(
-            TASK_NAMES[request.op], args=(envelope,), queue=request.queue, task_id=request.task_id,
-            headers={messages.REPLY_HEADER: self.inbox},
-            # What Flower shows: never tensors.
-            argsrepr=f"model_id={request.model_id[:8]} seq={request.seq_id} {request.argsrepr}".strip(),
-            kwargsrepr="{}",
-        )
+        else:
+            self.connection.app.send_task(
+                TASK_NAMES[request.op], args=(envelope,), queue=request.queue, task_id=request.task_id,
+                headers={messages.REPLY_HEADER: self.inbox},
+                # What Flower shows: never tensors.
+                argsrepr=f"model_id={request.model_id[:8]} seq={request.seq_id} {request.argsrepr}".strip(),
+                kwargsrepr="{}",
+            )
         request.posted = True
         request.posted_at = time.monotonic()
 

@@ -317,10 +317,7 @@ class WorkerService:
         model_id = slot.session.model_id
         ref = envelope.get("payload")
         started = time.time()
-        timing: dict[str, float] = {}
-        sent_at = envelope.get("sent_at")
-        if isinstance(sent_at, (int, float)):
-            timing["queue_wait_s"] = max(0.0, started - sent_at)  # across hosts: as good as their clocks
+        timing = _queue_wait(envelope, started)
         if slot.broken is not None:
             outcome: Outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
         elif op not in self._ops:
@@ -392,10 +389,7 @@ class WorkerService:
         key, model = self.snapshots.resolve(source)
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
         started = time.time()
-        timing: dict[str, float] = {}
-        sent_at = envelope.get("sent_at")
-        if isinstance(sent_at, (int, float)):
-            timing["queue_wait_s"] = max(0.0, started - sent_at)
+        timing = _queue_wait(envelope, started)
 
         def done(sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
             outcome: Outcome
@@ -495,3 +489,11 @@ class WorkerService:
             store_reply(self.connection.store, self.settings, task_id, inbox, reply)
         except TinkerqError as exc:  # Redis stayed away for the whole retry window: the request is redelivered
             log.error("could not answer %s: %s", task_id, exc.message)
+
+
+def _queue_wait(envelope: dict[str, Any], started: float) -> dict[str, float]:
+    """A request's timing so far: how long it waited since the producer sent it (if the envelope says when)."""
+    sent_at = envelope.get("sent_at")
+    if not isinstance(sent_at, (int, float)):
+        return {}
+    return {"queue_wait_s": max(0.0, started - sent_at)}  # across hosts: as good as their clocks

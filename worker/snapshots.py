@@ -67,12 +67,11 @@ class Snapshots:
     # -- made here ------------------------------------------------------------------------------------------
 
     def add(self, model: PreTrainedModel, session_id: str) -> str:
-        """Keep a snapshot made by a training session on this worker and publish it; returns its id."""
+        """Keep a snapshot made by a training session on this worker and announce it; returns its id."""
         snapshot_id = os.urandom(16).hex()
         model.eval()
-        with self._lock:
+        with self._lock:  # held here while announced, outside the LRU of loaded weights
             self._own[snapshot_id] = model
-        self._remember(("snapshot", snapshot_id), model)
         record = {"base_model": self.base_model, "owner": self.worker_id}
         self.store.set(keys.snapshot(snapshot_id), codec.packb(record), ttl_s=self.settings.snapshot_ttl_s)
         published = self._published.setdefault(session_id, deque())
@@ -107,9 +106,7 @@ class Snapshots:
                 self._models.move_to_end(key)
                 return key, model
             if "snapshot" in source and source["snapshot"] in self._own:
-                model = self._own[source["snapshot"]]
-                self._models[key] = model
-                return key, model
+                return key, self._own[source["snapshot"]]
         model = loader()
         self._remember(key, model)
         return key, model
