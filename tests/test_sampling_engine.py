@@ -171,7 +171,7 @@ def test_stop_rules_apply_per_row(model, model_dir):
 def test_a_job_joins_a_running_batch(model):
     gate = PausingGate(pause_at=4)  # prefill + 2 decode steps done, the 3rd decode forward in progress
     engine = TorchEngine(gate=gate)
-    order, out, steps = [], {}, {}
+    order, out, steps, loads = [], {}, {}, {}
     done = threading.Event()
 
     def on_done(name):
@@ -179,6 +179,7 @@ def test_a_job_joins_a_running_batch(model):
             order.append(name)
             out[name] = (seqs, err)
             steps[name] = engine.steps
+            loads[name] = engine.load()  # a job's rows are gone from the load before it is answered
             if len(order) == 2:
                 done.set()
         return record
@@ -197,6 +198,7 @@ def test_a_job_joins_a_running_batch(model):
     finally:
         engine.close()
     assert order == ["short", "long"]
+    assert loads == {"short": 2, "long": 0}
     # The short job ran 6 steps right after it was submitted, not after the long job drained.
     assert steps["short"] == joined_at + 6 and steps["long"] == 149
     for job in (long, short):

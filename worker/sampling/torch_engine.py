@@ -88,8 +88,9 @@ _PAD2D = {
 class _Job:
     """A submitted job's progress: its sequences as rows finish."""
 
-    def __init__(self, job: SampleJob) -> None:
+    def __init__(self, job: SampleJob, on_report: Callable[[_Job], None]) -> None:
         self.job = job
+        self._on_report = on_report
         self.results: list[types.SampledSequence | None] = [None] * job.num_samples
         self.left = job.num_samples
         self.reported = False
@@ -98,6 +99,7 @@ class _Job:
         if self.reported:
             return
         self.reported = True
+        self._on_report(self)  # before the answer: whoever hears it sees the rows gone
         try:
             self.job.on_done(sequences, error)
         except Exception:  # a caller's bug must not stop the engine
@@ -188,8 +190,7 @@ class TorchEngine:
         self._gate = gate or contextlib.nullcontext
         self._cond = threading.Condition()
         self._waiting: deque[_Job] = deque()
-        self._waiting_rows = 0
-        self._running_rows = 0
+        self._open_rows = 0  # rows of jobs submitted and not answered yet
         self._groups: dict[Hashable, _Group] = {}  # engine thread only
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -203,15 +204,19 @@ class TorchEngine:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the sampling engine is closed")
-            self._waiting.append(_Job(job))
-            self._waiting_rows += job.num_samples
+            self._waiting.append(_Job(job, self._answered))
+            self._open_rows += job.num_samples
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="sampling-engine", daemon=True)
                 self._thread.start()
             self._cond.notify()
 
     def load(self) -> int:
-        return self._waiting_rows + self._running_rows
+        return self._open_rows
+
+    def _answered(self, job: _Job) -> None:
+        with self._cond:
+            self._open_rows -= job.job.num_samples
 
     def close(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -234,13 +239,11 @@ class TorchEngine:
             with self._cond:
                 self._closed = True
                 waiting, self._waiting = list(self._waiting), deque()
-                self._waiting_rows = 0
             error = EngineClosed("the sampling engine closed before the job finished")
             for group in self._groups.values():
                 for job in group.rows.jobs if group.rows else []:
                     job.report(None, error)
             self._groups.clear()
-            self._running_rows = 0
             for job in waiting:
                 job.report(None, error)
 
@@ -255,10 +258,8 @@ class TorchEngine:
             admitted: dict[Hashable, list[_Job]] = {}
             while self._waiting and (running == 0 or running + self._waiting[0].job.num_samples <= self.max_rows):
                 job = self._waiting.popleft()
-                self._waiting_rows -= job.job.num_samples
                 running += job.job.num_samples
                 admitted.setdefault(job.job.model_key, []).append(job)
-            self._running_rows = running
         for key, newcomers in admitted.items():
             if key not in self._groups:
                 try:
@@ -271,7 +272,6 @@ class TorchEngine:
             self._step(group, admitted.get(key, []))
             if group.rows is None:
                 del self._groups[key]
-        self._running_rows = sum(g.size - g.finished for g in self._groups.values())
         return True
 
     def _step(self, group: _Group, newcomers: list[_Job]) -> None:
