@@ -280,9 +280,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def session_state_bytes(shape: ModelShape, shards: int = 1) -> int:
-    """What a training session keeps for its whole life (see worker/session.py), per shard.
+    """What a training session keeps for its whole life (see worker/training.py), per shard.
 
-    ``TrainingSession`` holds a deep copy of the model (parameters + buffers), ``p.grad`` for every
+    A full session's engine holds a deep copy of the model (parameters + buffers), ``p.grad`` for every
     parameter (the pending gradients, allocated at once), and AdamW's ``exp_avg`` and ``exp_avg_sq``
     (same shape and dtype; allocated at the session's first optim_step) plus a 0-dim float32 ``step``
     per parameter (negligible, not counted):
@@ -297,9 +297,9 @@ def session_state_bytes(shape: ModelShape, shards: int = 1) -> int:
 def training_working_bytes(shape: ModelShape, shards: int = 1) -> int:
     """What one forward_backward needs on top of the session's state for gradients, per shard.
 
-    ``run_loss`` accumulates the request's gradients in fresh buffers (``grads``, one copy of the
-    weights) and ``torch.autograd.grad`` returns each micro-batch's gradients as another full copy before
-    they are added; optim_step's temporaries (AdamW's foreach ``sqrt(exp_avg_sq)`` on CUDA, one copy)
+    ``run_loss`` sets the pending gradients aside and lets ``backward`` fill fresh ones (one copy of the
+    weights), which are checked and then added; autograd's own temporaries while accumulating a tied or
+    later micro-batch gradient take up to one more; optim_step's temporaries (AdamW's foreach ``sqrt(exp_avg_sq)`` on CUDA, one copy)
     fit in the same room:
 
         working = 2 x weights
@@ -326,17 +326,7 @@ def unallocated_state_bytes(sessions: Iterable[Any]) -> int:
     Counted against a new session or snapshot: admitting one into memory that an existing session has
     been promised would make that session's first optim_step run out of memory instead.
     """
-    total = 0
-    for session in sessions:
-        local = session
-        if not hasattr(local, "optimizer") and hasattr(session, "host"):  # rank 0's handle of a sharded session
-            local = getattr(session.host, "sessions", {}).get(session.model_id)
-        optimizer = getattr(local, "optimizer", None)
-        for p in getattr(local, "params", None) or []:
-            if optimizer is not None and "exp_avg" not in optimizer.state.get(p, {}):
-                t = _local(p)
-                total += 2 * t.numel() * t.element_size()
-    return total
+    return sum(session.unallocated_state_bytes() for session in sessions)
 
 
 def sample_bytes(shape: ModelShape, prompt_tokens: int, max_tokens: int, num_samples: int, *,

@@ -43,7 +43,7 @@ from worker.registry import reap_dead_workers
 from worker.sampling.engine import SampleJob
 from worker.sampling.rules import StopRule
 from worker.sampling.torch_engine import TorchEngine
-from worker.session import TrainingSession
+from worker.session import Session, TrainingSession
 from worker.sharding.host import LeaderSession, ShardHost
 from worker.snapshots import Snapshots
 from worker.turns import ComputeTurns
@@ -56,7 +56,7 @@ Outcome = tuple[str, Any, dict[str, float]]
 NO_TIMING: dict[str, float] = {}
 
 
-Session = TrainingSession | LeaderSession
+
 
 
 @dataclass

@@ -1,205 +1,206 @@
-"""A training session: one copy of the weights, its pending gradients and its AdamW state.
+"""Training sessions as the request handling (worker/service.py) sees them.
 
-Every operation either completes or leaves the session exactly as it was: a forward_backward computes
-all of its gradients into fresh buffers, checks them, and only then adds them to the pending gradients;
-an optim_step checks the gradient norm before touching a weight.
+:class:`Session` is the protocol every session kind implements. :class:`FullSession` is a full-parameter
+session on one process or on a shard group: either way its math runs in :class:`worker.training.TrainingEngine`
+(on every rank), driven through a *runner* that executes one engine command (:func:`execute`) locally, or
+broadcasts it to every rank first (worker/sharding/host.py). Files are written here, by rank 0 alone,
+from tensors gathered to it. LoRA sessions are in worker/lora/session.py.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import NonFiniteError
-from tinkerq.validation import resolve_loss_config
+from tinkerq.errors import ServerError, TinkerqError
 from worker import checkpoints
-from worker.batching import microbatch_ranges, pad_batch
 from worker.logprobs import LogprobComputer
-from worker.losses import LOSSES, MetricTotals, score
+from worker.training import SingleProcess, TrainingEngine, tied_names
+
+# (op, **args) -> the command's result on rank 0
+Runner = Callable[..., Any]
 
 
-class TrainingSession:
-    def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
-                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel] | None = None,
-                 ) -> None:
+class Session(Protocol):
+    model_id: str
+    last_used: float
+
+    @property
+    def steps(self) -> int: ...
+
+    def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
+                 backward: bool) -> types.ForwardBackwardOutput: ...
+
+    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse: ...
+
+    def snapshot(self) -> PreTrainedModel: ...
+
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str: ...
+
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str: ...
+
+    def load_state(self, directory: Path) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def unallocated_state_bytes(self) -> int:
+        """Optimizer memory (on rank 0) this session will allocate at its first optim_step (worker/memory.py)."""
+        ...
+
+
+def execute(engine: TrainingEngine, op: str, args: dict[str, Any], tied: dict[str, str]) -> Any:
+    """Run one engine command on this rank (every rank of a group runs the same ones, in the same order)."""
+    if op == "run_loss":
+        return engine.run_loss(args["data"], args["loss_fn"], args["config"], backward=bool(args["backward"]))
+    if op == "optim_step":
+        return engine.optim_step(args["adam"])
+    if op == "gather_weights":
+        return engine.gather_weights()
+    if op == "gather_state":
+        return engine.gather_state()
+    if op == "load_state":
+        # Each rank reads the files itself (the checkpoint directory is shared); all agree before any applies.
+        error, saved = None, None
+        directory = Path(str(args["path"]))
+        try:
+            saved = checkpoints.read_state(directory, engine.shapes(), tied)
+        except TinkerqError as exc:
+            error = exc
+        except OSError as exc:
+            error = ServerError(f"shard {engine.group.rank} cannot read checkpoint {directory}: {exc}")
+        engine.group.agree(error)
+        assert saved is not None
+        engine.load(saved, tied)
+        return saved.meta
+    raise ServerError(f"unknown engine command {op!r}")
+
+
+class FullSession:
+    """A full-parameter session: every weight trains.
+
+    ``engine`` returns rank 0's engine (its ``steps`` are the session's); ``blank`` makes an untrained copy of
+    the model on rank 0, to become a snapshot; ``template`` is a model of the same architecture whose
+    ``save_pretrained`` writes the files (with the gathered weights).
+    """
+
+    def __init__(self, model_id: str, run: Runner, engine: Callable[[], TrainingEngine | None], *,
+                 blank: Callable[[], PreTrainedModel], template: PreTrainedModel, model_dir: str,
+                 shapes: dict[str, list[int]], world: int = 1, device: torch.device | str = "cpu") -> None:
         self.model_id = model_id
-        self.model = model
-        self.logprobs = logprobs
-        self._blank_model = blank_model
-        self.base_dir = base_dir
-        self.microbatch_tokens = microbatch_tokens
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        # Pending gradients start at zero so every optim_step updates every parameter, as torch.optim.AdamW
-        # does after a backward pass that reached all of them.
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        self.optimizer = torch.optim.AdamW(self.params, lr=0.0, weight_decay=0.0)
-        self.steps = 0
+        self._run_command = run
+        self._engine = engine
+        self._blank = blank
+        self.template = template
+        self.model_dir = model_dir
+        self.world = world
+        self.device = torch.device(device)
+        self._shapes = shapes
         self.last_used = time.monotonic()
-        self.device = next(model.parameters()).device
 
-    # -- forward / forward_backward --------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        engine = self._engine()
+        return engine.steps if engine is not None else 0
 
-    def run_loss(
-        self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *, backward: bool
-    ) -> types.ForwardBackwardOutput:
-        loss_impl = LOSSES[loss_fn]
-        resolved = resolve_loss_config(loss_fn, config)
-        totals = MetricTotals()
-        outputs: list[dict[str, types.TensorData]] = [{} for _ in data]
-        loss_sum = 0.0
-        grads = [torch.zeros_like(p) for p in self.params] if backward else None
-        for start, stop in microbatch_ranges([d.model_input.length for d in data], self.microbatch_tokens):
-            batch = pad_batch(data[start:stop], self.device)
-            with torch.set_grad_enabled(backward):
-                logprobs = self.logprobs(self.model, batch["tokens"], batch["mask"].long(), batch["target_tokens"])
-                scored = score(logprobs, batch, loss_impl, resolved)
-            if not torch.isfinite(scored.loss):
-                raise NonFiniteError(
-                    f"{loss_fn} loss is {scored.loss.item()} on datums {start}..{stop - 1}; nothing was applied. "
-                    f"The weights may have diverged (lower the learning rate) or the inputs are extreme"
-                )
-            if backward:
-                assert grads is not None
-                new_grads = torch.autograd.grad(scored.loss, self.params, allow_unused=True)
-                for g, new in zip(grads, new_grads, strict=True):
-                    if new is not None:
-                        g.add_(new)
-            loss_sum += float(scored.loss.detach())
-            totals.add(scored.metrics)
-            for row, (lp, el) in enumerate(scored.rows(batch["lengths"])):
-                outputs[start + row] = {"logprobs": types.TensorData.from_numpy(lp),
-                                        "elementwise_loss": types.TensorData.from_numpy(el)}
-        if grads is not None:
-            bad = next((i for i, g in enumerate(grads) if not torch.isfinite(g).all()), None)
-            if bad is not None:
-                raise NonFiniteError(
-                    f"the gradient of {loss_fn} is not finite (parameter #{bad}); nothing was applied"
-                )
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad.add_(g)
+    def shapes(self) -> dict[str, list[int]]:
+        return self._shapes
+
+    def unallocated_state_bytes(self) -> int:
+        engine = self._engine()
+        return engine.unallocated_state_bytes() if engine is not None else 0
+
+    def _run(self, op: str, **args: Any) -> Any:
         self.last_used = time.monotonic()
-        return types.ForwardBackwardOutput(
-            loss_fn_output_type=loss_fn,
-            loss_fn_outputs=outputs,
-            metrics={"loss:sum": loss_sum, **totals.result()},
-        )
+        return self._run_command(op, **args)
 
-    # -- optim_step --------------------------------------------------------------------------------------------
+    def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
+                 backward: bool) -> types.ForwardBackwardOutput:
+        return self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward)
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
-        grads = [p.grad for p in self.params]
-        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
-        if not math.isfinite(norm):
-            for g in grads:
-                g.zero_()
-            raise NonFiniteError(
-                f"gradient norm is {norm} at step {self.steps + 1}: the step was refused, the weights are "
-                f"unchanged and the pending gradients were discarded"
-            )
-        if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, adam.grad_clip_norm, torch.tensor(norm))
-        for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-        self.optimizer.step()
-        for g in grads:
-            g.zero_()
-        self.steps += 1
-        self.last_used = time.monotonic()
-        return types.OptimStepResponse(
-            metrics={"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": self.steps}
-        )
-
-    # -- sampling ---------------------------------------------------------------------------------------------------
+        return self._run("optim_step", adam=adam)
 
     def snapshot(self) -> PreTrainedModel:
         """A frozen copy of the current weights, for sampling (worker/snapshots.py keeps and publishes it)."""
-        snapshot = self._blank_model() if self._blank_model else copy.deepcopy(self.model)
-        snapshot.load_state_dict(self.model.state_dict())
+        weights = self._run("gather_weights")
+        snapshot = self._blank()
+        with torch.no_grad():
+            for name, p in snapshot.named_parameters():
+                p.copy_(weights[name])
         snapshot.requires_grad_(False)
-        self.last_used = time.monotonic()
-        return snapshot
-
-    # -- weights out -------------------------------------------------------------------------------------------
+        return snapshot.to(self.device)
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
+        weights = self._run("gather_weights")
 
         def fill(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
-            checkpoints.copy_tokenizer_files(self.base_dir, tmp)
+            self.template.save_pretrained(tmp, state_dict=weights)
+            checkpoints.copy_tokenizer_files(self.model_dir, tmp)
             checkpoints.write_weights_marker(tmp, base_model)
 
         checkpoints.write_atomically(final, fill)
-        self.last_used = time.monotonic()
         return str(final)
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
-        """Weights + AdamW state + pending gradients + request position, for load_state."""
+        """Weights + AdamW state + pending gradients + request position, for load_state (any shard count)."""
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
-        moments: dict[str, torch.Tensor] = {}
-        for n, p in zip(self.param_names, self.params, strict=True):
-            moments.update(checkpoints.optimizer_entries(n, self.optimizer.state.get(p, {}), lambda t: t))
-        pending = any(bool(p.grad.any()) for p in self.params)
-        grads = {n: p.grad for n, p in zip(self.param_names, self.params, strict=True)} if pending else {}
+        saved = self._run("gather_state")
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
-            tmp, write_weights=self.model.save_pretrained, shapes=self.shapes(), moments=moments, grads=grads,
-            base_model=base_model, model_id=self.model_id, steps=self.steps, seq_id=seq_id))
-        self.last_used = time.monotonic()
+            tmp, write_weights=lambda d: self.template.save_pretrained(d, state_dict=saved.weights),
+            shapes=self._shapes, moments=saved.moments, grads=saved.grads, base_model=base_model,
+            model_id=self.model_id, steps=int(saved.meta["optimizer_steps"]), seq_id=seq_id, shards=self.world))
         return str(final)
 
     def load_state(self, directory: Path) -> dict[str, Any]:
         """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count)."""
-        tied = tied_names(self.model)
-        saved = checkpoints.read_state(directory, self.shapes(), tied)
-        with torch.no_grad():
-            for n, p in zip(self.param_names, self.params, strict=True):
-                p.copy_(saved.weights[n] if n in saved.weights else saved.weights[tied[n]])
-                p.grad.copy_(saved.grads[n]) if n in saved.grads else p.grad.zero_()
-                state = adam_state(n, saved.moments, p.device, p.dtype, lambda t: t)
-                if state:
-                    self.optimizer.state[p] = state
-                else:
-                    self.optimizer.state.pop(p, None)
-        self.steps = int(saved.meta["optimizer_steps"])
-        self.last_used = time.monotonic()
-        return saved.meta
-
-    def shapes(self) -> dict[str, list[int]]:
-        return {n: list(p.shape) for n, p in zip(self.param_names, self.params, strict=True)}
+        checkpoints.check_state(directory, self._shapes)  # user errors before any shard is involved
+        return self._run("load_state", path=str(directory))
 
     def close(self) -> None:
-        """Nothing to release beyond dropping the session (its tensors are freed with it)."""
+        """Overridden where a session holds resources beyond itself (a shard group's pieces)."""
 
 
-def tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """For each parameter name, the other names of the same tensor (tied embeddings), one level deep."""
-    by_id: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(n)
-    return {n: other for names in by_id.values() for n in names for other in names if other != n}
+class TrainingSession(FullSession):
+    """A full-parameter session on this process: ``model`` is its own copy of the weights."""
+
+    def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
+                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel] | None = None) -> None:
+        self.model = model
+        self.logprobs = logprobs
+        device = next(model.parameters()).device
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.engine = TrainingEngine(lambda tokens, mask, targets: logprobs(model, tokens, mask, targets), named,
+                                     SingleProcess(), microbatch_tokens=microbatch_tokens, device=device)
+        tied = tied_names(model)
+        super().__init__(model_id, lambda op, **args: execute(self.engine, op, args, tied), lambda: self.engine,
+                         blank=blank_model or (lambda: _untrained_copy(model)), template=model, model_dir=base_dir,
+                         shapes=self.engine.shapes(), device=device)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.engine.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
 
 
-def adam_state(name: str, moments: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-               place: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One parameter's AdamW state from a checkpoint; ``place`` turns a full moment into this rank's piece.
-
-    torch keeps AdamW's step counter on the CPU (unless capturable); the moments live with the parameter.
-    """
-    state = {k: place(moments[f"{name}::{k}"].to(device, dtype)) for k in ("exp_avg", "exp_avg_sq")
-             if f"{name}::{k}" in moments}
-    if f"{name}::step" in moments:
-        state["step"] = moments[f"{name}::step"]
-    return state
+def _untrained_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``model`` without its gradients (a deep copy would copy every ``.grad`` too)."""
+    grads = [p.grad for p in model.parameters()]
+    try:
+        for p in model.parameters():
+            p.grad = None
+        return copy.deepcopy(model)
+    finally:
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g

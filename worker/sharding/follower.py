@@ -17,7 +17,7 @@ from tinkerq.settings import Settings
 from worker.logprobs import LogprobComputer
 from worker.model_loading import load_causal_lm
 from worker.sharding.group import ShardGroup, ShardSpec
-from worker.sharding.host import ShardHost
+from worker.sharding.host import ShardHost, from_wire
 
 log = logging.getLogger("tinkerq.shards")
 
@@ -51,7 +51,7 @@ def run_follower(model_path: str, settings: Settings, *, threads: int | None = N
             group.leave("rank 0 stopped")
             return 0
         try:
-            host.execute(op, args)
+            host.execute(op, from_wire(op, args))
         except TinkerqError:
             pass  # every rank raised it alike (agreed); rank 0 answers the caller
         except Exception as exc:

@@ -1,0 +1,50 @@
+"""FSDP2 (``fully_shard``) over a model, so a :class:`worker.training.TrainingEngine` trains one shard per rank.
+
+Each parameter, its gradient and its AdamW moments become DTensors sharded along dim 0, so a rank holds
+about 1/N of each. A request's datums are split across the ranks (:func:`worker.batching.rank_plans`);
+FSDP gathers each layer's weights for the forward and reduce-scatters its gradients on the way back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from transformers import PreTrainedModel
+
+from worker.logprobs import LogprobComputer
+from worker.sharding.group import ShardGroup
+from worker.training import TrainingEngine
+
+
+class LogprobModule(torch.nn.Module):
+    """The model and its loss head as one module, so FSDP's root gathers the embeddings and the output
+    weight around exactly the computation that uses them."""
+
+    def __init__(self, lm: PreTrainedModel, logprobs: LogprobComputer) -> None:
+        super().__init__()
+        self.lm = lm
+        self.logprobs = logprobs
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.logprobs(self.lm, tokens, mask, targets)  # (B, T)
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The repeated blocks of the backbone (the first ModuleList under it), each sharded on its own."""
+    for child in model.base_model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            return list(child)
+    return []
+
+
+def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer,
+                   microbatch_tokens: int) -> TrainingEngine:
+    """Shard ``model`` (this rank's copy) over the group and train it with the one engine."""
+    assert group.mesh is not None
+    module = LogprobModule(model, logprobs)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=group.mesh)
+    fully_shard(module, mesh=group.mesh)  # the root: embeddings, final norm, output weight
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return TrainingEngine(module, named, group, microbatch_tokens=microbatch_tokens,
+                          device=torch.device(group.spec.device))
