@@ -299,8 +299,8 @@ def training_working_bytes(shape: ModelShape, shards: int = 1) -> int:
 
     ``run_loss`` sets the pending gradients aside and lets ``backward`` fill fresh ones (one copy of the
     weights), which are checked and then added; autograd's own temporaries while accumulating a tied or
-    later micro-batch gradient take up to one more; optim_step's temporaries (AdamW's foreach ``sqrt(exp_avg_sq)`` on CUDA, one copy)
-    fit in the same room:
+    later micro-batch gradient take up to one more; optim_step's temporaries (AdamW's foreach
+    ``sqrt(exp_avg_sq)`` on CUDA, one copy) fit in the same room:
 
         working = 2 x weights
 
