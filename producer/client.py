@@ -25,7 +25,7 @@ from tinkerq import keys, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
 from tinkerq.settings import Settings
-from tinkerq.validation import Limits, validate_adam, validate_loss_request
+from tinkerq.validation import Limits, validate_adam, validate_lora, validate_loss_request
 from tinkerq.wire import codec, messages
 
 log = logging.getLogger("tinkerq.producer")
@@ -59,6 +59,25 @@ class ServiceClient:
 
         ``base_model`` is the model a worker serves: the local Hugging Face directory it was started with.
         """
+        return self._open(base_model, None, timeout)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True, *,
+                                    timeout: float | None = None, **_tinker_extras: Any) -> TrainingClient:
+        """Open a LoRA training session: an adapter of ``rank`` over ``base_model``, which stays frozen and is
+        shared with the worker's other LoRA sessions (docs/lora.md).
+
+        Tinker's semantics: adapters on the attention projections (``train_attn``), the MLP (``train_mlp``) and
+        the output projection (``train_unembed``), scaling 32 / rank; the same ``seed`` gives the same initial
+        adapter (None: a random one, reported in ``get_info().extra["lora"]``). A new adapter leaves the
+        model's outputs unchanged. LoRA usually wants a learning rate about 10x a full fine-tune's.
+        """
+        config = types.LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
+                                  train_unembed=train_unembed)
+        validate_lora(config, max_rank=self.settings.max_lora_rank)
+        return self._open(base_model, config, timeout)
+
+    def _open(self, base_model: str, lora: types.LoraConfig | None, timeout: float | None) -> TrainingClient:
         base_model = normalize_model_name(base_model)
         if not self.connection.workers_serving(base_model):
             served = self.get_server_capabilities()
@@ -69,10 +88,14 @@ class ServiceClient:
         model_id = uuid.uuid4().hex
         timeout = self.settings.create_timeout_s if timeout is None else timeout
         # The deadline lets a worker that finds this request late (no worker was free) skip it.
-        body = codec.packb({"base_model": base_model, "deadline": time.time() + timeout})
+        request: dict[str, Any] = {"base_model": base_model, "deadline": time.time() + timeout}
+        if lora is not None:
+            request["lora"] = messages.encode_lora(lora)
+        body = codec.packb(request)
         future = self._dispatch.submit(
             "create_model", body, model_id=model_id, seq_id=0, queue=keys.model_queue(base_model),
-            decode=messages.decode_model_info, argsrepr=f"base_model={base_model}",
+            decode=messages.decode_model_info,
+            argsrepr=f"base_model={base_model}" + (f", lora_rank={lora.rank}" if lora is not None else ""),
         )
         try:
             info = future.result(timeout=timeout)
@@ -102,18 +125,19 @@ class ServiceClient:
             source = {"base": True}
         return SamplingClient(self, source, normalize_model_name(base_model))
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, **_: Any) -> TrainingClient:
-        """Tinker's LoRA entry point. tinkerq trains every parameter; this says so instead of pretending."""
-        raise UserError(
-            f"LoRA training (rank={rank}) is not supported: tinkerq trains all parameters. Use "
-            f"create_training_client({base_model!r}) (same API, full-parameter)"
-        )
-
     def create_training_client_from_state(self, path: str, base_model: str | None = None, *,
                                           timeout: float | None = None) -> TrainingClient:
-        """A new training session resumed from ``save_state``'s directory (weights + optimizer state)."""
-        base_model = base_model or _saved_base_model(path, "tinkerq_state.json", "save_state()")
-        tc = self.create_training_client(base_model, timeout=timeout)
+        """A new training session resumed from ``save_state``'s directory (weights + optimizer state); a LoRA
+        state opens a LoRA session with the saved adapter's configuration."""
+        saved = _saved_marker(path, "tinkerq_state.json", "save_state()", base_model=base_model)
+        base_model = base_model or str(saved["base_model"])
+        lora = saved.get("lora")
+        if isinstance(lora, dict):
+            options: dict[str, Any] = {k: lora.get(k) for k in ("rank", "seed", "train_mlp", "train_attn",
+                                                               "train_unembed")}
+            tc = self.create_lora_training_client(base_model, **options, timeout=timeout)
+        else:
+            tc = self.create_training_client(base_model, timeout=timeout)
         tc.load_state(path).result(timeout=timeout)
         return tc
 
@@ -169,10 +193,17 @@ class TrainingClient:
             argsrepr=f"lr={adam_params.learning_rate:g}",
         )
 
-    def save_weights_for_sampler(self, name: str) -> APIFuture[types.SaveWeightsResponse]:
-        """Write the current weights as a plain Hugging Face model directory; the future holds its path."""
+    def save_weights_for_sampler(self, name: str, *, merged: bool = False) -> APIFuture[types.SaveWeightsResponse]:
+        """Write the current weights; the future holds the directory's path.
+
+        A full-parameter session writes a plain Hugging Face model directory. A LoRA session writes a standard
+        PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``; ``PeftModel.from_pretrained``
+        loads it); ``merged=True`` (a tinkerq extension) also writes the base with the adapter merged in, as a
+        plain model directory in ``<path>/merged`` (for serving engines that reject an adapter on the output
+        projection).
+        """
         return self._submit(
-            "save_weights_for_sampler", {"name": name},
+            "save_weights_for_sampler", {"name": name, "merged": merged},
             lambda body: types.SaveWeightsResponse(path=str(body["path"])), argsrepr=f"name={name}",
         )
 
@@ -284,15 +315,26 @@ class TrainingClient:
 
 
 def _saved_base_model(path: str, marker: str, returned_by: str) -> str:
-    """The base model a saved directory belongs to, from its ``marker`` file (tinkerq_state.json after
-    save_state, tinkerq_weights.json after save_weights_for_sampler), when the directory is readable here."""
+    """The base model a saved directory belongs to (see :func:`_saved_marker`)."""
+    return str(_saved_marker(path, marker, returned_by)["base_model"])
+
+
+def _saved_marker(path: str, marker: str, returned_by: str, *, base_model: str | None = None) -> dict[str, Any]:
+    """A saved directory's ``marker`` file (tinkerq_state.json after save_state, tinkerq_weights.json after
+    save_weights_for_sampler), when the directory is readable here; else ``{"base_model": base_model}`` when
+    that is given."""
     import json
 
     meta = os.path.join(path, marker)
     try:
         with open(meta) as f:
-            return str(json.load(f)["base_model"])
-    except (OSError, ValueError, KeyError) as exc:
+            saved = json.load(f)
+        if not isinstance(saved, dict) or not isinstance(saved.get("base_model"), str):
+            raise ValueError("no base_model in it")
+        return saved
+    except (OSError, ValueError) as exc:
+        if base_model is not None:
+            return {"base_model": base_model}
         raise UserError(
             f"cannot read {meta} ({exc}); pass base_model= explicitly, or a path returned by {returned_by}"
         ) from None

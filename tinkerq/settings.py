@@ -71,8 +71,17 @@ class Settings:
     # torch device and dtype a worker holds its model in.
     device: str = "cpu"
     dtype: str = "float32"
-    # Training sessions (each a full copy of weights + AdamW state) one worker holds at once.
+    # Full-parameter training sessions (each a full copy of weights + AdamW state) one worker holds at once.
     max_sessions: int = 4
+    # -- LoRA sessions (docs/lora.md): adapters over one shared frozen base -------------------------------
+    # LoRA sessions one worker holds at once; within this, memory decides (each adapter's weights,
+    # gradients and AdamW state, 16 bytes per parameter, must fit beside everything else).
+    max_lora_sessions: int = 256
+    # Largest LoRA rank a client may ask for.
+    max_lora_rank: int = 256
+    # LoRA requests of different sessions waiting at a worker run as one forward/backward pass of at most
+    # this many datums (and TINKERQ_MICROBATCH_TOKENS padded tokens per micro-batch).
+    lora_batch_max_datums: int = 1024
     # Sampling snapshots published per training session (save_weights_and_get_sampling_client): older ones
     # are unpublished, and sampling from them is refused (docs/sampling.md).
     max_samplers: int = 2
@@ -155,7 +164,8 @@ class Settings:
     def check(self) -> None:
         for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
                      "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s", "resend_after_s",
-                     "max_batch_tokens", "max_sessions", "microbatch_tokens", "max_samplers", "sample_max_rows",
+                     "max_batch_tokens", "max_sessions", "max_lora_sessions", "max_lora_rank",
+                     "lora_batch_max_datums", "microbatch_tokens", "max_samplers", "sample_max_rows",
                      "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")

@@ -179,6 +179,25 @@ class OptimStepResponse:
 
 
 @dataclass
+class LoraConfig:
+    """A LoRA session's adapter (Tinker's semantics, docs/lora.md): ``W + (32 / rank) * B @ A`` on the attention
+    projections (``train_attn``), the MLP projections (``train_mlp``) and the output projection
+    (``train_unembed``); A starts as PEFT initialises it from ``seed``, B at zero."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    ALPHA = 32  # fixed, as Tinker: scaling = ALPHA / rank, so the best learning rate hardly depends on rank
+
+    @property
+    def scaling(self) -> float:
+        return self.ALPHA / self.rank
+
+
+@dataclass
 class ModelInfo:
     """What a worker tells a new training client about the model it serves."""
 

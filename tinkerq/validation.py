@@ -178,6 +178,26 @@ def _validate_input(i: int, key: str, values: np.ndarray, n: int, vocab_size: in
         raise ValidationError(f"datum {i}: {field} has a non-finite value {values[bad]} at position {bad}")
 
 
+def validate_lora(config: Any, *, max_rank: int) -> None:
+    """A LoRA session's configuration: user errors name the field and what it accepts."""
+    if not isinstance(config, types.LoraConfig):
+        raise ValidationError(f"a LoRA configuration is a types.LoraConfig, got {type(config).__name__}")
+    rank = config.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_rank:
+        raise ValidationError(f"LoRA rank must be an integer from 1 to {max_rank} (TINKERQ_MAX_LORA_RANK), "
+                              f"got {rank!r}")
+    seed = config.seed
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise ValidationError(f"LoRA seed must be None or an integer in [0, 2**63), got {seed!r}")
+    flags = {"train_mlp": config.train_mlp, "train_attn": config.train_attn, "train_unembed": config.train_unembed}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValidationError(f"LoRA {name} must be True or False, got {value!r}")
+    if not any(flags.values()):
+        raise ValidationError("a LoRA session trains something: set at least one of train_mlp, train_attn, "
+                              "train_unembed to True")
+
+
 def validate_adam(params: Any) -> None:
     if not isinstance(params, types.AdamParams):
         raise ValidationError(f"optim_step takes types.AdamParams, got {type(params).__name__}")

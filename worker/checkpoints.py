@@ -41,6 +41,7 @@ from tinkerq.errors import ValidationError
 
 STATE_FORMAT = 1
 STATE_FILE = "tinkerq_state.json"
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in adapter_model.safetensors
 WEIGHTS_FILE = "tinkerq_weights.json"  # in save_weights_for_sampler directories: the base model's name
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # Files that make a saved directory a complete model for from_pretrained (weights come from the session).
@@ -187,7 +188,7 @@ def optimizer_entries(name: str, state: dict[str, Any], full: Callable[[torch.Te
 
 def write_state(directory: Path, *, write_weights: Callable[[Path], None], shapes: dict[str, list[int]],
                 moments: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], base_model: str,
-                model_id: str, steps: int, seq_id: int, shards: int = 1) -> None:
+                model_id: str, steps: int, seq_id: int, shards: int = 1, lora: dict[str, Any] | None = None) -> None:
     """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json."""
     write_weights(directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in moments.items()},
@@ -197,6 +198,8 @@ def write_state(directory: Path, *, write_weights: Callable[[Path], None], shape
                   str(directory / "gradients.safetensors"))
     meta = {"format": STATE_FORMAT, "base_model": base_model, "model_id": model_id, "optimizer_steps": steps,
             "seq_id": seq_id, "created": time.time(), "saved_by_shards": shards, "parameters": shapes}
+    if lora is not None:
+        meta["lora"] = lora
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
 
 
@@ -224,9 +227,13 @@ def resolve_weights_path(path: Any, checkpoint_dir: str) -> Path:
     return directory
 
 
-def write_weights_marker(directory: Path, base_model: str) -> None:
-    """Name the base model in a saved weights directory, so a sampling client can be made from the path alone."""
-    (directory / WEIGHTS_FILE).write_text(json.dumps({"format": STATE_FORMAT, "base_model": base_model}))
+def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] | None = None) -> None:
+    """Name the base model in a saved weights directory, so a sampling client can be made from the path alone
+    (and, for a LoRA adapter, its configuration)."""
+    marker: dict[str, Any] = {"format": STATE_FORMAT, "base_model": base_model}
+    if lora is not None:
+        marker["lora"] = lora
+    (directory / WEIGHTS_FILE).write_text(json.dumps(marker))
 
 
 def _saved_directory(path: Any, checkpoint_dir: str, returned_by: str) -> Path:
@@ -268,8 +275,10 @@ def refuse_links_inside(directory: Path) -> None:
                 f"tinkerq never follows links below the checkpoint directory: save the state again")
 
 
-def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]:
-    """The state's metadata, after checking it fits a model with these parameter shapes."""
+def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, Any] | None = None,
+                base_model: str | None = None) -> dict[str, Any]:
+    """The state's metadata, after checking it fits a session with these parameter shapes (``lora``: the LoRA
+    session's configuration; None for a full-parameter session; ``base_model``: checked when given)."""
     try:
         meta = json.loads((directory / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -277,6 +286,22 @@ def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise ValidationError(f"checkpoint format {found!r} is not supported (expected {STATE_FORMAT})")
+    saved_lora = meta.get("lora")
+    if (saved_lora is None) != (lora is None):
+        what = "a LoRA adapter's state" if saved_lora is not None else "a full-parameter state"
+        here = "a LoRA session" if lora is not None else "a full-parameter session"
+        raise ValidationError(f"{directory} is {what} and cannot load into {here}: resume it with "
+                              f"ServiceClient.create_training_client_from_state({str(directory)!r}), which opens "
+                              f"the right kind of session")
+    if base_model is not None and meta.get("base_model") != base_model:
+        raise ValidationError(f"{directory} was saved from base model {meta.get('base_model')!r}, not {base_model!r}: "
+                              f"load it into a session on that base model")
+    if lora is not None and isinstance(saved_lora, dict):
+        for key in ("rank", "train_attn", "train_mlp", "train_unembed"):
+            if saved_lora.get(key) != lora.get(key):
+                raise ValidationError(f"{directory} holds a LoRA adapter with {key}={saved_lora.get(key)!r}; this "
+                                      f"session has {key}={lora.get(key)!r}: resume it with "
+                                      f"create_training_client_from_state(path)")
     if meta.get("parameters") != shapes:
         saved = meta.get("parameters") or {}
         diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), None)
@@ -287,14 +312,15 @@ def check_state(directory: Path, shapes: dict[str, list[int]]) -> dict[str, Any]
     return meta
 
 
-def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str]) -> SavedState:
+def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str],
+               lora: dict[str, Any] | None = None) -> SavedState:
     """Every tensor of a training state (full tensors, on the CPU). ``tied`` maps a parameter that shares
     its storage with another to the other's name (tied embeddings are stored once)."""
     refuse_links_inside(directory)  # again: every rank of a sharded worker reads the files itself
-    meta = check_state(directory, shapes)
+    meta = check_state(directory, shapes, lora)
     weights: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("model*.safetensors")):
-        weights.update(load_file(str(file)))
+    for file in sorted(directory.glob("adapter_model.safetensors" if lora is not None else "model*.safetensors")):
+        weights.update({k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(file)).items()})
     for name in shapes:
         if name not in weights and tied.get(name) not in weights:
             raise ValidationError(f"checkpoint {directory} has no weights for {name}")

@@ -13,6 +13,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from worker.lora import routing as lora_routing
 from worker.loss_head import resolve_backend, target_logprobs_from_hidden
 
 log = logging.getLogger("tinkerq.worker")
@@ -69,7 +70,22 @@ class LogprobComputer:
         hidden = hidden.last_hidden_state  # (B, T, H)
         real = attention_mask > 0  # (B, T)
         weight = model.get_output_embeddings().weight  # (V, H)
-        logprobs = target_logprobs_from_hidden(hidden[real], weight, targets[real], backend=self.backend,
+        routing = lora_routing.current()
+        groups = routing.head_groups() if routing is not None else None
+        if groups is not None:  # LoRA on the output projection: each adapter's rows with their own head
+            return torch.cat([self._head(hidden[rows], weight, targets[rows], real[rows], scaling, pair)
+                              for rows, scaling, pair in groups])
+        return self._head(hidden, weight, targets, real)
+
+    def _head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, real: torch.Tensor,
+              scaling: float = 0.0, pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        h = hidden[real]  # (N, H)
+        if pair is not None:
+            # h W^T + s (h A^T) B^T == [h, s h A^T] @ [W, B]^T: one fused pass, the LoRA term riding along.
+            a, b = pair
+            h = torch.cat([h, torch.nn.functional.linear(h, a.to(h.dtype)) * scaling], dim=-1)  # (N, H + r)
+            weight = torch.cat([weight, b.to(weight.dtype)], dim=1)  # (V, H + r)
+        logprobs = target_logprobs_from_hidden(h, weight, targets[real], backend=self.backend,
                                                chunk_tokens=self.chunk_tokens)  # (N,)
-        out = torch.zeros(tokens.shape, dtype=logprobs.dtype, device=logprobs.device)
+        out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
         return out.index_put((real,), logprobs)  # (B, T), differentiable

@@ -279,6 +279,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# A LoRA adapter's training state: float32 weights, pending gradients, AdamW exp_avg and exp_avg_sq.
+LORA_BYTES_PER_PARAMETER = 16
+
+
 def session_state_bytes(shape: ModelShape, shards: int = 1) -> int:
     """What a training session keeps for its whole life (see worker/training.py), per shard.
 
@@ -370,7 +374,7 @@ def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, 
 
 
 def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                chunk_tokens: int | None, shards: int = 1) -> int:
+                chunk_tokens: int | None, shards: int = 1, lora: bool = False) -> int:
     """A forward (backward=False) or forward_backward request: the largest micro-batch's peak + the data.
 
     Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
@@ -384,7 +388,8 @@ def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int
                  (the chunked loss head holds one (C, V) float32 chunk of logits and its softmax, C =
                  chunk_tokens, and keeps the final hidden states; without the chunked head
                  (chunk_tokens None) C = N: full (B, L, V) logits, 3 copies: logits, float, grad)
-        grads  = training_working_bytes    (backward only: the request's gradient buffers)
+        grads  = training_working_bytes    (backward only: the request's gradient buffers; none for a LoRA
+                                            request: its adapter's gradient buffers are in its state)
         data   = 96 x tokens + 4096 x datums   (the request and reply themselves, whole request)
 
     A sharded worker splits datums across ranks, so rank 0's micro-batches are no larger than these.
@@ -397,7 +402,7 @@ def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int
         logits = 3 * n * shape.vocab * 4 if chunk_tokens is None else 2 * min(chunk_tokens, n) * shape.vocab * 4
         head = logits + 4 * n * shape.hidden * shape.dtype_bytes
         largest = max(largest, acts + head)
-    grads = training_working_bytes(shape, shards) if backward else 0
+    grads = training_working_bytes(shape, shards) if backward and not lora else 0
     data = REQUEST_BYTES_PER_TOKEN * sum(lengths) + REQUEST_BYTES_PER_DATUM * len(lengths)
     return largest + grads + data
 
@@ -417,6 +422,18 @@ def admit_session(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]
                f"optim_step" if promised else "") + ")",
             settings.device, limit_mb=settings.memory_limit_mb,
             advice="close unused training clients (tc.close()), or create this one on another worker")
+
+
+def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any]) -> None:
+    """Refuse a new LoRA session whose adapter would not fit: its float32 weights, pending gradients and AdamW
+    moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet."""
+    promised = unallocated_state_bytes(sessions)
+    require(LORA_BYTES_PER_PARAMETER * parameters + promised,
+            f"a new LoRA adapter ({parameters:,} parameters: weights, gradients and AdamW state"
+            + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first optim_step"
+               if promised else "") + ")",
+            settings.device, limit_mb=settings.memory_limit_mb,
+            advice="close unused training clients (tc.close()), use a lower rank, or open it on another worker")
 
 
 def admit_snapshot(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]) -> None:
@@ -440,11 +457,11 @@ def admit_sample(model: torch.nn.Module, settings: Any, prompt_tokens: int, max_
 
 
 def admit_batch(model: torch.nn.Module, settings: Any, lengths: list[int], *, backward: bool,
-                logprobs: Any) -> None:
+                logprobs: Any, lora: bool = False) -> None:
     """Refuse a forward / forward_backward batch whose largest micro-batch would not fit."""
     chunk = getattr(logprobs, "chunk_tokens", None) if getattr(logprobs, "backend", "") != "model-logits" else None
     needed = batch_bytes(ModelShape.of(model), lengths, microbatch_tokens=settings.microbatch_tokens,
-                         backward=backward, chunk_tokens=chunk, shards=settings.shards)
+                         backward=backward, chunk_tokens=chunk, shards=settings.shards, lora=lora)
     op = "forward_backward" if backward else "forward"
     require(needed, f"{op} on {len(lengths)} datum(s), {sum(lengths)} tokens, longest {max(lengths, default=0)} "
             f"(activations of micro-batches of up to {settings.microbatch_tokens} padded tokens)",

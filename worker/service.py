@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,11 +32,14 @@ from tinkerq.errors import (
     ValidationError,
     WorkerError,
 )
-from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_sampling
+from tinkerq.validation import Limits, validate_adam, validate_lora, validate_loss_request, validate_sampling
 from tinkerq.wire import codec, messages
 from worker import checkpoints, memory
 from worker.intake import DeadLetters, store_reply
 from worker.logprobs import LogprobComputer
+from worker.lora.batch import LossItem
+from worker.lora.passes import LoraPasses
+from worker.lora.session import LoraBase, LoraSession, config_dict
 from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
@@ -65,6 +69,10 @@ class _Slot:
     ordering: Ordering
     broken: str | None = None
     broken_error: type[ServerError] = ServerError  # the error that tells callers the session is unusable
+    # A LoRA loss request handed to the pass loop: its seq and the task ids waiting for its answer. The
+    # session's later requests wait in its order meanwhile.
+    in_flight: int | None = None
+    in_flight_tasks: list[str] | None = None
 
 
 class WorkerService:
@@ -101,6 +109,9 @@ class WorkerService:
                                    worker_id=worker_id)
         self.engine = TorchEngine(max_rows=self.settings.sample_max_rows, gate=lambda: self.turns.take("sample"))
         self.metrics.watch_sampling(self.engine.load, self.turns.seconds)
+        # LoRA sessions share this model, frozen (made on the first LoRA session; docs/lora.md).
+        self._lora_base: LoraBase | None = None
+        self.lora_passes: LoraPasses | None = None
         # op -> (session, body) -> (reply body bytes, tokens processed)
         self._ops: dict[str, Callable[[Session, Any], tuple[bytes, int]]] = {
             "forward_backward": lambda s, body: self._loss(s, body, backward=True),
@@ -162,24 +173,57 @@ class WorkerService:
             # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
             # a session nobody will use would only take a slot.
             raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
+        lora = messages.decode_lora(body.get("lora"))
         if model_id not in self.slots:
-            self._make_room()
-            memory.admit_session(self.model, self.settings, [slot.session for slot in self.slots.values()])
-            self.slots[model_id] = _Slot(self._new_session(model_id), Ordering())
-            log.info("opened session %s (%d open)", model_id, len(self.slots))
+            session = self._new_lora_session(model_id, lora) if lora is not None else self._new_full_session(model_id)
+            self.slots[model_id] = _Slot(session, Ordering())
+            log.info("opened %s session %s (%d open)", "LoRA" if lora else "full", model_id, len(self.slots))
+        session = self.slots[model_id].session
+        extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
+                 "shards": self.settings.shards, "heartbeat_s": self.settings.heartbeat_s}
+        if isinstance(session, LoraSession):
+            extra["lora"] = {**config_dict(session.config), "trainable_parameters": session.num_parameters(),
+                             "state_bytes": session.state_bytes()}
         info = types.ModelInfo(
             model_id=model_id, base_model=self.base_model, vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id,
-            extra={"device": self.settings.device, "dtype": self.settings.dtype,
-                   "loss_backend": self.logprobs.backend, "shards": self.settings.shards,
-                   "heartbeat_s": self.settings.heartbeat_s},
+            max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id, extra=extra,
         )
         return ("ok", codec.packb(info.__dict__), NO_TIMING)
+
+    def _new_full_session(self, model_id: str) -> Session:
+        self._make_room(lora=False)
+        memory.admit_session(self.model, self.settings, [slot.session for slot in self.slots.values()])
+        return self._new_session(model_id)
+
+    def _new_lora_session(self, model_id: str, config: types.LoraConfig) -> LoraSession:
+        validate_lora(config, max_rank=self.settings.max_lora_rank)
+        if self.shards is not None:
+            raise ValidationError(f"worker {self.worker_id} is sharded ({self.settings.shards} shards); LoRA sessions "
+                                  f"are served by unsharded workers (docs/lora.md): start one with tinkerq worker "
+                                  f"--model {self.base_model}, or use create_training_client for full-parameter "
+                                  f"training here")
+        if config.seed is None:  # Tinker: no seed, a random one; kept so the session can be told and re-made
+            config = types.LoraConfig(**{**config_dict(config), "seed": secrets.randbits(63)})
+        base = self._lora()
+        targets = base.targets(config)
+        self._make_room(lora=True)
+        parameters = config.rank * sum(t.in_features + t.out_features for t in targets)
+        memory.admit_lora_session(parameters, self.settings, [slot.session for slot in self.slots.values()])
+        return LoraSession(model_id, base, config, base_model=self.base_model)
+
+    def _lora(self) -> LoraBase:
+        if self._lora_base is None:
+            self._lora_base = LoraBase(self.model, self.logprobs, model_dir=self.model_dir,
+                                       microbatch_tokens=self.settings.microbatch_tokens)
+            self.lora_passes = LoraPasses(self._lora_base, max_datums=self.settings.lora_batch_max_datums,
+                                          gate=lambda: self.turns.take("train"))
+        return self._lora_base
 
     def _new_session(self, model_id: str) -> Session:
         if self.shards is not None:
             return LeaderSession(self.shards, model_id)
-        return TrainingSession(model_id, copy.deepcopy(self.model), base_dir=self.model_dir,
+        # Every weight of the copy trains (the shared model itself is frozen once LoRA sessions use it).
+        return TrainingSession(model_id, copy.deepcopy(self.model).requires_grad_(True), base_dir=self.model_dir,
                                microbatch_tokens=self.settings.microbatch_tokens, logprobs=self.logprobs,
                                blank_model=lambda: copy.deepcopy(self.model))
 
@@ -192,23 +236,28 @@ class WorkerService:
                 for pending in slot.ordering.drop_buffered():
                     self._store_late(pending.task_ids, outcome)
 
-    def _make_room(self) -> None:
-        if len(self.slots) < self.settings.max_sessions:
+    def _make_room(self, *, lora: bool) -> None:
+        """Close a broken or idle session of the same kind when that kind is at its count limit."""
+        kind = {mid: s for mid, s in self.slots.items() if isinstance(s.session, LoraSession) == lora}
+        limit, setting = ((self.settings.max_lora_sessions, "TINKERQ_MAX_LORA_SESSIONS") if lora
+                          else (self.settings.max_sessions, "TINKERQ_MAX_SESSIONS"))
+        if len(kind) < limit:
             return
         now = time.monotonic()
-        broken = [mid for mid, s in self.slots.items() if s.broken is not None]
+        broken = [mid for mid, s in kind.items() if s.broken is not None]
         if broken:  # a session that can no longer serve goes first
             self._close(broken[0])
             return
-        idle = [mid for mid, s in self.slots.items() if now - s.session.last_used > self.settings.session_idle_ttl_s]
+        idle = [mid for mid, s in kind.items()
+                if s.in_flight is None and now - s.session.last_used > self.settings.session_idle_ttl_s]
         if idle:
             oldest = min(idle, key=lambda mid: self.slots[mid].session.last_used)
             log.warning("closing idle session %s to make room", oldest)
             self._close(oldest)
             return
         raise ServerError(
-            f"worker {self.worker_id} already holds {len(self.slots)} training sessions (TINKERQ_MAX_SESSIONS); "
-            f"close unused training clients (tc.close()) or start another worker for this model"
+            f"worker {self.worker_id} already holds {len(kind)} {'LoRA' if lora else 'full-parameter'} training "
+            f"sessions ({setting}); close unused training clients (tc.close()) or start another worker for this model"
         )
 
     def _close(self, model_id: str) -> None:
@@ -228,6 +277,8 @@ class WorkerService:
         now, failed = time.monotonic(), 0
         with self._lock:
             for model_id, slot in self.slots.items():
+                if slot.in_flight is not None:  # its successors wait for a running LoRA pass, not a lost message
+                    continue
                 if min(slot.ordering.waited(now), now - self.redis_back_at) <= self.settings.gap_timeout_s:
                     continue
                 missing = slot.ordering.next_seq
@@ -270,8 +321,10 @@ class WorkerService:
         return stop
 
     def close(self) -> None:
-        """Stop the sampling engine (requests still decoding are answered with an error)."""
+        """Stop the sampling engine and the LoRA pass loop (requests still waiting are answered with an error)."""
         self.engine.close()
+        if self.lora_passes is not None:
+            self.lora_passes.close()
 
     # -- ordered requests --------------------------------------------------------------------------------------------
 
@@ -290,6 +343,11 @@ class WorkerService:
                 self._close(model_id)
                 return ("ok", codec.packb({}), NO_TIMING)
             raise slot.broken_error(slot.broken, session_broken=True)
+        if kind == "run" and slot.in_flight == seq_id:  # a redelivery of the request a LoRA pass is running
+            self._inboxes[task_id] = inbox
+            assert slot.in_flight_tasks is not None
+            slot.in_flight_tasks.append(task_id)
+            return None
         if kind == "repeat":
             kept = ordering.reply_for(seq_id)
             if kept is None:
@@ -305,21 +363,43 @@ class WorkerService:
                 raise ServerError(f"session {model_id} cannot keep request seq {seq_id} until seq "
                                   f"{ordering.next_seq} arrives: {ordering.refusal}")
             return None
-        outcome = self._apply(slot, op, envelope, seq_id)
-        # Requests that arrived early can run now; their callers get their answers through the backend.
-        while model_id in self.slots and (ready := ordering.pop_ready()) is not None:
-            seq, pending = ready
-            late = self._apply(slot, pending.op, pending.envelope, seq)
-            self._store_late(pending.task_ids, late)
+        self._inboxes[task_id] = inbox  # in case it is handed to the LoRA pass loop (answered later)
+        outcome = self._apply(slot, op, envelope, seq_id, [task_id])
+        if outcome is not None:
+            self._inboxes.pop(task_id, None)
+        self._advance(slot)
         return outcome
 
-    def _apply(self, slot: _Slot, op: str, envelope: dict[str, Any], seq_id: int) -> Outcome:
+    def _advance(self, slot: _Slot) -> None:
+        """Run the buffered requests that are next in order now (until one goes to the LoRA pass loop); their
+        callers get their answers through the backend."""
+        model_id = slot.session.model_id
+        while model_id in self.slots and slot.in_flight is None and (ready := slot.ordering.pop_ready()) is not None:
+            seq, pending = ready
+            late = self._apply(slot, pending.op, pending.envelope, seq, pending.task_ids)
+            if late is not None:
+                self._store_late(pending.task_ids, late)
+
+    def _apply(self, slot: _Slot, op: str, envelope: dict[str, Any], seq_id: int,
+               task_ids: list[str]) -> Outcome | None:
+        """Apply the request next in order, or hand a LoRA loss request to the pass loop (None: answered later)."""
         model_id = slot.session.model_id
         ref = envelope.get("payload")
         started = time.time()
         timing = _queue_wait(envelope, started)
+        if (slot.broken is None and isinstance(slot.session, LoraSession) and op in ("forward_backward", "forward")):
+            try:
+                self._to_lora_pass(slot, op, ref, seq_id, task_ids, timing, started)
+                return None
+            except TinkerqError as exc:  # refused before it reached the pass: answered now, in order
+                outcome: Outcome = ("error", exc.to_wire(), timing)
+                if isinstance(exc, MalformedMessageError):
+                    self._dead_letter(op, envelope, None, exc)
+                slot.ordering.applied(seq_id, outcome)
+                self.metrics.observe(op, outcome[0], timing)
+                return outcome
         if slot.broken is not None:
-            outcome: Outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
+            outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
         elif op not in self._ops:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
@@ -349,6 +429,46 @@ class WorkerService:
         if memory.is_large(ref, outcome):  # give the request's freed buffers back to the OS (RSS)
             memory.release_memory()
         return outcome
+
+    def _to_lora_pass(self, slot: _Slot, op: str, ref: Any, seq_id: int, task_ids: list[str],
+                      timing: dict[str, float], started: float) -> None:
+        """Check a LoRA loss request and queue it for the next mixed pass; answered by :meth:`_lora_done`."""
+        data, loss_fn, config = messages.decode_loss_request(self._decode(ref))
+        validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
+                              max_seq_len=self.max_seq_len)
+        backward = op == "forward_backward"
+        memory.admit_batch(self.model, self.settings, [d.model_input.length for d in data], backward=backward,
+                           logprobs=self.logprobs, lora=True)
+        session = slot.session
+        assert isinstance(session, LoraSession) and self.lora_passes is not None
+        session.last_used = time.monotonic()
+        item = LossItem(session, data, loss_fn, config)
+        slot.in_flight, slot.in_flight_tasks = seq_id, list(task_ids)
+        tokens = sum(d.model_input.length for d in data)
+
+        def done(item: LossItem) -> None:
+            self._lora_done(slot, op, seq_id, ref, item, timing, started, tokens)
+
+        self.lora_passes.submit(item, backward=backward, done=done)
+
+    def _lora_done(self, slot: _Slot, op: str, seq_id: int, ref: Any, item: LossItem, timing: dict[str, float],
+                   started: float, tokens: int) -> None:
+        """A LoRA loss request's pass is over (pass loop thread): answer it, then run its session's next ones."""
+        with self._lock:
+            compute = time.time() - started
+            if item.output is not None:
+                timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
+                outcome: Outcome = ("ok", codec.packb(messages.encode_forward_backward_output(item.output)), timing)
+                self.claim_check.discard(ref)
+            else:
+                error = item.error or WorkerError("the LoRA pass gave no answer")
+                outcome = ("error", error.to_wire(), timing)
+            tasks = slot.in_flight_tasks or []
+            slot.in_flight, slot.in_flight_tasks = None, None
+            slot.ordering.applied(seq_id, outcome)
+            self.metrics.observe(op, outcome[0], timing)
+            self._store_late(tasks, outcome)
+            self._advance(slot)
 
     # -- operations ----------------------------------------------------------------------------------------------------
 
@@ -451,7 +571,13 @@ class WorkerService:
 
     def _save_weights(self, session: Session, body: Any) -> bytes:
         name = body.get("name") if isinstance(body, dict) else None
-        path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model)
+        merged = body.get("merged", False) if isinstance(body, dict) else False
+        if not isinstance(merged, bool):
+            raise ValidationError(f"save_weights_for_sampler merged= must be True or False, got {merged!r}")
+        if isinstance(session, LoraSession):
+            path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged)
+        else:  # a full session's weights are the merged ones already
+            path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model)
         return codec.packb({"path": path}), 0
 
     # -- wire -------------------------------------------------------------------------------------------------------

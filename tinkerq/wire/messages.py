@@ -177,6 +177,21 @@ def decode_adam(body: Any) -> types.AdamParams:
     return types.AdamParams(**{k: float(v) for k, v in adam.items()})
 
 
+def encode_lora(config: types.LoraConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+def decode_lora(raw: Any) -> types.LoraConfig | None:
+    """A create_model body's ``lora`` map (None: a full-parameter session). Values are checked by
+    :func:`tinkerq.validation.validate_lora`."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise MalformedMessageError(f"create_model 'lora' must be a map, got {type(raw).__name__}")
+    _reject_unknown_fields(types.LoraConfig, raw)
+    return types.LoraConfig(**raw)
+
+
 # -- results ------------------------------------------------------------------------------------------------
 
 def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> dict[str, Any]:

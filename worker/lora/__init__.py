@@ -1,0 +1,1 @@
+"""LoRA sessions: adapters over one shared frozen base, trained in mixed-tenant passes (docs/lora.md)."""

@@ -1,0 +1,188 @@
+"""LoRA sessions: an adapter trained by the one engine (worker/training.py) over a frozen base shared by all.
+
+:class:`LoraBase` is the worker's base model, hooked for routing once, and what every LoRA session on it
+shares. :class:`LoraSession` implements :class:`worker.session.Session`; its loss requests normally run in
+mixed passes with other sessions' (worker/lora/passes.py), and ``run_loss`` runs one alone (the same
+forward, routed to this adapter only).
+
+Files (docs/lora.md): ``save_weights_for_sampler`` writes a standard PEFT adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads, and
+optionally the merged full weights (``merged/``); ``save_state`` adds the AdamW state and pending gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from tinkerq import types
+from worker import checkpoints
+from worker.logprobs import LogprobComputer
+from worker.lora import routing
+from worker.lora.adapter import Adapter, FrozenAdapter, Target, find_targets
+from worker.session import execute
+from worker.training import SingleProcess, TrainingEngine
+
+
+class LoraBase:
+    """The frozen base model every LoRA session on this worker adapts."""
+
+    def __init__(self, model: PreTrainedModel, logprobs: LogprobComputer, *, model_dir: str,
+                 microbatch_tokens: int) -> None:
+        self.model = model
+        self.logprobs = logprobs
+        self.model_dir = model_dir
+        self.microbatch_tokens = microbatch_tokens
+        self.device = next(model.parameters()).device
+        self.head = routing.install(model)
+        model.requires_grad_(False)  # frozen: backward reaches the adapters only (full sessions train copies)
+
+    def targets(self, config: types.LoraConfig) -> list[Target]:
+        return find_targets(self.model, config)
+
+    def forward(self, adapter: Any) -> Any:
+        """The engine's forward for ``adapter`` alone: every row routed to it."""
+        def run(tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with routing.routed([(adapter, slice(0, tokens.shape[0]))], self.head):
+                return self.logprobs(self.model, tokens, mask, targets)
+        return run
+
+
+def config_dict(config: types.LoraConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+class LoraSession:
+    def __init__(self, model_id: str, base: LoraBase, config: types.LoraConfig, *, base_model: str) -> None:
+        self.model_id = model_id
+        self.base = base
+        self.base_model = base_model
+        self.config = config
+        self.adapter = Adapter(base.targets(config), config, base.device)
+        self.engine = TrainingEngine(base.forward(self.adapter), self.adapter.named_pairs(), SingleProcess(),
+                                     microbatch_tokens=base.microbatch_tokens, device=base.device)
+        self.last_used = time.monotonic()
+
+    @property
+    def steps(self) -> int:
+        return self.engine.steps
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.engine.params)
+
+    def state_bytes(self) -> int:
+        return self.adapter.state_bytes()
+
+    def unallocated_state_bytes(self) -> int:
+        return self.engine.unallocated_state_bytes()
+
+    def _touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
+                 backward: bool) -> types.ForwardBackwardOutput:
+        self._touch()
+        out = self.engine.run_loss(data, loss_fn, config, backward=backward)
+        assert out is not None
+        return out
+
+    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
+        self._touch()
+        return self.engine.optim_step(adam)
+
+    def snapshot(self) -> FrozenAdapter:
+        """The adapter's current weights, frozen, for sampling over the shared base (worker/snapshots.py)."""
+        self._touch()
+        return self.adapter.frozen()
+
+    # -- files ---------------------------------------------------------------------------------------------
+
+    def _write_adapter(self, directory: Path, base_model: str, weights: dict[str, torch.Tensor]) -> None:
+        save_file({checkpoints.PEFT_PREFIX + n: t.detach().cpu().contiguous() for n, t in weights.items()},
+                  str(directory / "adapter_model.safetensors"))
+        (directory / "adapter_config.json").write_text(json.dumps(peft_config(self.config, self.adapter.targets,
+                                                                              base_model), indent=1))
+
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False) -> str:
+        """A PEFT adapter directory (and, with ``merged``, the merged full model in ``merged/``)."""
+        self._touch()
+        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
+        weights = dict(self.adapter.named_pairs())
+
+        def fill(tmp: Path) -> None:
+            self._write_adapter(tmp, base_model, weights)
+            checkpoints.copy_tokenizer_files(self.base.model_dir, tmp)
+            checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config))
+            if merged:
+                (tmp / "merged").mkdir()
+                write_merged(self.base.model, self.adapter.frozen(), tmp / "merged")
+                checkpoints.copy_tokenizer_files(self.base.model_dir, tmp / "merged")
+                checkpoints.write_weights_marker(tmp / "merged", base_model)
+
+        checkpoints.write_atomically(final, fill)
+        return str(final)
+
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
+        self._touch()
+        final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
+        saved = execute(self.engine, "gather_state", {}, {})
+        checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
+            tmp, write_weights=lambda d: self._write_adapter(d, base_model, saved.weights),
+            shapes=self.engine.shapes(), moments=saved.moments, grads=saved.grads, base_model=base_model,
+            model_id=self.model_id, steps=self.engine.steps, seq_id=seq_id, lora=config_dict(self.config)))
+        return str(final)
+
+    def load_state(self, directory: Path) -> dict[str, Any]:
+        """Replace the adapter, its AdamW state and pending gradients with a saved LoRA state's (same base model,
+        rank and targets)."""
+        self._touch()
+        lora = config_dict(self.config)
+        checkpoints.check_state(directory, self.engine.shapes(), lora, self.base_model)
+        saved = checkpoints.read_state(directory, self.engine.shapes(), {}, lora)
+        self.engine.load(saved, {})
+        return saved.meta
+
+    def close(self) -> None:
+        """Nothing beyond dropping the session: the base stays for the others."""
+
+
+def peft_config(config: types.LoraConfig, targets: list[Target], base_model: str) -> dict[str, Any]:
+    """PEFT's adapter_config.json for this adapter (explicit target modules: PEFT's defaults differ)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": config.rank, "lora_alpha": types.LoraConfig.ALPHA, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted({t.name.rsplit(".", 1)[-1] for t in targets}),
+        "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None,
+    }
+
+
+def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path) -> None:
+    """The base with ``W + scaling * B @ A`` (in float32) for every adapted module, as a plain HF directory.
+
+    A tied-embedding model whose output projection is adapted is written untied: the input embedding keeps
+    the base weights, as the adapter never changes it.
+    """
+    state = {n: t.detach() for n, t in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    for name, (a, b) in adapter.pairs.items():
+        weight = modules[name].weight
+        merged = weight.detach().float() + adapter.scaling * (b.float() @ a.float())
+        state[f"{name}.weight"] = merged.to(weight.dtype)
+    head = model.get_output_embeddings()
+    head_name = next(n for n, m in modules.items() if m is head)
+    untie = head_name in adapter.pairs and model.config.tie_word_embeddings
+    if untie:
+        model.config.tie_word_embeddings = False
+    try:
+        model.save_pretrained(directory, state_dict={k: v.contiguous() for k, v in state.items()})
+    finally:
+        if untie:
+            model.config.tie_word_embeddings = True
