@@ -355,3 +355,44 @@ def test_merged_export_of_a_tied_model_keeps_the_input_embedding(tmp_path):
     torch.testing.assert_close(merged.get_input_embeddings().weight, model.get_input_embeddings().weight)
     assert not torch.equal(merged.get_output_embeddings().weight, model.get_output_embeddings().weight)
     assert model.config.tie_word_embeddings  # the shared base is as it was
+
+
+# -- sampling ---------------------------------------------------------------------------------------------------
+
+
+def test_rows_of_different_adapters_share_a_decode_batch_and_equal_each_merged_model(base, tmp_path):
+    """Three adapters and the base itself in one engine batch (same prompt too): each row's tokens and logprobs
+    equal sampling that adapter's merged model alone."""
+    from worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
+
+    adapters = []
+    for seed in (1, 2, 3):
+        s = session(base, seed=seed, train_mlp=seed != 2)
+        with torch.no_grad():
+            for p in s.engine.params:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())), alpha=0.3)
+        adapters.append(s.adapter.frozen())
+    prompt = [5, 9, 2, 7]
+
+    def job(model, adapter, seed, key):
+        return SampleJob(model=model, model_key=key, prompt=prompt, num_samples=2,
+                         params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed),
+                         stop=StopRule(None, [], None), max_tokens=6, adapter=adapter)
+
+    engine = TorchEngine()
+    try:
+        mixed = run_jobs(engine, [job(base.model, a, 10 + i, "base") for i, a in enumerate([*adapters, None])],
+                         timeout=60)
+        assert engine.steps <= 7  # one prefill + decode steps for all four jobs together, not four runs
+    finally:
+        engine.close()
+    for i, adapter in enumerate([*adapters, None]):
+        if adapter is None:
+            alone_model = base.model
+        else:
+            write_merged(base.model, adapter, tmp_path / f"m{i}")
+            alone_model = load(tmp_path / f"m{i}")
+        (alone,) = run_jobs(None, [job(alone_model, None, 10 + i, "solo")], timeout=60)
+        for a, b in zip(mixed[i], alone, strict=True):
+            assert a.tokens == b.tokens
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)

@@ -71,7 +71,7 @@ def test_a_snapshot_published_by_one_worker_loads_identically_on_another(tmp_pat
     sid = maker.add(trained, session_id="a" * 32)
     assert maker.resolve({"snapshot": sid})[1] is trained  # its maker samples it as it is
     with publisher(store, maker) as asked:
-        key, loaded = other.resolve({"snapshot": sid})  # asks the maker to publish it, then loads it
+        key, loaded, _ = other.resolve({"snapshot": sid})  # asks the maker to publish it, then loads it
     assert asked == [sid]
     files = list((tmp_path / "ckpt" / "snapshots").glob("*.safetensors"))
     assert len(files) == (0 if inline else 1)

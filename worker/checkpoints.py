@@ -41,6 +41,7 @@ from tinkerq.errors import ValidationError
 
 STATE_FORMAT = 1
 STATE_FILE = "tinkerq_state.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA session's weights (PEFT's layout)
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in adapter_model.safetensors
 WEIGHTS_FILE = "tinkerq_weights.json"  # in save_weights_for_sampler directories: the base model's name
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -219,10 +220,10 @@ def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
 def resolve_weights_path(path: Any, checkpoint_dir: str) -> Path:
     """A model directory (save_weights_for_sampler, or a save_state) inside the checkpoint directory."""
     directory = _saved_directory(path, checkpoint_dir, "save_weights_for_sampler()")
-    config = _refuse_link(directory / "config.json")
+    config = _refuse_link(directory / "config.json") or _refuse_link(directory / ADAPTER_FILE)
     if config is None or not stat.S_ISREG(config.st_mode):
-        raise ValidationError(f"{path!r} holds no model (no config.json): pass a path returned by "
-                              f"save_weights_for_sampler()")
+        raise ValidationError(f"{path!r} holds no model (no config.json) and no LoRA adapter ({ADAPTER_FILE}): "
+                              f"pass a path returned by save_weights_for_sampler()")
     refuse_links_inside(directory)
     return directory
 
@@ -319,7 +320,7 @@ def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, st
     refuse_links_inside(directory)  # again: every rank of a sharded worker reads the files itself
     meta = check_state(directory, shapes, lora)
     weights: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("adapter_model.safetensors" if lora is not None else "model*.safetensors")):
+    for file in sorted(directory.glob(ADAPTER_FILE if lora is not None else "model*.safetensors")):
         weights.update({k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(file)).items()})
     for name in shapes:
         if name not in weights and tied.get(name) not in weights:

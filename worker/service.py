@@ -492,8 +492,10 @@ class WorkerService:
         return codec.packb({"metrics": metrics}), 0
 
     def _create_sampler(self, session: Session, body: Any) -> tuple[bytes, int]:
-        # Refused (CapacityError) before the weights are copied when the copy would not fit.
-        memory.admit_snapshot(self.model, self.settings, [slot.session for slot in self.slots.values()])
+        # Refused (CapacityError) before the weights are copied when the copy would not fit (a LoRA snapshot
+        # is its adapter only: small).
+        if not isinstance(session, LoraSession):
+            memory.admit_snapshot(self.model, self.settings, [slot.session for slot in self.slots.values()])
         snapshot_id = self.snapshots.add(session.snapshot(), session.model_id)
         return codec.packb({"sampler_id": snapshot_id}), 0
 
@@ -506,7 +508,7 @@ class WorkerService:
                           max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
         max_tokens = params.max_tokens or min(self.max_seq_len - prompt.length, s.max_sample_tokens)
         memory.admit_sample(self.model, s, prompt.length, max_tokens, num_samples)
-        key, model = self.snapshots.resolve(source)
+        key, model, adapter = self.snapshots.resolve(source)
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
         started = time.time()
         timing = _queue_wait(envelope, started)
@@ -531,7 +533,7 @@ class WorkerService:
             self.claim_check.discard(ref)
 
         self.engine.submit(SampleJob(model=model, model_key=key, prompt=prompt.to_ints(), num_samples=num_samples,
-                                     params=params, stop=stop, max_tokens=max_tokens, on_done=done))
+                                     params=params, stop=stop, max_tokens=max_tokens, on_done=done, adapter=adapter))
         return None
 
     def _default_stop_ids(self) -> list[int]:

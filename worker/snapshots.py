@@ -13,6 +13,11 @@ A sample request names its weights by *source* (tinkerq.wire.messages.check_sour
 * ``{"path": dir}`` — a ``save_weights_for_sampler`` directory below the checkpoint directory.
 * ``{"base": True}`` — the weights the worker was started with.
 
+A LoRA session's snapshot is its adapter, frozen (:class:`worker.lora.adapter.FrozenAdapter`): it is sampled
+over this worker's base model (its rows share the base's forward passes with every other adapter's and the
+base's own), published as its A/B tensors only, and a ``save_weights_for_sampler`` directory of a LoRA
+session is a PEFT adapter, loaded the same way.
+
 Loaded weights stay in an LRU of ``sampler_cache_size`` entries (the base model is always there); a load
 that would not fit in memory first evicts the least recently used. Everything is safetensors: loading a
 snapshot never unpickles, and no name from a message becomes a path (snapshot ids are 32 hex digits).
@@ -41,10 +46,13 @@ from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec, messages
 from worker import checkpoints, memory
+from worker.lora import routing
+from worker.lora.adapter import FrozenAdapter
 from worker.model_loading import load_causal_lm
 
 log = logging.getLogger("tinkerq.worker")
 
+Weights = PreTrainedModel | FrozenAdapter  # what a snapshot holds
 SNAPSHOT_DIR = "snapshots"
 BASE_KEY: Hashable = ("base",)
 PUBLISH_WAIT_S = 60.0  # how long a worker waits for a snapshot's owner to publish it
@@ -59,17 +67,21 @@ class Snapshots:
         self.base_model = base_model
         self.base = base
         self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
-        self._models: OrderedDict[Hashable, PreTrainedModel] = OrderedDict()
+        self._models: OrderedDict[Hashable, Weights] = OrderedDict()
         self._published: dict[str, deque[str]] = {}  # training session -> its announced snapshot ids
-        self._own: dict[str, PreTrainedModel] = {}  # snapshots made here, held while announced
+        self._own: dict[str, Weights] = {}  # snapshots made here, held while announced
         self._lock = threading.Lock()
 
     # -- made here ------------------------------------------------------------------------------------------
 
-    def add(self, model: PreTrainedModel, session_id: str) -> str:
-        """Keep a snapshot made by a training session on this worker and announce it; returns its id."""
+    def add(self, model: Weights, session_id: str) -> str:
+        """Keep a snapshot made by a training session on this worker (a model, or a LoRA adapter) and announce
+        it; returns its id."""
         snapshot_id = os.urandom(16).hex()
-        model.eval()
+        if isinstance(model, FrozenAdapter):
+            routing.install(self.base)  # its rows are routed over the base (inert hooks for everything else)
+        else:
+            model.eval()
         with self._lock:  # held here while announced, outside the LRU of loaded weights
             self._own[snapshot_id] = model
         record = {"base_model": self.base_model, "owner": self.worker_id}
@@ -86,8 +98,15 @@ class Snapshots:
 
     # -- named by a request -------------------------------------------------------------------------------------
 
-    def resolve(self, source: dict[str, Any]) -> tuple[Hashable, PreTrainedModel]:
-        """(cache key, model) for a request's source, loading it if this worker does not hold it."""
+    def resolve(self, source: dict[str, Any]) -> tuple[Hashable, PreTrainedModel, FrozenAdapter | None]:
+        """(the engine's key for the model, the model, the LoRA adapter or None) for a request's source, loading
+        it if this worker does not hold it. Every adapter's key is the base's: they share its passes."""
+        weights = self._resolve(source)
+        if isinstance(weights, FrozenAdapter):
+            return BASE_KEY, self.base, weights
+        return (weights[0], weights[1], None)
+
+    def _resolve(self, source: dict[str, Any]) -> Any:
         source = messages.check_source(source)
         if "base" in source:
             return BASE_KEY, self.base
@@ -102,14 +121,14 @@ class Snapshots:
             loader = lambda: self._load_directory(directory)  # noqa: E731
         with self._lock:
             model = self._models.get(key)
-            if model is not None:
+            if model is None and "snapshot" in source:
+                model = self._own.get(source["snapshot"])
+            elif model is not None:
                 self._models.move_to_end(key)
-                return key, model
-            if "snapshot" in source and source["snapshot"] in self._own:
-                return key, self._own[source["snapshot"]]
-        model = loader()
-        self._remember(key, model)
-        return key, model
+        if model is None:
+            model = loader()
+            self._remember(key, model)
+        return model if isinstance(model, FrozenAdapter) else (key, model)
 
     # -- publishing ------------------------------------------------------------------------------------------
 
@@ -126,9 +145,13 @@ class Snapshots:
         self._publish(snapshot_id, model)
         log.info("published snapshot %s for other workers", snapshot_id)
 
-    def _publish(self, snapshot_id: str, model: PreTrainedModel) -> None:
-        weights = save_safetensors(_distinct_tensors(model))
+    def _publish(self, snapshot_id: str, model: Weights) -> None:
         record: dict[str, Any] = {"base_model": self.base_model, "owner": self.worker_id}
+        if isinstance(model, FrozenAdapter):
+            weights = save_safetensors(model.tensors())
+            record["lora_scaling"] = model.scaling
+        else:
+            weights = save_safetensors(_distinct_tensors(model))
         if len(weights) <= self.settings.snapshot_inline_max_bytes:
             record["weights"] = weights
         else:
@@ -149,7 +172,7 @@ class Snapshots:
         if path.is_file():
             path.unlink()
 
-    def _load_published(self, snapshot_id: str) -> PreTrainedModel:
+    def _load_published(self, snapshot_id: str) -> Weights:
         record = self._published_record(snapshot_id)
         if isinstance(record.get("weights"), bytes):
             weights = record["weights"]
@@ -160,6 +183,9 @@ class Snapshots:
             except OSError as exc:
                 raise ValidationError(f"snapshot {snapshot_id} was written to {path}, which this worker cannot "
                                       f"read ({exc}); workers of one model must share TINKERQ_CHECKPOINT_DIR") from None
+        if isinstance(record.get("lora_scaling"), float):
+            routing.install(self.base)
+            return FrozenAdapter.from_tensors(load_safetensors(weights), record["lora_scaling"], self._device())
         self._make_room()
         model = copy.deepcopy(self.base)
         _load_weights(model, load_safetensors(weights))
@@ -198,7 +224,10 @@ class Snapshots:
             raise UnknownModelError(f"snapshot {snapshot_id} is of {theirs!r}; this worker serves {self.base_model!r}")
         return record
 
-    def _load_directory(self, directory: Any) -> PreTrainedModel:
+    def _device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    def _load_directory(self, directory: Any) -> Weights:
         marker = directory / checkpoints.WEIGHTS_FILE
         if marker.is_file():
             try:
@@ -209,6 +238,9 @@ class Snapshots:
             if saved_from != self.base_model:
                 raise UnknownModelError(f"{directory} holds weights of {saved_from!r}; this worker serves "
                                         f"{self.base_model!r}: pass base_model={saved_from!r}")
+        if (directory / checkpoints.ADAPTER_FILE).is_file():  # a LoRA session's PEFT adapter
+            routing.install(self.base)
+            return FrozenAdapter.from_peft_directory(directory, self._device())
         self._make_room()
         model = load_causal_lm(str(directory), device=self.settings.device, dtype=self.settings.dtype)
         model.requires_grad_(False)
@@ -216,7 +248,7 @@ class Snapshots:
 
     # -- the cache --------------------------------------------------------------------------------------------
 
-    def _remember(self, key: Hashable, model: PreTrainedModel) -> None:
+    def _remember(self, key: Hashable, model: Weights) -> None:
         with self._lock:
             self._models[key] = model
             self._models.move_to_end(key)

@@ -10,10 +10,13 @@ new adapter leaves the model's outputs exactly unchanged. Masters are float32 wh
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from tinkerq import types
 from tinkerq.errors import ValidationError
@@ -111,6 +114,44 @@ class FrozenAdapter:
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.pairs.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """By PEFT name (``<module>.lora_A.weight`` / ``.lora_B.weight``), on the CPU, to publish."""
+        out = {}
+        for name, (a, b) in self.pairs.items():
+            out[f"{name}.lora_A.weight"] = a.detach().cpu().contiguous()
+            out[f"{name}.lora_B.weight"] = b.detach().cpu().contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], scaling: float, device: torch.device) -> FrozenAdapter:
+        """The inverse of :meth:`tensors` (keys may carry PEFT's ``base_model.model.`` prefix)."""
+        pairs: dict[str, list[torch.Tensor | None]] = {}
+        for key, t in tensors.items():
+            key = key.removeprefix("base_model.model.")
+            for part, slot in ((".lora_A.weight", 0), (".lora_B.weight", 1)):
+                if key.endswith(part):
+                    pairs.setdefault(key.removesuffix(part), [None, None])[slot] = t.to(device, torch.float32)
+                    break
+            else:
+                raise ValidationError(f"LoRA weights hold an unexpected tensor {key!r}")
+        if any(a is None or b is None for a, b in pairs.values()):
+            raise ValidationError("LoRA weights hold an A without its B (or the reverse)")
+        return cls({k: (v[0], v[1]) for k, v in pairs.items()}, scaling)  # type: ignore[misc]
+
+    @classmethod
+    def from_peft_directory(cls, directory: Path, device: torch.device) -> FrozenAdapter:
+        """A ``save_weights_for_sampler`` directory of a LoRA session (a standard PEFT adapter)."""
+        try:
+            config = json.loads((directory / "adapter_config.json").read_text())
+            scaling = float(config["lora_alpha"]) / float(config["r"])
+            if config.get("use_rslora") or config.get("use_dora"):
+                raise ValueError("rsLoRA / DoRA adapters are not supported")
+            tensors = load_file(str(directory / "adapter_model.safetensors"))
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+            raise ValidationError(f"{directory} is not a usable LoRA adapter ({exc}): pass a path returned by "
+                                  f"save_weights_for_sampler()") from None
+        return cls.from_tensors(tensors, scaling, device)
 
 
 def _key(name: str) -> str:

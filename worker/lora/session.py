@@ -106,7 +106,7 @@ class LoraSession:
 
     def _write_adapter(self, directory: Path, base_model: str, weights: dict[str, torch.Tensor]) -> None:
         save_file({checkpoints.PEFT_PREFIX + n: t.detach().cpu().contiguous() for n, t in weights.items()},
-                  str(directory / "adapter_model.safetensors"))
+                  str(directory / checkpoints.ADAPTER_FILE))
         (directory / "adapter_config.json").write_text(json.dumps(peft_config(self.config, self.adapter.targets,
                                                                               base_model), indent=1))
 

@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq import types
 from worker.sampling.rules import StopRule
@@ -41,6 +41,9 @@ class SampleJob:
     max_tokens: int  # already resolved (never None); prompt + max_tokens <= the model's max length
     # Called exactly once, from the engine thread, with the num_samples sequences (in sample order) or an error.
     on_done: OnDone = _ignore
+    # A LoRA snapshot's adapter over ``model`` (the shared base; worker/lora/routing.py), or None. Jobs of
+    # different adapters over one base share its forward passes, each row routed to its own adapter.
+    adapter: Any = None
 
 
 class SamplingEngine(Protocol):

@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from tinkerq import types
+from worker.lora import routing
 from worker.sampling.engine import EngineClosed, SampleJob
 from worker.sampling.rules import StopRule, filter_logits
 
@@ -180,6 +181,24 @@ class _Group:
 def _vectorised_stop(stop: StopRule) -> bool:
     """A plain StopRule with ids only: checked on tensors (its ``done`` is ``tokens[-1] in ids``)."""
     return type(stop) is StopRule and not stop.strings
+
+
+def _prompt_key(job: _Job) -> tuple[Any, ...]:
+    """Rows prefilled together: one prompt under one adapter (None: the model itself)."""
+    return (tuple(job.job.prompt), id(job.job.adapter) if job.job.adapter is not None else None)
+
+
+def _routed(adapters: list[Any], *, device: torch.device) -> contextlib.AbstractContextManager:
+    """Route each row to its adapter (LoRA snapshots over a shared base), or nothing when no row has one."""
+    if all(a is None for a in adapters):
+        return contextlib.nullcontext()
+    rows: dict[int, list[int]] = {}
+    by_id = {}
+    for r, a in enumerate(adapters):
+        if a is not None:
+            rows.setdefault(id(a), []).append(r)
+            by_id[id(a)] = a
+    return routing.routed([(by_id[k], torch.tensor(v, device=device)) for k, v in rows.items()])
 
 
 class TorchEngine:
@@ -332,7 +351,7 @@ class TorchEngine:
         mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
         for layer, (k, v) in zip(group.cache.layers, rows.kv, strict=True):
             layer.keys, layer.values = k, v
-        with self._gate():
+        with self._gate(), _routed([j.job.adapter for j in rows.jobs], device=mask.device):
             out = group.model(input_ids=t["last"][:, None], attention_mask=mask, position_ids=t["pos"][:, None],
                               use_cache=True, logits_to_keep=1, **{group.cache_kwarg: group.cache})
         group.cache = _returned_cache(out)
@@ -346,7 +365,7 @@ class TorchEngine:
         """Jobs grouped so that each chunk's distinct prompts have one length and fit PREFILL_TOKENS."""
         by_len: dict[int, dict[tuple[int, ...], list[_Job]]] = {}
         for job in newcomers:
-            by_len.setdefault(len(job.job.prompt), {}).setdefault(tuple(job.job.prompt), []).append(job)
+            by_len.setdefault(len(job.job.prompt), {}).setdefault(_prompt_key(job), []).append(job)
         chunks = []
         for length, prompts in by_len.items():
             per_chunk = max(1, PREFILL_TOKENS // length)
@@ -358,18 +377,21 @@ class TorchEngine:
         """Prefill the distinct prompts of ``jobs`` (all one length) in one unpadded forward; returns their
         rows (num_samples per job, the prompt's cache repeated) and the logits after the prompt (R, V)."""
         device = group.device
-        index: dict[tuple[int, ...], int] = {}
+        index: dict[tuple[Any, ...], int] = {}  # (prompt, adapter) -> its row in the prefill
+        adapters = []
         for job in jobs:
-            index.setdefault(tuple(job.job.prompt), len(index))
-        ids = torch.tensor(list(index), dtype=torch.long, device=device)  # (N, P)
-        with self._gate():
+            if _prompt_key(job) not in index:
+                index[_prompt_key(job)] = len(index)
+                adapters.append(job.job.adapter)
+        ids = torch.tensor([key[0] for key in index], dtype=torch.long, device=device)  # (N, P)
+        with self._gate(), _routed(adapters, device=device):
             out = group.model(input_ids=ids, use_cache=True, logits_to_keep=1)  # never (N, P, V) logits
         cache = _returned_cache(out)
         if not all(type(layer) is DynamicLayer for layer in cache.layers):
             raise NotImplementedError("the sampling engine needs a full-attention DynamicCache (no sliding window)")
         if group.cache is None:
             group.cache = cache
-        src = torch.tensor([index[tuple(j.job.prompt)] for j in jobs for _ in range(j.job.num_samples)],
+        src = torch.tensor([index[_prompt_key(j)] for j in jobs for _ in range(j.job.num_samples)],
                            device=device)  # (R,) the prompt of each row
         kv = [(layer.keys.index_select(0, src), layer.values.index_select(0, src)) for layer in cache.layers]
         logits = out.logits[:, -1].float().index_select(0, src)  # (R, V)
