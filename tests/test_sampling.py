@@ -206,5 +206,3 @@ def test_concurrent_awaits_do_not_block_each_other(training_client):
 def test_tinker_conveniences(service, training_client, model_dir):
     tok = training_client.get_tokenizer()
     assert tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"
-    with pytest.raises(errors.UserError, match="create_training_client"):
-        service.create_lora_training_client(str(model_dir), rank=16)

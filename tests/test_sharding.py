@@ -260,6 +260,12 @@ def test_a_non_finite_loss_on_one_shard_is_refused_by_all_and_changes_nothing(pa
     assert _same_weights(one, two, "after-non-finite") < 1e-5
 
 
+def test_lora_sessions_are_refused_by_a_sharded_worker(service, shard_group):
+    with pytest.raises(errors.ValidationError, match="LoRA sessions are served by unsharded workers"):
+        service.create_lora_training_client(SHARDED, rank=4)
+    assert service.create_training_client(SHARDED).info.extra["shards"] == 2  # still serving
+
+
 def test_sampling_from_a_sharded_model(pair):
     """A snapshot gathered from two shards samples exactly as one worker's snapshot of the same weights."""
     one, two = pair

@@ -47,6 +47,14 @@ class WorkerMetrics:
         for kind in ("train", "sample"):
             turns.labels(kind=kind).set_function(lambda k=kind: compute_seconds()[k])
 
+    def watch_lora(self, passes: Callable[[], tuple[int, int]]) -> None:
+        """Counters read at scrape time from the LoRA pass loop: passes run, and the requests they held (their
+        ratio is the mean number of sessions sharing a forward/backward pass)."""
+        Gauge("tinkerq_lora_passes", "Mixed LoRA forward/backward passes run", registry=self.registry
+              ).set_function(lambda: passes()[0])
+        Gauge("tinkerq_lora_pass_requests", "LoRA requests run in those passes", registry=self.registry
+              ).set_function(lambda: passes()[1])
+
     def observe(self, op: str, status: str, timing: dict[str, float]) -> None:
         self.requests.labels(op=op, outcome=status).inc()
         if "queue_wait_s" in timing:

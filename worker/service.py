@@ -215,8 +215,9 @@ class WorkerService:
         if self._lora_base is None:
             self._lora_base = LoraBase(self.model, self.logprobs, model_dir=self.model_dir,
                                        microbatch_tokens=self.settings.microbatch_tokens)
-            self.lora_passes = LoraPasses(self._lora_base, max_datums=self.settings.lora_batch_max_datums,
-                                          gate=lambda: self.turns.take("train"))
+            passes = self.lora_passes = LoraPasses(self._lora_base, max_datums=self.settings.lora_batch_max_datums,
+                                                   gate=lambda: self.turns.take("train"))
+            self.metrics.watch_lora(lambda: (passes.passes, passes.requests))
         return self._lora_base
 
     def _new_session(self, model_id: str) -> Session:
