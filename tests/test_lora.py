@@ -396,3 +396,13 @@ def test_rows_of_different_adapters_share_a_decode_batch_and_equal_each_merged_m
         for a, b in zip(mixed[i], alone, strict=True):
             assert a.tokens == b.tokens
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_adapter_capacity_is_refused_with_the_fix(base):
+    from tinkerq.errors import CapacityError
+    from tinkerq.settings import Settings
+    from worker import memory
+
+    tight = Settings(memory_limit_mb=1)  # the worker process alone is far above 1 MiB
+    with pytest.raises(CapacityError, match=r"a new LoRA adapter .* use a lower rank"):
+        memory.admit_lora_session(10_000_000, tight, [session(base)])

@@ -23,6 +23,7 @@ from tinkerq import keys, types
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
 from tinkerq.errors import (
+    CapacityError,
     MalformedMessageError,
     RequestTimeoutError,
     ServerError,
@@ -256,7 +257,7 @@ class WorkerService:
             log.warning("closing idle session %s to make room", oldest)
             self._close(oldest)
             return
-        raise ServerError(
+        raise CapacityError(
             f"worker {self.worker_id} already holds {len(kind)} {'LoRA' if lora else 'full-parameter'} training "
             f"sessions ({setting}); close unused training clients (tc.close()) or start another worker for this model"
         )
