@@ -81,6 +81,25 @@ def test_second_worker_samples_a_published_snapshot_identically(service, sampler
         tc.close()
 
 
+def test_second_worker_samples_a_published_lora_snapshot_identically(service, sampler_worker, model_dir):
+    """A LoRA snapshot travels as its adapter only and is sampled over the other worker's own base."""
+    sampler_id, _, log = sampler_worker
+    tc = service.create_lora_training_client(str(model_dir), rank=4, seed=3)
+    try:
+        tc.forward_backward(make_batch(np.random.default_rng(32), 4))
+        tc.optim_step(types.AdamParams(learning_rate=5e-2))
+        sampler = tc.save_weights_and_get_sampling_client()
+        source = {"snapshot": sampler.sampler_id}
+        on_trainer = _sample_on(service, tc.info.worker, source, seed=12)
+        on_sampler = _sample_on(service, sampler_id, source, seed=12)
+        _same(on_trainer, on_sampler)
+        assert f"loaded published snapshot {sampler.sampler_id} (a LoRA adapter" in log.read_text()
+        base = _sample_on(service, sampler_id, {"base": True}, seed=12)
+        assert [s.logprobs for s in base.sequences] != [s.logprobs for s in on_sampler.sequences]  # it adapts
+    finally:
+        tc.close()
+
+
 def test_sampling_client_from_saved_weights_and_from_the_base_model(service, model_dir, checkpoint_dir):
     tc = service.create_training_client(str(model_dir))
     try:

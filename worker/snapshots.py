@@ -185,7 +185,9 @@ class Snapshots:
                                       f"read ({exc}); workers of one model must share TINKERQ_CHECKPOINT_DIR") from None
         if isinstance(record.get("lora_scaling"), float):
             routing.install(self.base)
-            return FrozenAdapter.from_tensors(load_safetensors(weights), record["lora_scaling"], self._device())
+            adapter = FrozenAdapter.from_tensors(load_safetensors(weights), record["lora_scaling"], self._device())
+            log.info("loaded published snapshot %s (a LoRA adapter, %.1f MB)", snapshot_id, len(weights) / 1e6)
+            return adapter
         self._make_room()
         model = copy.deepcopy(self.base)
         _load_weights(model, load_safetensors(weights))
