@@ -406,3 +406,21 @@ def test_a_full_adapter_capacity_is_refused_with_the_fix(base):
     tight = Settings(memory_limit_mb=1)  # the worker process alone is far above 1 MiB
     with pytest.raises(CapacityError, match=r"a new LoRA adapter .* use a lower rank"):
         memory.admit_lora_session(10_000_000, tight, [session(base)])
+
+
+def test_a_forward_only_pass_equals_each_alone_and_leaves_gradients(base):
+    rng = np.random.default_rng(12)
+    tenants = [session(base, seed=20 + i) for i in range(3)]
+    for t in tenants:
+        with torch.no_grad():
+            for p in t.engine.params:
+                p.add_(0.02)
+        t.run_loss(make_batch(rng, 1), "cross_entropy", None, backward=True)  # pending gradients
+    before = [_grads(t) for t in tenants]
+    items = [LossItem(t, make_batch(rng, 2), "cross_entropy", None) for t in tenants]
+    run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=64, device=base.device,
+             backward=False)
+    for t, item, grads in zip(tenants, items, before, strict=True):
+        alone = t.run_loss(item.data, "cross_entropy", None, backward=False)
+        assert item.output.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6)
+        assert all(torch.equal(g, h) for g, h in zip(_grads(t), grads, strict=True))

@@ -14,7 +14,7 @@ the pass are unaffected: rows never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ from worker.losses import LOSSES, score
 from worker.training import RequestPart, SingleProcess, TrainingEngine
 
 
-class LoraTarget:
+class LoraTarget(Protocol):
     """What a pass needs of a session: its adapter (for routing) and its engine (for the gradients)."""
 
     adapter: Any
