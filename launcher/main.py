@@ -2,6 +2,7 @@
 
     tinkerq sft                      fine-tune the demo model on the bundled data set (embedded fleet)
     tinkerq sft --broker redis://... the same job against a running fleet
+    tinkerq sft --lora-rank 8        the same job training a LoRA adapter (rl takes it too)
     tinkerq rl                       RL with sampling and importance sampling on the demo task
     tinkerq worker --model PATH      serve a local Hugging Face model from a Redis fleet
 

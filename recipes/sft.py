@@ -90,6 +90,45 @@ def exact_match(model_dir: str, tokenizer: Any, pairs: list[dict[str, str]]) -> 
     return correct / len(pairs)
 
 
+def open_training_client(sc: ServiceClient, model_dir: str, lora_rank: int | None,
+                         seed: int | None = None) -> TrainingClient:
+    """A full-parameter session (``lora_rank`` None) or a LoRA session of that rank whose initial adapter is
+    drawn from ``seed`` (so a run repeats); a LoRA one prints its size."""
+    if lora_rank is None:
+        return sc.create_training_client(model_dir)
+    tc = sc.create_lora_training_client(model_dir, rank=lora_rank, seed=seed)
+    print(describe_lora(tc.get_info()))
+    return tc
+
+
+def describe_lora(info: types.ModelInfo) -> str:
+    """The adapter's size, as in "LoRA rank 8: 12,345 trainable parameters (0.4% of 3.1M), 193 KiB of
+    training state" (from ``get_info().extra["lora"]``)."""
+    lora = info.extra.get("lora") or {}
+    trainable = lora.get("trainable_parameters")
+    if not isinstance(trainable, int):
+        return f"LoRA rank {lora.get('rank', '?')}: the worker did not report the adapter's size"
+    share = f"{100 * trainable / info.num_parameters:.1f}% of {_count(info.num_parameters)}" \
+        if info.num_parameters else "of an unknown total"
+    text = f"LoRA rank {lora.get('rank', '?')}: {trainable:,} trainable parameters ({share})"
+    state = lora.get("state_bytes")
+    return text + (f", {_bytes(state)} of training state" if isinstance(state, int) else "")
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+
+
 @contextlib.contextmanager
 def open_fleet(broker: str | None, model_dir: str, threads: int | None) -> Iterator[ServiceClient]:
     """A client on the fleet at ``broker``, or on an embedded fleet started here."""
@@ -122,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     model_dir = str(Path(args.model).resolve()) if args.model else str(demo_model.ensure_demo_model())
     steps = args.steps or demo_model.DEFAULT_STEPS
     batch_size = args.batch_size or demo_model.DEFAULT_BATCH_SIZE
+    lora_rank = getattr(args, "lora_rank", None)
     lr = args.lr or demo_model.DEFAULT_LR
     train = load_pairs(Path(args.train) if args.train else DATA_DIR / "train.jsonl")
     heldout = load_pairs(Path(args.eval) if args.eval else DATA_DIR / "eval.jsonl")[: args.eval_examples]
@@ -131,9 +171,12 @@ def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
 
     with open_fleet(args.broker, model_dir, args.threads) as sc:
-        tc = sc.create_training_client(model_dir)
-        print(f"training session {tc.model_id[:8]} on {tc.info.worker}: {tc.info.num_parameters / 1e6:.2f}M "
-              f"parameters, {len(train)} train / {len(heldout)} held-out pairs, {steps} steps of {batch_size}")
+        tc = open_training_client(sc, model_dir, lora_rank, args.seed)
+        lora_info = tc.get_info().extra.get("lora") if lora_rank is not None else None
+        kind = f"LoRA rank {lora_rank} over" if lora_rank is not None else "full-parameter,"
+        print(f"training session {tc.model_id[:8]} on {tc.info.worker}: {kind} {tc.info.num_parameters / 1e6:.2f}M "
+              f"parameters, {len(train)} train / {len(heldout)} held-out pairs, {steps} steps of {batch_size}, "
+              f"peak lr {lr:g}")
         before = {"heldout_nll": heldout_nll(tc, tokenizer, heldout),
                   "exact_match": exact_match(model_dir, tokenizer, heldout)}
         _print_eval("before", before)
@@ -164,14 +207,18 @@ def main(args: argparse.Namespace) -> int:
                     bar.set_postfix(loss=f"{loss:.3f}", grad_norm=f"{grad_norm:.2f}")
         train_seconds = time.perf_counter() - started
 
-        saved = tc.save_weights_for_sampler("final").result(timeout=600).path
+        # A LoRA session saves a PEFT adapter directory; merged=True adds <path>/merged, a plain model
+        # directory the exact-match check loads without peft.
+        saved = tc.save_weights_for_sampler("final", merged=lora_rank is not None).result(timeout=600).path
+        scored = os.path.join(saved, "merged") if lora_rank is not None else saved
         after = {"heldout_nll": heldout_nll(tc, tokenizer, heldout),
-                 "exact_match": exact_match(saved, tokenizer, heldout)}
+                 "exact_match": exact_match(scored, tokenizer, heldout)}
         _print_eval("after", after)
         tc.close()
 
     plot = plot_metrics(metrics_path, out_dir / "loss.png", keys=["loss"], title="tinkerq sft: training loss")
-    summary = {"model": model_dir, "steps": steps, "batch_size": batch_size, "learning_rate": lr,
+    summary = {"model": model_dir, "lora": lora_info, "steps": steps, "batch_size": batch_size,
+               "learning_rate": lr,
                "lr_schedule": args.lr_schedule, "train_seconds": round(train_seconds, 1), "before": before,
                "after": after, "weights": saved,
                "metrics": str(metrics_path), "plot": str(plot)}

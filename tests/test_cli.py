@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,62 @@ def test_rl_job_runs_on_the_embedded_fleet(tmp_path: Path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["samples_per_s"] > 0 and sum(summary["share"].values()) == pytest.approx(1.0, abs=0.01)
     assert "samples/s while sampling" in out.stdout and "sampling " in out.stdout
+
+
+def test_sft_job_with_lora_on_the_embedded_fleet(tmp_path: Path):
+    """`tinkerq sft --lora-rank 4`: a LoRA session, its size reported at start, the LoRA default lr, and the
+    usual curve, evaluation and saved weights (a PEFT adapter, plus the merged model exact match loads)."""
+    from recipes.demo_model import DEFAULT_LR
+
+    out = _run("sft", "--lora-rank", "4", "--steps", "6", "--eval-examples", "5", "--out", str(tmp_path / "run"),
+               timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"LoRA rank 4: [\d,]+ trainable parameters \([\d.]+% of [\d.]+M\), [\d.]+ [KM]iB of training "
+                     r"state", out.stdout), out.stdout
+    assert "before:" in out.stdout and "after:" in out.stdout and "trained 6 steps" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[0]["learning_rate"] == pytest.approx(DEFAULT_LR)  # an unset --lr: the demo's, LoRA or not
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["lora"]["rank"] == 4 and 0 < summary["lora"]["trainable_parameters"] < 1_000_000
+    assert summary["after"]["heldout_nll"] < summary["before"]["heldout_nll"]
+    assert summary["after"]["exact_match"] is not None  # scored on <weights>/merged
+    assert (Path(summary["weights"]) / "adapter_config.json").is_file()
+
+
+def test_rl_job_with_lora_on_the_embedded_fleet(tmp_path: Path):
+    """`tinkerq rl --lora-rank 4`: warm-up, snapshots sampled from the adapter, RL steps, all on a LoRA session."""
+    from recipes.demo_model import DEFAULT_LR
+    from recipes.rl import DEFAULT_RL_LR
+
+    out = _run("rl", "--lora-rank", "4", "--warmup-steps", "3", "--iterations", "2", "--prompts", "4",
+               "--group-size", "4", "--out", str(tmp_path / "run"), timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"LoRA rank 4: [\d,]+ trainable parameters", out.stdout), out.stdout
+    assert f"RL learning rate {DEFAULT_RL_LR:g} (SFT warm-up peak {DEFAULT_LR:g})" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(0.0 <= r["reward"] <= 1.0 for r in rows)
+    assert "after RL:" in out.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["lora"]["rank"] == 4 and summary["learning_rate"] == pytest.approx(DEFAULT_RL_LR)
+
+
+@pytest.mark.parametrize("command", ["sft", "rl"])
+@pytest.mark.parametrize("rank", ["0", "-3", "four"])
+def test_lora_rank_must_be_positive(command, rank):
+    out = _run(command, "--lora-rank", rank)
+    assert out.returncode == 2 and "--lora-rank" in out.stderr and "positive integer" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_lora_size_line():
+    from recipes.sft import describe_lora
+    from tinkerq.types import ModelInfo
+
+    info = ModelInfo(model_id="m", base_model="b", vocab_size=10, max_seq_len=8, num_parameters=3_100_000, worker="w",
+                     extra={"lora": {"rank": 8, "trainable_parameters": 12_345, "state_bytes": 193 * 1024}})
+    assert describe_lora(info) == ("LoRA rank 8: 12,345 trainable parameters (0.4% of 3.1M), 193 KiB of training "
+                                   "state")
 
 
 def test_rl_reward_rule():
