@@ -33,6 +33,22 @@ def test_gradcheck_float64():
     )
 
 
+def test_gradcheck_with_a_low_rank_term_and_a_frozen_weight():
+    """The LoRA output-projection term (worker/logprobs.py): gradients reach hidden, low and low_weight; the
+    frozen weight gets none (its V x H gradient is never computed)."""
+    hidden, weight, targets = _problem(n=11, h=5, v=7)
+    weight = weight.detach()
+    g = torch.Generator().manual_seed(1)
+    low = torch.randn(11, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    low_weight = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda h, lo, lw: chunked_target_logprobs(h, weight, targets, chunk_tokens=4, low_rank=(lo, lw)),
+        (hidden, low, low_weight), eps=1e-6, atol=1e-7)
+    got = chunked_target_logprobs(hidden, weight, targets, chunk_tokens=4, low_rank=(low, low_weight))
+    ref = reference_target_logprobs(torch.cat([hidden, low], -1), torch.cat([weight, low_weight], 1), targets)
+    torch.testing.assert_close(got.double(), ref.double())
+
+
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 16, 36, 37, 1000])  # 37 tokens: partial last chunks, one chunk
 def test_chunked_equals_reference_values_and_gradients(chunk_tokens):
     hidden, weight, targets = _problem(dtype=torch.float32)

@@ -72,20 +72,19 @@ class LogprobComputer:
         weight = model.get_output_embeddings().weight  # (V, H)
         routing = lora_routing.current()
         groups = routing.head_groups() if routing is not None else None
-        if groups is not None:  # LoRA on the output projection: each adapter's rows with their own head
-            return torch.cat([self._head(hidden[rows], weight, targets[rows], real[rows], scaling, pair)
-                              for rows, scaling, pair in groups])
+        if groups is not None and routing is not None:  # LoRA on the output projection: each adapter's own head
+            parts = zip(routing.split(hidden), routing.split(targets), routing.split(real), groups, strict=True)
+            return torch.cat([self._head(h, weight, t, r, scaling, pair) for h, t, r, (scaling, pair) in parts])
         return self._head(hidden, weight, targets, real)
 
     def _head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, real: torch.Tensor,
               scaling: float = 0.0, pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         h = hidden[real]  # (N, H)
-        if pair is not None:
-            # h W^T + s (h A^T) B^T == [h, s h A^T] @ [W, B]^T: one fused pass, the LoRA term riding along.
+        low_rank = None
+        if pair is not None:  # logits h W^T + (s h A^T) B^T, chunk by chunk; only B (and A) get gradients
             a, b = pair
-            h = torch.cat([h, torch.nn.functional.linear(h, a.to(h.dtype)) * scaling], dim=-1)  # (N, H + r)
-            weight = torch.cat([weight, b.to(weight.dtype)], dim=1)  # (V, H + r)
+            low_rank = (torch.nn.functional.linear(h, a.to(h.dtype)) * scaling, b.to(weight.dtype))  # (N, r), (V, r)
         logprobs = target_logprobs_from_hidden(h, weight, targets[real], backend=self.backend,
-                                               chunk_tokens=self.chunk_tokens)  # (N,)
+                                               chunk_tokens=self.chunk_tokens, low_rank=low_rank)  # (N,)
         out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
         return out.index_put((real,), logprobs)  # (B, T), differentiable

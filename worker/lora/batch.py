@@ -93,10 +93,12 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
         with torch.set_grad_enabled(backward), routed([(g[0].target.adapter, g[1]) for g in groups], head):
             lp = logprobs(model, batch["tokens"], batch["mask"].long(), batch["target_tokens"])  # (B, T)
         total = None
-        for item, span, first in groups:
+        sizes = [g[1].stop - g[1].start for g in groups]
+        lps = torch.split(lp, sizes)  # views; one concatenated gradient on the way back (not one per group)
+        for (item, span, first), lp_item in zip(groups, lps, strict=True):
             sub = {k: v[span] for k, v in batch.items()}  # tensors (B, T) and the lengths list
             with torch.set_grad_enabled(backward):
-                scored = score(lp[span], sub, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
+                scored = score(lp_item, sub, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
             if not torch.isfinite(scored.loss):
                 if item.problem is None:
                     item.problem = (f"{item.loss_fn} loss is {scored.loss.item()} on datums "

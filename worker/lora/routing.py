@@ -40,15 +40,21 @@ class Routing:
         self.groups = groups
         self.head = head  # the output projection's name: the fused loss head asks for its pairs
         self.contiguous = all(isinstance(rows, slice) for _, rows in groups)
+        if self.contiguous:  # then the groups must cover the batch, in order
+            starts = [rows.start or 0 for _, rows in groups]  # type: ignore[union-attr]
+            stops = [rows.stop for _, rows in groups]  # type: ignore[union-attr]
+            if starts != [0, *stops[:-1]]:
+                raise ValueError("contiguous routing groups must cover the batch in order")
+            self.sizes = [b - a for a, b in zip(starts, stops, strict=True)]
 
-    def head_groups(self) -> list[tuple[slice, float, tuple[torch.Tensor, torch.Tensor] | None]] | None:
-        """For the fused loss head (worker/logprobs.py): each contiguous group's rows, scaling and output
-        projection pair; None when no group adapts the output projection."""
+    def head_groups(self) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor] | None]] | None:
+        """For the fused loss head (worker/logprobs.py): each contiguous group's scaling and output projection
+        pair (rows: :meth:`split`); None when no group adapts the output projection."""
         if self.head is None or not self.contiguous:
             return None
-        out = [(rows, adapter.scaling if adapter else 0.0, adapter.pair(self.head) if adapter else None)
-               for adapter, rows in self.groups]
-        return out if any(pair is not None for _, _, pair in out) else None  # type: ignore[misc]
+        out = [(adapter.scaling if adapter else 0.0, adapter.pair(self.head) if adapter else None)
+               for adapter, _ in self.groups]
+        return out if any(pair is not None for _, pair in out) else None
 
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """``out`` (B, ..., out) of module ``name`` on input ``x`` (B, ..., in), with each group's delta."""
@@ -62,15 +68,23 @@ class Routing:
                 xs = x.index_select(0, rows)
                 result.index_add_(0, rows, F.linear(F.linear(xs, a.to(x.dtype)), b.to(x.dtype)) * adapter.scaling)
             return result
+        # Contiguous groups covering the batch in order: split into views. torch.split's backward concatenates
+        # the pieces' gradients once; indexing each slice would fill a whole-batch zero gradient per group.
+        xs = torch.split(x, self.sizes)
+        outs = torch.split(out, self.sizes)
         pieces = []
-        for adapter, rows in self.groups:
+        for (adapter, _), xi, oi in zip(self.groups, xs, outs, strict=True):
             pair = adapter.pair(name) if adapter is not None else None
             if pair is None:
-                pieces.append(out[rows])
+                pieces.append(oi)
                 continue
             a, b = pair
-            pieces.append(out[rows] + F.linear(F.linear(x[rows], a.to(x.dtype)), b.to(x.dtype)) * adapter.scaling)
+            pieces.append(oi + F.linear(F.linear(xi, a.to(x.dtype)), b.to(x.dtype)) * adapter.scaling)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``t`` (B, ...) cut into the groups' rows (contiguous routings only)."""
+        return torch.split(t, self.sizes)
 
 
 def current() -> Routing | None:

@@ -35,16 +35,20 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
 
 
 def target_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                                backend: str, chunk_tokens: int = 1024) -> torch.Tensor:
-    """Target logprobs (N,) from hidden (N, H) and the output embedding weight (V, H)."""
+                                backend: str, chunk_tokens: int = 1024,
+                                low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Target logprobs (N,) from hidden (N, H) and the output embedding weight (V, H); ``low_rank`` =
+    (low (N, r), low_weight (V, r)) adds a LoRA term ``low @ low_weight.T`` to the logits."""
     if backend == "reference":
+        if low_rank is not None:
+            hidden, weight = torch.cat([hidden, low_rank[0]], -1), torch.cat([weight, low_rank[1]], 1)
         return reference_target_logprobs(hidden, weight, targets)
     if backend == "apex":
         xentropy = load_apex_xentropy()
         if xentropy is None:
             raise BackendUnavailable("apex was requested but cannot be imported")
         return chunked_target_logprobs(hidden, weight, targets, chunk_tokens=chunk_tokens,
-                                       kernel=ApexChunkKernel(xentropy))
+                                       kernel=ApexChunkKernel(xentropy), low_rank=low_rank)
     if backend == "torch":
-        return chunked_target_logprobs(hidden, weight, targets, chunk_tokens=chunk_tokens)
+        return chunked_target_logprobs(hidden, weight, targets, chunk_tokens=chunk_tokens, low_rank=low_rank)
     raise BackendUnavailable(f"unknown loss backend {backend!r}")

@@ -51,19 +51,26 @@ class TorchChunkKernel:
 
 
 class ChunkedTargetLogprobs(torch.autograd.Function):
+    """Logits ``hidden @ weight.T (+ low @ low_weight.T)`` one chunk of tokens at a time, never all at once.
+
+    The optional low-rank term is a LoRA adapter on the output projection (worker/logprobs.py): ``low`` (N, r)
+    is ``scaling * hidden @ A.T`` and ``low_weight`` (V, r) is B. Its gradient costs V x r per token, not the
+    V x H of the frozen ``weight``, which gets no gradient when it does not require one.
+    """
+
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                kernel: ChunkKernel) -> torch.Tensor:
+                kernel: ChunkKernel, low: torch.Tensor | None, low_weight: torch.Tensor | None) -> torch.Tensor:
         n = hidden.shape[0]
         out = torch.empty(n, dtype=compute_dtype(hidden.dtype), device=hidden.device)  # (N,)
         states = []
         for start in range(0, n, chunk_tokens):
             stop = min(start + chunk_tokens, n)
-            logits = hidden[start:stop] @ weight.t()  # (C, V)
+            logits = _logits(hidden, weight, low, low_weight, start, stop)  # (C, V)
             out[start:stop], state = kernel.forward(logits, targets[start:stop])
             states.append(state)
             del logits
-        ctx.save_for_backward(hidden, weight, targets)
+        ctx.save_for_backward(hidden, weight, targets, low, low_weight)
         ctx.states = states
         ctx.chunk_tokens = chunk_tokens
         ctx.kernel = kernel
@@ -71,30 +78,50 @@ class ChunkedTargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, low, low_weight = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_low, need_lw = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
         grad_h = torch.empty_like(hidden) if need_h else None
+        grad_low = torch.empty_like(low) if need_low else None
         # Accumulate dW in float32: thousands of chunk contributions must not round away in bf16.
         acc = compute_dtype(weight.dtype)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_lw = torch.zeros(low_weight.shape, dtype=acc, device=low_weight.device) if need_lw else None
         grad_out = grad_out.to(acc)
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_tokens)):
             stop = min(start + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[start:stop]
-            logits = h @ weight.t()  # (C, V), recomputed
+            logits = _logits(hidden, weight, low, low_weight, start, stop)  # (C, V), recomputed
             g = ctx.kernel.grad_logits(logits, targets[start:stop], ctx.states[i], grad_out[start:stop])
             del logits
             if grad_h is not None:
                 grad_h[start:stop] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_w is not None:
                 grad_w.addmm_(g.t().to(acc), h.to(acc))
+            if grad_low is not None:
+                grad_low[start:stop] = (g.to(low_weight.dtype) @ low_weight).to(low.dtype)
+            if grad_lw is not None:
+                grad_lw.addmm_(g.t().to(acc), low[start:stop].to(acc))
             del g
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+        return (grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None,
+                grad_low, (grad_lw.to(low_weight.dtype) if grad_lw is not None else None))
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None, low_weight: torch.Tensor | None,
+            start: int, stop: int) -> torch.Tensor:
+    logits = hidden[start:stop] @ weight.t()  # (C, V)
+    if low is not None and low_weight is not None:
+        logits.addmm_(low[start:stop], low_weight.t())  # the LoRA term, added in place (no second (C, V))
+    return logits
 
 
 def chunked_target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                            chunk_tokens: int = 1024, kernel: ChunkKernel | None = None) -> torch.Tensor:
-    """Target logprobs (N,) for hidden (N, H), weight (V, H), targets (N,), chunk by chunk over tokens."""
+                            chunk_tokens: int = 1024, kernel: ChunkKernel | None = None,
+                            low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Target logprobs (N,) for hidden (N, H), weight (V, H), targets (N,), chunk by chunk over tokens;
+    ``low_rank`` = (low (N, r), low_weight (V, r)) adds ``low @ low_weight.T`` to the logits."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    return ChunkedTargetLogprobs.apply(hidden, weight, targets, chunk_tokens, kernel or TorchChunkKernel())
+    low, low_weight = low_rank if low_rank is not None else (None, None)
+    return ChunkedTargetLogprobs.apply(hidden, weight, targets, chunk_tokens, kernel or TorchChunkKernel(), low,
+                                       low_weight)
