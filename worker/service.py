@@ -470,6 +470,8 @@ class WorkerService:
             slot.ordering.applied(seq_id, outcome)
             self.metrics.observe(op, outcome[0], timing)
             self._store_late(tasks, outcome)
+            if memory.is_large(ref, outcome):  # as for requests applied inline: give freed buffers back
+                memory.release_memory()
             self._advance(slot)
 
     # -- operations ----------------------------------------------------------------------------------------------------

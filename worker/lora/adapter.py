@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from tinkerq import types
 from tinkerq.errors import ValidationError
+from worker.memory import LORA_BYTES_PER_PARAMETER
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -99,7 +100,7 @@ class Adapter(torch.nn.Module):
 
     def state_bytes(self) -> int:
         """What the session keeps: weights, pending gradients and AdamW's two moments (float32 each)."""
-        return 16 * sum(p.numel() for p in self.parameters())
+        return LORA_BYTES_PER_PARAMETER * sum(p.numel() for p in self.parameters())
 
 
 class FrozenAdapter:

@@ -27,7 +27,6 @@ from worker import checkpoints
 from worker.logprobs import LogprobComputer
 from worker.lora import routing
 from worker.lora.adapter import Adapter, FrozenAdapter, Target, find_targets
-from worker.session import execute
 from worker.training import SingleProcess, TrainingEngine
 
 
@@ -132,7 +131,8 @@ class LoraSession:
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
         self._touch()
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
-        saved = execute(self.engine, "gather_state", {}, {})
+        saved = self.engine.gather_state()
+        assert saved is not None  # one process: always the leader
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
             tmp, write_weights=lambda d: self._write_adapter(d, base_model, saved.weights),
             shapes=self.engine.shapes(), moments=saved.moments, grads=saved.grads, base_model=base_model,
