@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import make_batch, reference_logprobs
 from tinkerq import errors, types
+from tinkerq.wire import messages
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(300)
@@ -114,6 +115,14 @@ def test_lora_refusals_are_clear_user_errors(service, training_client, model_dir
     other_rank = service.create_lora_training_client(str(model_dir), rank=8)
     with pytest.raises(errors.ValidationError, match="rank=4"):
         other_rank.load_state(lora_state).result(timeout=60)
+    # A bad batch that skipped the producer's checks is refused by the worker in order, before any pass, and
+    # the session's next requests run.
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 10_000]),
+                      loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    body = messages.encode_loss_request([bad], "cross_entropy", None)
+    refused = lora._submit("forward_backward", body, messages.decode_forward_backward_output, argsrepr="test")
+    with pytest.raises(errors.ValidationError, match="10000"):
+        refused.result(timeout=60)
     # Both sessions keep serving.
     data = make_batch(np.random.default_rng(3), 1)
     assert lora.forward_backward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0

@@ -397,9 +397,13 @@ class WorkerService:
                 outcome: Outcome = ("error", exc.to_wire(), timing)
                 if isinstance(exc, MalformedMessageError):
                     self._dead_letter(op, envelope, None, exc)
-                slot.ordering.applied(seq_id, outcome)
-                self.metrics.observe(op, outcome[0], timing)
-                return outcome
+            except Exception as exc:  # a bug while checking it; nothing was changed, so the session goes on
+                log.exception("%s seq %d of session %s could not be queued", op, seq_id, model_id)
+                outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(),
+                           timing)
+            slot.ordering.applied(seq_id, outcome)
+            self.metrics.observe(op, outcome[0], timing)
+            return outcome
         if slot.broken is not None:
             outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
         elif op not in self._ops:
@@ -451,7 +455,11 @@ class WorkerService:
         def done(item: LossItem) -> None:
             self._lora_done(slot, op, seq_id, ref, item, timing, started, tokens)
 
-        self.lora_passes.submit(item, backward=backward, done=done)
+        try:
+            self.lora_passes.submit(item, backward=backward, done=done)
+        except BaseException:  # not queued (the worker is stopping): the session's order moves on
+            slot.in_flight, slot.in_flight_tasks = None, None
+            raise
 
     def _lora_done(self, slot: _Slot, op: str, seq_id: int, ref: Any, item: LossItem, timing: dict[str, float],
                    started: float, tokens: int) -> None:
