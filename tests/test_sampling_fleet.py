@@ -59,16 +59,20 @@ def _same(a: types.SampleResponse, b: types.SampleResponse) -> None:
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
 
 
+def _trained_snapshot(tc, seed: int):
+    """One fb + optim_step on ``tc``, then a snapshot: (its sampling client, its source)."""
+    tc.forward_backward(make_batch(np.random.default_rng(seed), 4))
+    tc.optim_step(types.AdamParams(learning_rate=5e-2))
+    sampler = tc.save_weights_and_get_sampling_client()
+    return sampler, {"snapshot": sampler.sampler_id}
+
+
 def test_second_worker_samples_a_published_snapshot_identically(service, sampler_worker):
     sampler_id, _, log = sampler_worker
     tc = service.create_training_client(service.get_server_capabilities()[0])
     try:
         assert tc.info.worker != sampler_id  # a sampler worker takes no training sessions
-        data = make_batch(np.random.default_rng(31), 4)
-        tc.forward_backward(data)
-        tc.optim_step(types.AdamParams(learning_rate=5e-2))
-        sampler = tc.save_weights_and_get_sampling_client()
-        source = {"snapshot": sampler.sampler_id}
+        sampler, source = _trained_snapshot(tc, 31)
         on_trainer = _sample_on(service, tc.info.worker, source, seed=11)
         on_sampler = _sample_on(service, sampler_id, source, seed=11)
         _same(on_trainer, on_sampler)
@@ -86,10 +90,7 @@ def test_second_worker_samples_a_published_lora_snapshot_identically(service, sa
     sampler_id, _, log = sampler_worker
     tc = service.create_lora_training_client(str(model_dir), rank=4, seed=3)
     try:
-        tc.forward_backward(make_batch(np.random.default_rng(32), 4))
-        tc.optim_step(types.AdamParams(learning_rate=5e-2))
-        sampler = tc.save_weights_and_get_sampling_client()
-        source = {"snapshot": sampler.sampler_id}
+        sampler, source = _trained_snapshot(tc, 32)
         on_trainer = _sample_on(service, tc.info.worker, source, seed=12)
         on_sampler = _sample_on(service, sampler_id, source, seed=12)
         _same(on_trainer, on_sampler)

@@ -9,7 +9,6 @@ from tensors gathered to it. LoRA sessions are in worker/lora/session.py.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -173,7 +172,7 @@ class TrainingSession(FullSession):
     """A full-parameter session on this process: ``model`` is its own copy of the weights."""
 
     def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
-                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel] | None = None) -> None:
+                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel]) -> None:
         self.model = model
         self.logprobs = logprobs
         device = next(model.parameters()).device
@@ -182,7 +181,7 @@ class TrainingSession(FullSession):
                                      SingleProcess(), microbatch_tokens=microbatch_tokens, device=device)
         tied = tied_names(model)
         super().__init__(model_id, lambda op, **args: execute(self.engine, op, args, tied), lambda: self.engine,
-                         blank=blank_model or (lambda: _untrained_copy(model)), template=model, model_dir=base_dir,
+                         blank=blank_model, template=model, model_dir=base_dir,
                          shapes=self.engine.shapes(), device=device)
 
     @property
@@ -193,14 +192,3 @@ class TrainingSession(FullSession):
     def optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer
 
-
-def _untrained_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A copy of ``model`` without its gradients (a deep copy would copy every ``.grad`` too)."""
-    grads = [p.grad for p in model.parameters()]
-    try:
-        for p in model.parameters():
-            p.grad = None
-        return copy.deepcopy(model)
-    finally:
-        for p, g in zip(model.parameters(), grads, strict=True):
-            p.grad = g

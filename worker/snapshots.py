@@ -101,12 +101,13 @@ class Snapshots:
     def resolve(self, source: dict[str, Any]) -> tuple[Hashable, PreTrainedModel, FrozenAdapter | None]:
         """(the engine's key for the model, the model, the LoRA adapter or None) for a request's source, loading
         it if this worker does not hold it. Every adapter's key is the base's: they share its passes."""
-        weights = self._resolve(source)
+        key, weights = self._resolve(source)
         if isinstance(weights, FrozenAdapter):
             return BASE_KEY, self.base, weights
-        return (weights[0], weights[1], None)
+        return key, weights, None
 
-    def _resolve(self, source: dict[str, Any]) -> Any:
+    def _resolve(self, source: dict[str, Any]) -> tuple[Hashable, Weights]:
+        """(cache key, weights) for a request's source, loading them if this worker does not hold them."""
         source = messages.check_source(source)
         if "base" in source:
             return BASE_KEY, self.base
@@ -128,7 +129,7 @@ class Snapshots:
         if model is None:
             model = loader()
             self._remember(key, model)
-        return model if isinstance(model, FrozenAdapter) else (key, model)
+        return key, model
 
     # -- publishing ------------------------------------------------------------------------------------------
 

@@ -58,33 +58,31 @@ class Routing:
 
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """``out`` (B, ..., out) of module ``name`` on input ``x`` (B, ..., in), with each group's delta."""
-        work = [(adapter, rows, adapter.pair(name)) for adapter, rows in self.groups if adapter is not None]
-        work = [(adapter, rows, pair) for adapter, rows, pair in work if pair is not None]
-        if not work:
+        pairs = [adapter.pair(name) if adapter is not None else None for adapter, _ in self.groups]
+        if all(pair is None for pair in pairs):
             return None
         if not self.contiguous:  # sampling: no gradients needed
             result = out.clone()
-            for adapter, rows, (a, b) in work:
-                xs = x.index_select(0, rows)
-                result.index_add_(0, rows, F.linear(F.linear(xs, a.to(x.dtype)), b.to(x.dtype)) * adapter.scaling)
+            for (adapter, rows), pair in zip(self.groups, pairs, strict=True):
+                if pair is not None:
+                    result.index_add_(0, rows, _delta(x.index_select(0, rows), pair, adapter.scaling))
             return result
         # Contiguous groups covering the batch in order: split into views. torch.split's backward concatenates
         # the pieces' gradients once; indexing each slice would fill a whole-batch zero gradient per group.
-        xs = torch.split(x, self.sizes)
-        outs = torch.split(out, self.sizes)
-        pieces = []
-        for (adapter, _), xi, oi in zip(self.groups, xs, outs, strict=True):
-            pair = adapter.pair(name) if adapter is not None else None
-            if pair is None:
-                pieces.append(oi)
-                continue
-            a, b = pair
-            pieces.append(oi + F.linear(F.linear(xi, a.to(x.dtype)), b.to(x.dtype)) * adapter.scaling)
+        pieces = [oi if pair is None else oi + _delta(xi, pair, adapter.scaling)
+                  for (adapter, _), pair, xi, oi in zip(self.groups, pairs, torch.split(x, self.sizes),
+                                                        torch.split(out, self.sizes), strict=True)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``t`` (B, ...) cut into the groups' rows (contiguous routings only)."""
         return torch.split(t, self.sizes)
+
+
+def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
+    """``scaling * (x A^T) B^T`` in ``x``'s dtype (the masters stay float32), in PEFT's order of operations."""
+    a, b = pair
+    return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling
 
 
 def current() -> Routing | None:
