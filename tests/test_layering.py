@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "tokenizers", "worker", "recipes", "launcher")
 
 
-@pytest.mark.parametrize("module", ["producer", "tinkerq", "tinkerq.connection", "tinkerq.validation"])
+@pytest.mark.parametrize("module", ["producer", "tinkerq", "tinkerq.connection", "tinkerq.validation", "gateway"])
 def test_light_packages_do_not_import_heavy_ones(module):
     code = (
         f"import sys, {module}\n"
@@ -24,8 +24,10 @@ def test_light_packages_do_not_import_heavy_ones(module):
 
 
 def test_nothing_imports_upward():
-    """tinkerq imports neither producer nor worker; producer never imports worker (source check)."""
-    rules = {"tinkerq": ("producer", "worker", "recipes", "launcher"), "producer": ("worker", "recipes", "launcher")}
+    """tinkerq imports no other package; producer never imports worker; the gateway (a producer) neither (source)."""
+    rules = {"tinkerq": ("producer", "worker", "gateway", "recipes", "launcher"),
+             "producer": ("worker", "gateway", "recipes", "launcher"),
+             "gateway": ("worker", "recipes", "launcher")}
     offenders = []
     for package, forbidden in rules.items():
         for path in (ROOT / package).rglob("*.py"):

@@ -215,6 +215,29 @@ class SaveWeightsResponse:
     path: str
 
 
+# Tinker's names for what save_weights_for_sampler / load_state* give back.
+SaveWeightsForSamplerResponse = SaveWeightsResponse
+
+
+@dataclass
+class LoadWeightsResponse:
+    path: str | None = None
+    model_id: str | None = None
+
+
+@dataclass
+class SupportedModel:
+    model_name: str | None = None
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+
+
+@dataclass
+class GetServerCapabilitiesResponse:
+    supported_models: list[SupportedModel] = field(default_factory=list)
+
+
 @dataclass
 class SamplingParams:
     """Tinker's sampling parameters. ``stop``: strings, token ids, or None (= the model's end-of-sequence)."""
@@ -233,10 +256,13 @@ class SampledSequence:
     tokens: list[int]
     # log p(token) under the sampled weights at temperature 1: what ``forward`` computes for the same tokens.
     logprobs: list[float] | None = None
+    sequence_id: str | None = None  # set by the HTTP gateway's clients (Tinker's sample_sequence_ids)
 
 
 @dataclass
 class SampleResponse:
     sequences: list[SampledSequence]
+    # With include_prompt_logprobs: log p(prompt[i] | prompt[:i]) for every prompt position, None at 0.
+    prompt_logprobs: list[float | None] | None = None
 
 
