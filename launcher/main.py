@@ -5,6 +5,9 @@
     tinkerq sft --lora-rank 8        the same job training a LoRA adapter (rl takes it too)
     tinkerq rl                       RL with sampling and importance sampling on the demo task
     tinkerq worker --model PATH      serve a local Hugging Face model from a Redis fleet
+    tinkerq gateway                  the HTTP gateway the official tinker SDK talks to (X-API-Key: tml-...)
+    tinkerq keys create NAME         a new API key for tenant NAME (printed once, alone on the last line)
+    tinkerq keys list | revoke NAME  the tenants that have a key; remove one's key
 
 Subcommands import their (heavy) modules only when they run, so ``tinkerq --help`` is instant.
 """
@@ -17,6 +20,8 @@ import sys
 
 from tinkerq.errors import TinkerqError
 from tinkerq.settings import Settings
+
+BROKER_HELP = "redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)"
 
 
 def _settings(args: argparse.Namespace, **extra: object) -> Settings:
@@ -135,6 +140,61 @@ def cmd_dead(args: argparse.Namespace) -> int:
     return dead_main(args, _settings(args))
 
 
+def _need_broker(settings: Settings) -> None:
+    if settings.broker_url is None:
+        raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
+
+
+def _when(epoch: float | None) -> str:
+    import datetime
+
+    if not epoch:
+        return "-"
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """API keys of the gateway's tenants (tinkerq/tenants.py): only their SHA-256 is kept in Redis."""
+    from tinkerq.tenants import ApiKeys
+
+    settings = _settings(args)
+    _need_broker(settings)
+    _warn_about_broker(args, settings)
+    api_keys = ApiKeys.open(settings)
+    try:
+        if args.keys_command == "create":
+            key = api_keys.create(args.name)
+            print(f"API key for tenant {args.name} (shown only this once; the fleet keeps only its SHA-256):")
+            print(key)  # alone on the last line: scripts take it with `tail -1`
+        elif args.keys_command == "list":
+            tenants = api_keys.list()
+            if not tenants:
+                print("no API keys; create one with: tinkerq keys create NAME")
+            else:
+                width = max(len("NAME"), *(len(t["name"]) for t in tenants))
+                print(f"{'NAME':<{width}}  {'CREATED':<20}  LAST USED")
+                for t in tenants:
+                    print(f"{t['name']:<{width}}  {_when(t['created_at']):<20}  {_when(t['last_used_at'])}")
+        elif not api_keys.revoke(args.name):
+            print(f"tinkerq keys revoke: tenant {args.name!r} has no API key (see: tinkerq keys list)",
+                  file=sys.stderr)
+            return 1
+        else:
+            print(f"revoked the API key of tenant {args.name}")
+    finally:
+        api_keys.close()
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    _need_broker(settings)
+    _warn_about_broker(args, settings)
+    from gateway.server import serve
+
+    return serve(settings, host=args.host, port=args.port)
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 if a worker on this host is registered (its heartbeat thread runs even during long tasks)."""
     import socket
@@ -221,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dead_arguments(dl)
     dl.set_defaults(func=cmd_dead)
+
+    gw = sub.add_parser("gateway", help="the HTTP gateway the official tinker SDK talks to")
+    gw.add_argument("--broker", help=BROKER_HELP)
+    gw.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 in a "
+                                                        "container)")
+    gw.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    gw.set_defaults(func=cmd_gateway)
+
+    k = sub.add_parser("keys", help="API keys of the gateway's tenants: create, list, revoke")
+    k.add_argument("--broker", help=BROKER_HELP)
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kc = ksub.add_parser("create", help="a new API key for a tenant, printed once (alone on the last line)")
+    kc.add_argument("name", help="tenant name: 1-64 of letters, digits, '_', '.', '-'")
+    kl = ksub.add_parser("list", help="tenants that have a key, when it was created and last used")
+    kr = ksub.add_parser("revoke", help="remove a tenant's key (exit 1 if it has none)")
+    kr.add_argument("name")
+    for leaf in (kc, kl, kr):  # --broker after the subcommand too; SUPPRESS keeps one given before it
+        leaf.add_argument("--broker", default=argparse.SUPPRESS, help=BROKER_HELP)
+    k.set_defaults(func=cmd_keys)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
     hc.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")

@@ -88,3 +88,13 @@ REAPER_LOCK = f"{PREFIX}:reaper"
 # kombu's Redis transport (default transport options): delivered, unacknowledged messages and their times.
 KOMBU_UNACKED = "unacked"
 KOMBU_UNACKED_INDEX = "unacked_index"
+
+# -- API keys of the HTTP gateway (tinkerq/tenants.py) ---------------------------------------------------
+# Only SHA-256 digests of keys are stored, never a key. A hash: tenant name -> hex digest of its live key
+# (one key per tenant; ``tinkerq keys list`` / ``revoke`` work by name).
+TENANTS = f"{PREFIX}:tenants"
+
+
+def api_key(digest: str) -> str:
+    """One live API key, by the hex SHA-256 of the key: a hash {tenant, created_at, last_used_at}."""
+    return f"{PREFIX}:apikey:{digest}"
