@@ -274,3 +274,17 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
         return
     raise ValidationError("SamplingParams.stop must be all (non-empty) strings or all token ids, not a mix")
 
+
+# A checkpoint's ttl_seconds: at most about ten years (anything larger is more likely a unit mistake than a wish).
+MAX_CHECKPOINT_TTL_S = 10 * 365 * 24 * 3600
+
+
+def validate_ttl_seconds(ttl_seconds: Any) -> None:
+    """A save's ``ttl_seconds``: None (kept until deleted) or a positive whole number of seconds."""
+    if ttl_seconds is None:
+        return
+    if not isinstance(ttl_seconds, int) or isinstance(ttl_seconds, bool) or ttl_seconds < 1:
+        raise ValidationError(f"ttl_seconds must be a positive whole number of seconds or None, got {ttl_seconds!r}")
+    if ttl_seconds > MAX_CHECKPOINT_TTL_S:
+        raise ValidationError(f"ttl_seconds={ttl_seconds} is over the limit of {MAX_CHECKPOINT_TTL_S} (10 years); "
+                              f"pass None to keep the checkpoint until it is deleted")

@@ -17,12 +17,17 @@ are: every path is built below the checkpoint directory one component at a time,
 name, and nothing below the checkpoint directory is ever a symbolic link that gets followed (the directory
 itself may be a link the operator configured). Whoever can send messages must not be able to make a worker
 write, replace or read anything outside it.
+
+A save with ``ttl_seconds`` records ``expires_at`` (unix seconds) in its marker (tinkerq_state.json /
+tinkerq_weights.json). An expired checkpoint is refused, and deleted, when a request names it; workers also
+delete expired ones at start and after each save (:func:`remove_expired`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from tinkerq.errors import ValidationError
 
+log = logging.getLogger("tinkerq.worker")
 STATE_FORMAT = 1
 STATE_FILE = "tinkerq_state.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA session's weights (PEFT's layout)
@@ -48,6 +54,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # Files that make a saved directory a complete model for from_pretrained (weights come from the session).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+# How deep checkpoints lie below the checkpoint directory: <model_id>/<name> and <model_id>/state/<name>.
+_CHECKPOINT_DEPTH = 3
+
+
+def now() -> float:
+    """The clock expiry is judged by (unix seconds); one place for tests to move it."""
+    return time.time()
 
 
 def check_name(name: Any) -> str:
@@ -139,20 +152,25 @@ def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
     return path_below(checkpoint_dir, _check_model_id(model_id), "state", name, create_parents=True)
 
 
-def write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
+def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bool = True) -> Path:
     """Build the directory in a temporary sibling with ``fill``, then rename it to ``final``.
 
     ``final`` comes from weights_path / state_path. Neither its parent nor an old ``final`` is followed if
-    it is a symbolic link: the write is refused before anything is created or deleted.
+    it is a symbolic link: the write is refused before anything is created or deleted. Without
+    ``overwrite`` an existing (unexpired) ``final`` is a ValidationError and nothing is written.
     """
     final = Path(final)
     if not final.parent.exists():
         os.makedirs(final.parent, mode=0o700, exist_ok=True)
     _refuse_link(final.parent)
     _refuse_link(final)  # before the (expensive) fill, and checked again before replacing
+    if not overwrite:
+        refuse_existing(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))  # mode 0o700, a new name
     try:
         fill(tmp)
+        if not overwrite:  # saved meanwhile by another worker (a shared checkpoint directory): that one stays
+            refuse_existing(final)
         st = _refuse_link(final)
         if st is not None:  # replacing: the old one goes first; a crash here leaves no directory at all
             if not stat.S_ISDIR(st.st_mode):
@@ -162,6 +180,14 @@ def write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def refuse_existing(final: Path) -> None:
+    """A ValidationError if checkpoint ``final`` exists (an expired one is deleted instead: its name is free)."""
+    if _refuse_link(final) is None or _delete_if_expired(final, now()):
+        return
+    raise ValidationError(f"checkpoint {final.name!r} already exists ({final}): pass overwrite=True or choose "
+                          f"another name")
 
 
 def copy_tokenizer_files(model_dir: str, directory: Path) -> None:
@@ -189,7 +215,8 @@ def optimizer_entries(name: str, state: dict[str, Any], full: Callable[[torch.Te
 
 def write_state(directory: Path, *, write_weights: Callable[[Path], None], shapes: dict[str, list[int]],
                 moments: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], base_model: str,
-                model_id: str, steps: int, seq_id: int, shards: int = 1, lora: dict[str, Any] | None = None) -> None:
+                model_id: str, steps: int, seq_id: int, shards: int = 1, lora: dict[str, Any] | None = None,
+                expires_at: float | None = None) -> None:
     """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json."""
     write_weights(directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in moments.items()},
@@ -201,6 +228,8 @@ def write_state(directory: Path, *, write_weights: Callable[[Path], None], shape
             "seq_id": seq_id, "created": time.time(), "saved_by_shards": shards, "parameters": shapes}
     if lora is not None:
         meta["lora"] = lora
+    if expires_at is not None:
+        meta["expires_at"] = expires_at
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
 
 
@@ -214,6 +243,7 @@ def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
             f"save_weights_for_sampler() writes weights only"
         )
     refuse_links_inside(directory)
+    _refuse_expired(directory, path)
     return directory
 
 
@@ -225,16 +255,118 @@ def resolve_weights_path(path: Any, checkpoint_dir: str) -> Path:
         raise ValidationError(f"{path!r} holds no model (no config.json) and no LoRA adapter ({ADAPTER_FILE}): "
                               f"pass a path returned by save_weights_for_sampler()")
     refuse_links_inside(directory)
+    _refuse_expired(directory, path)
     return directory
 
 
-def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] | None = None) -> None:
+def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] | None = None,
+                         expires_at: float | None = None) -> None:
     """Name the base model in a saved weights directory, so a sampling client can be made from the path alone
-    (and, for a LoRA adapter, its configuration)."""
+    (and, for a LoRA adapter, its configuration; with a ttl, when it expires)."""
     marker: dict[str, Any] = {"format": STATE_FORMAT, "base_model": base_model}
     if lora is not None:
         marker["lora"] = lora
+    if expires_at is not None:
+        marker["expires_at"] = expires_at
     (directory / WEIGHTS_FILE).write_text(json.dumps(marker))
+
+
+# -- expiry ------------------------------------------------------------------------------------------------
+
+def expiry(directory: Path) -> float | None:
+    """When a saved directory expires (its marker's ``expires_at``), or None: kept until deleted. A marker that
+    is missing, a link or unreadable says nothing here (resolving the directory reports those)."""
+    for marker in (STATE_FILE, WEIGHTS_FILE):
+        try:
+            st = _refuse_link(directory / marker)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue
+            value = json.loads((directory / marker).read_text()).get("expires_at")
+        except (ValidationError, OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _refuse_expired(directory: Path, path: Any) -> None:
+    """A ValidationError if the checkpoint expired; it is deleted on the way (best effort)."""
+    when = expiry(directory)
+    if when is None or when > now():
+        return
+    try:
+        _delete_if_expired(directory, now())
+    except OSError as exc:
+        log.warning("could not delete expired checkpoint %s: %s", directory, exc)
+    raise ValidationError(
+        f"checkpoint {path!r} expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(when))} (the "
+        f"ttl_seconds it was saved with ran out) and has been deleted; save it again, with a longer ttl_seconds "
+        f"or none")
+
+
+def _delete_if_expired(directory: Path, at: float) -> bool:
+    """Delete checkpoint ``directory`` if it expired by ``at`` (unix seconds); True if it did.
+
+    It is renamed aside first and judged again there, so a checkpoint saved under the same name in between
+    (by another worker sharing the directory) is put back, never deleted. Links are never followed.
+    """
+    when = expiry(directory)
+    if when is None or when > at:
+        return False
+    st = _refuse_link(directory)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return False
+    aside = directory.with_name(f".{directory.name}.expired-{os.urandom(4).hex()}")
+    try:
+        os.rename(directory, aside)  # renames a link itself, never its target
+    except FileNotFoundError:  # deleted meanwhile
+        return False
+    when = expiry(aside)
+    if when is None or when > at:
+        with contextlib.suppress(OSError):
+            os.rename(aside, directory)
+        return False
+    shutil.rmtree(aside, ignore_errors=True)  # never follows links inside the tree
+    log.info("deleted expired checkpoint %s", directory)
+    return True
+
+
+def remove_expired(checkpoint_dir: str, at: float | None = None) -> list[Path]:
+    """Delete every checkpoint expired by ``at`` (default: now) below the checkpoint directory, best effort;
+    returns those deleted.
+
+    Walks the directories below it, at most ``_CHECKPOINT_DEPTH`` levels down, without following a symbolic
+    link; a directory holding a marker is a checkpoint (not entered). Names starting with '.' are skipped:
+    saves in progress are built there.
+    """
+    when = now() if at is None else at
+    deleted: list[Path] = []
+
+    def walk(directory: Path, depth: int) -> None:
+        try:
+            with os.scandir(directory) as found:
+                entries = [e for e in found if not e.name.startswith(".")]
+        except OSError:
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                if any(os.path.lexists(path / marker) for marker in (STATE_FILE, WEIGHTS_FILE)):
+                    if _delete_if_expired(path, when):
+                        deleted.append(path)
+                elif depth < _CHECKPOINT_DEPTH:
+                    walk(path, depth + 1)
+            except (OSError, ValidationError) as exc:  # best effort: the next sweep tries again
+                log.warning("checkpoint sweep skipped %s: %s", path, exc)
+
+    try:
+        root = checkpoint_root(checkpoint_dir)
+    except ValidationError:
+        return deleted
+    walk(root, 1)
+    return deleted
 
 
 def _saved_directory(path: Any, checkpoint_dir: str, returned_by: str) -> Path:
@@ -314,9 +446,10 @@ def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, A
 
 
 def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str],
-               lora: dict[str, Any] | None = None) -> SavedState:
+               lora: dict[str, Any] | None = None, *, optimizer: bool = True) -> SavedState:
     """Every tensor of a training state (full tensors, on the CPU). ``tied`` maps a parameter that shares
-    its storage with another to the other's name (tied embeddings are stored once)."""
+    its storage with another to the other's name (tied embeddings are stored once). Without ``optimizer``
+    only the weights are read (no AdamW state, no pending gradients)."""
     refuse_links_inside(directory)  # again: every rank of a sharded worker reads the files itself
     meta = check_state(directory, shapes, lora)
     weights: dict[str, torch.Tensor] = {}
@@ -325,6 +458,8 @@ def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, st
     for name in shapes:
         if name not in weights and tied.get(name) not in weights:
             raise ValidationError(f"checkpoint {directory} has no weights for {name}")
+    if not optimizer:
+        return SavedState(weights, {}, {}, meta)
     moments = load_file(str(directory / "optimizer.safetensors"))
     grads_file = directory / "gradients.safetensors"
     grads = load_file(str(grads_file)) if grads_file.is_file() else {}

@@ -40,6 +40,11 @@ def fused_head_support(model: PreTrainedModel) -> str | None:
     return None
 
 
+def chunk_tokens(vocab: int) -> int:
+    """Tokens per loss-head chunk for this vocabulary size: CHUNK_LOGITS_BYTES of float32 logits."""
+    return max(16, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab)))
+
+
 class LogprobComputer:
     """Target logprobs for one worker: the backend is chosen once, and reported."""
 
@@ -52,8 +57,7 @@ class LogprobComputer:
         if self.fallback_reason is not None:
             log.warning("loss head: %s; computing full logits with the model's own forward", self.fallback_reason)
             self.backend = "model-logits"
-        vocab = model.get_output_embeddings().weight.shape[0]
-        self.chunk_tokens = max(16, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab)))
+        self.chunk_tokens = chunk_tokens(model.get_output_embeddings().weight.shape[0])
 
     def __call__(self, model: PreTrainedModel, tokens: torch.Tensor, attention_mask: torch.Tensor,
                  targets: torch.Tensor) -> torch.Tensor:

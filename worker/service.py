@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedModel
 
 from tinkerq import keys, types
@@ -33,7 +34,14 @@ from tinkerq.errors import (
     ValidationError,
     WorkerError,
 )
-from tinkerq.validation import Limits, validate_adam, validate_lora, validate_loss_request, validate_sampling
+from tinkerq.validation import (
+    Limits,
+    validate_adam,
+    validate_lora,
+    validate_loss_request,
+    validate_sampling,
+    validate_ttl_seconds,
+)
 from tinkerq.wire import codec, messages
 from worker import checkpoints, memory
 from worker.intake import DeadLetters, store_reply
@@ -125,6 +133,8 @@ class WorkerService:
             "echo": lambda s, body: (codec.packb(body), 0),
             "close_model": lambda s, body: (codec.packb({}), 0),
         }
+        self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
+        self.sweep_checkpoints()
 
     # -- entry point -----------------------------------------------------------------------------------------
 
@@ -514,7 +524,8 @@ class WorkerService:
     def _sample(self, envelope: Any, task_id: str, inbox: str | None) -> Outcome | None:
         """Check a sample request and hand it to the engine; it is answered when its rows are done (None)."""
         _, _, ref = messages.check_envelope(envelope, "sample")
-        source, prompt, num_samples, params = messages.decode_sample_request(self._decode(ref))
+        request = messages.decode_sample_request(self._decode(ref))
+        source, prompt, num_samples, params = request.source, request.prompt, request.num_samples, request.params
         s = self.settings
         validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                           max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
@@ -524,6 +535,7 @@ class WorkerService:
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
         started = time.time()
         timing = _queue_wait(envelope, started)
+        prompt_logprobs: list[np.ndarray] = []  # filled by the engine before ``done`` when asked
 
         def done(sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
             outcome: Outcome
@@ -531,8 +543,10 @@ class WorkerService:
                 tokens = sum(len(seq.tokens) for seq in sequences)
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
-                response = messages.encode_sample_response(types.SampleResponse(sequences=sequences))
-                outcome = ("ok", codec.packb(response), timing)
+                response = types.SampleResponse(sequences=sequences)
+                if prompt_logprobs:
+                    response.prompt_logprobs = [None, *prompt_logprobs[0][1:].tolist()]
+                outcome = ("ok", codec.packb(messages.encode_sample_response(response)), timing)
             elif isinstance(error, TinkerqError):
                 outcome = ("error", error.to_wire(), timing)
             else:
@@ -545,7 +559,8 @@ class WorkerService:
             self.claim_check.discard(ref)
 
         self.engine.submit(SampleJob(model=model, model_key=key, prompt=prompt.to_ints(), num_samples=num_samples,
-                                     params=params, stop=stop, max_tokens=max_tokens, on_done=done, adapter=adapter))
+                                     params=params, stop=stop, max_tokens=max_tokens, on_done=done, adapter=adapter,
+                                     on_prompt_logprobs=prompt_logprobs.append if request.prompt_logprobs else None))
         return None
 
     def _default_stop_ids(self) -> list[int]:
@@ -572,27 +587,51 @@ class WorkerService:
 
     def _save_state(self, session: Session, body: Any) -> tuple[bytes, int]:
         name = body.get("name") if isinstance(body, dict) else None
+        overwrite = _flag(body, "overwrite", True, "save_state")  # absent: replace, as before the field existed
+        expires_at = _expires_at(body)
         seq_id = self.slots[session.model_id].ordering.next_seq - 1  # this request's own position
-        path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model, seq_id=seq_id)
-        return codec.packb({"path": path}), 0
+        path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model, seq_id=seq_id,
+                                  expires_at=expires_at, overwrite=overwrite)
+        self.sweep_checkpoints()
+        return codec.packb(_saved(path, expires_at)), 0
 
     def _load_state(self, session: Session, body: Any) -> tuple[bytes, int]:
         path = body.get("path") if isinstance(body, dict) else None
+        optimizer = _flag(body, "optimizer", True, "load_state")  # absent: weights and optimizer, as before
         directory = checkpoints.resolve_state_path(path, self.settings.checkpoint_dir)
-        meta = session.load_state(directory)
-        return codec.packb({"path": str(directory), "optimizer_steps": meta["optimizer_steps"],
+        meta = session.load_state(directory, optimizer=optimizer)
+        # optimizer_steps: the session's count now (0 when the optimizer starts afresh).
+        return codec.packb({"path": str(directory), "optimizer": optimizer, "optimizer_steps": session.steps,
                             "seq_id": meta["seq_id"]}), 0
 
-    def _save_weights(self, session: Session, body: Any) -> bytes:
+    def _save_weights(self, session: Session, body: Any) -> tuple[bytes, int]:
         name = body.get("name") if isinstance(body, dict) else None
-        merged = body.get("merged", False) if isinstance(body, dict) else False
-        if not isinstance(merged, bool):
-            raise ValidationError(f"save_weights_for_sampler merged= must be True or False, got {merged!r}")
+        merged = _flag(body, "merged", False, "save_weights_for_sampler")
+        expires_at = _expires_at(body)
+        directory = self.settings.checkpoint_dir
         if isinstance(session, LoraSession):
-            path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged)
+            path = session.save_weights(directory, name, base_model=self.base_model, merged=merged,
+                                        expires_at=expires_at)
         else:  # a full session's weights are the merged ones already
-            path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model)
-        return codec.packb({"path": path}), 0
+            path = session.save_weights(directory, name, base_model=self.base_model, expires_at=expires_at)
+        self.sweep_checkpoints()
+        return codec.packb(_saved(path, expires_at)), 0
+
+    def sweep_checkpoints(self) -> None:
+        """Delete expired checkpoints on a thread of its own (best effort), so no reply waits for it. Skipped
+        while a sweep runs: the next save sweeps again."""
+        if not self._sweeping.acquire(blocking=False):
+            return
+
+        def sweep() -> None:
+            try:
+                checkpoints.remove_expired(self.settings.checkpoint_dir)
+            except Exception:  # never fatal: an expired checkpoint is also refused (and deleted) when named
+                log.exception("deleting expired checkpoints failed")
+            finally:
+                self._sweeping.release()
+
+        threading.Thread(target=sweep, name="tinkerq-checkpoint-sweep", daemon=True).start()
 
     # -- wire -------------------------------------------------------------------------------------------------------
 
@@ -629,6 +668,26 @@ class WorkerService:
             store_reply(self.connection.store, self.settings, task_id, inbox, reply)
         except TinkerqError as exc:  # Redis stayed away for the whole retry window: the request is redelivered
             log.error("could not answer %s: %s", task_id, exc.message)
+
+
+def _flag(body: Any, key: str, default: bool, op: str) -> bool:
+    """A True/False field of a request body (``default`` when absent); anything else is a user error."""
+    value = body.get(key, default) if isinstance(body, dict) else default
+    if not isinstance(value, bool):
+        raise ValidationError(f"{op} {key}= must be True or False, got {value!r:.80}")
+    return value
+
+
+def _expires_at(body: Any) -> float | None:
+    """When a save with the body's ``ttl_seconds`` expires (unix seconds), or None: kept until deleted."""
+    ttl_seconds = body.get("ttl_seconds") if isinstance(body, dict) else None
+    validate_ttl_seconds(ttl_seconds)
+    return None if ttl_seconds is None else checkpoints.now() + ttl_seconds
+
+
+def _saved(path: str, expires_at: float | None) -> dict[str, Any]:
+    """A save's reply: its path, and when it expires if it does."""
+    return {"path": path} if expires_at is None else {"path": path, "expires_at": expires_at}
 
 
 def _queue_wait(envelope: dict[str, Any], started: float) -> dict[str, float]:

@@ -41,11 +41,13 @@ class Session(Protocol):
 
     def snapshot(self) -> PreTrainedModel: ...
 
-    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str: ...
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str,
+                     expires_at: float | None = None) -> str: ...
 
-    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str: ...
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
+                   expires_at: float | None = None, overwrite: bool = True) -> str: ...
 
-    def load_state(self, directory: Path) -> dict[str, Any]: ...
+    def load_state(self, directory: Path, *, optimizer: bool = True) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -68,15 +70,16 @@ def execute(engine: TrainingEngine, op: str, args: dict[str, Any], tied: dict[st
         # Each rank reads the files itself (the checkpoint directory is shared); all agree before any applies.
         error, saved = None, None
         directory = Path(str(args["path"]))
+        optimizer = bool(args.get("optimizer", True))
         try:
-            saved = checkpoints.read_state(directory, engine.shapes(), tied)
+            saved = checkpoints.read_state(directory, engine.shapes(), tied, optimizer=optimizer)
         except TinkerqError as exc:
             error = exc
         except OSError as exc:
             error = ServerError(f"shard {engine.group.rank} cannot read checkpoint {directory}: {exc}")
         engine.group.agree(error)
         assert saved is not None
-        engine.load(saved, tied)
+        engine.load(saved, tied, optimizer=optimizer)
         return saved.meta
     raise ServerError(f"unknown engine command {op!r}")
 
@@ -136,7 +139,8 @@ class FullSession:
         snapshot.requires_grad_(False)
         return snapshot.to(self.device)
 
-    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str) -> str:
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str,
+                     expires_at: float | None = None) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
         weights = self._run("gather_weights")
@@ -144,25 +148,30 @@ class FullSession:
         def fill(tmp: Path) -> None:
             self.template.save_pretrained(tmp, state_dict=weights)
             checkpoints.copy_tokenizer_files(self.model_dir, tmp)
-            checkpoints.write_weights_marker(tmp, base_model)
+            checkpoints.write_weights_marker(tmp, base_model, expires_at=expires_at)
 
         checkpoints.write_atomically(final, fill)
         return str(final)
 
-    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
+                   expires_at: float | None = None, overwrite: bool = True) -> str:
         """Weights + AdamW state + pending gradients + request position, for load_state (any shard count)."""
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
+        if not overwrite:  # refused before every shard gathers the whole state (and checked again at the rename)
+            checkpoints.refuse_existing(final)
         saved = self._run("gather_state")
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
             tmp, write_weights=lambda d: self.template.save_pretrained(d, state_dict=saved.weights),
             shapes=self._shapes, moments=saved.moments, grads=saved.grads, base_model=base_model,
-            model_id=self.model_id, steps=int(saved.meta["optimizer_steps"]), seq_id=seq_id, shards=self.world))
+            model_id=self.model_id, steps=int(saved.meta["optimizer_steps"]), seq_id=seq_id, shards=self.world,
+            expires_at=expires_at), overwrite=overwrite)
         return str(final)
 
-    def load_state(self, directory: Path) -> dict[str, Any]:
-        """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count)."""
+    def load_state(self, directory: Path, *, optimizer: bool = True) -> dict[str, Any]:
+        """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count);
+        without ``optimizer``, the weights only: AdamW and the pending gradients start afresh."""
         checkpoints.check_state(directory, self._shapes)  # user errors before any shard is involved
-        return self._run("load_state", path=str(directory))
+        return self._run("load_state", path=str(directory), optimizer=optimizer)
 
     def close(self) -> None:
         """Overridden where a session holds resources beyond itself (a shard group's pieces)."""

@@ -241,27 +241,32 @@ class TrainingEngine:
 
     # -- whole tensors in --------------------------------------------------------------------------------------
 
-    def load(self, saved: SavedState, tied: dict[str, str]) -> None:
-        """Take this rank's piece of every tensor of a (full) saved state; no communication needed."""
+    def load(self, saved: SavedState, tied: dict[str, str], *, optimizer: bool = True) -> None:
+        """Take this rank's piece of every tensor of a (full) saved state; no communication needed.
+
+        Without ``optimizer`` (Tinker's ``load_state``, weights only) the AdamW state and the pending gradients
+        become those of a fresh session: no moments, step 0, zero gradients, whatever the state holds.
+        """
         def place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             full = full.to(like.device, like.dtype)
             if isinstance(like, DTensor):
                 return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
             return full
 
+        grads, moments = (saved.grads, saved.moments) if optimizer else ({}, {})
         with torch.no_grad():
             for n, p in zip(self.param_names, self.params, strict=True):
                 p.copy_(place(saved.weights[n] if n in saved.weights else saved.weights[tied[n]], p))
-                if n in saved.grads:
-                    p.grad.copy_(place(saved.grads[n], p))
+                if n in grads:
+                    p.grad.copy_(place(grads[n], p))
                 else:
                     p.grad.zero_()
-                state = adam_state(n, saved.moments, lambda t, p=p: place(t, p))
+                state = adam_state(n, moments, lambda t, p=p: place(t, p))
                 if state:
                     self.optimizer.state[p] = state
-                else:
+                else:  # AdamW starts this parameter afresh at its next step, as in a new session
                     self.optimizer.state.pop(p, None)
-        self.steps = int(saved.meta["optimizer_steps"])
+        self.steps = int(saved.meta["optimizer_steps"]) if optimizer else 0
 
 
 class RequestPart:

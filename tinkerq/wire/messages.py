@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -229,20 +229,35 @@ def decode_model_info(body: Any) -> types.ModelInfo:
 
 # -- sampling -----------------------------------------------------------------------------------------------
 
+@dataclass
+class SampleRequest:
+    """A decoded sample body. Values are checked by :func:`tinkerq.validation.validate_sampling`."""
+
+    source: dict[str, Any]
+    prompt: types.ModelInput
+    num_samples: Any
+    params: types.SamplingParams
+    # Tinker's include_prompt_logprobs (and compute_logprobs): log p(prompt[i] | prompt[:i]) in the reply too.
+    prompt_logprobs: bool = False
+
+
 def encode_sample_request(source: dict[str, Any], prompt: types.ModelInput, num_samples: int,
-                          params: types.SamplingParams) -> dict[str, Any]:
+                          params: types.SamplingParams, *, prompt_logprobs: bool = False) -> dict[str, Any]:
     """``source`` names the weights: ``{"snapshot": id}``, ``{"path": dir}`` or ``{"base": True}``."""
     stop: Any = params.stop
     if stop is not None and not isinstance(stop, str):
         stop = list(stop)
-    return {
+    body = {
         "source": source, "prompt": prompt.to_numpy(), "num_samples": num_samples,
         "params": {"max_tokens": params.max_tokens, "seed": params.seed, "stop": stop,
                    "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
     }
+    if prompt_logprobs:  # absent when not asked: the body an older worker understands
+        body["prompt_logprobs"] = True
+    return body
 
 
-def decode_sample_request(body: Any) -> tuple[dict[str, Any], types.ModelInput, Any, types.SamplingParams]:
+def decode_sample_request(body: Any) -> SampleRequest:
     if not isinstance(body, dict):
         raise MalformedMessageError("sample body must be a map")
     source, prompt, params = check_source(body.get("source")), body.get("prompt"), body.get("params")
@@ -251,7 +266,11 @@ def decode_sample_request(body: Any) -> tuple[dict[str, Any], types.ModelInput, 
     if not isinstance(params, dict):
         raise MalformedMessageError("sample body needs a map 'params'")
     _reject_unknown_fields(types.SamplingParams, params)
-    return source, types.ModelInput.from_ints(prompt), body.get("num_samples"), types.SamplingParams(**params)
+    prompt_logprobs = body.get("prompt_logprobs", False)
+    if not isinstance(prompt_logprobs, bool):
+        raise MalformedMessageError(f"sample body 'prompt_logprobs' must be true or false, got {prompt_logprobs!r:.80}")
+    return SampleRequest(source, types.ModelInput.from_ints(prompt), body.get("num_samples"),
+                         types.SamplingParams(**params), prompt_logprobs)
 
 
 def check_source(source: Any) -> dict[str, Any]:
@@ -270,24 +289,44 @@ def check_source(source: Any) -> dict[str, Any]:
 
 
 def encode_sample_response(response: types.SampleResponse) -> dict[str, Any]:
-    return {"sequences": [
-        {"stop_reason": s.stop_reason, "tokens": np.asarray(s.tokens, dtype=np.int64),
-         "logprobs": None if s.logprobs is None else np.asarray(s.logprobs, dtype=np.float32)}
-        for s in response.sequences
-    ]}
+    body: dict[str, Any] = {"sequences": [_encode_sequence(s) for s in response.sequences]}
+    if response.prompt_logprobs is not None:  # (P,) float32; NaN where there is no number (position 0)
+        body["prompt_logprobs"] = np.array([np.nan if x is None else x for x in response.prompt_logprobs],
+                                           dtype=np.float32)
+    return body
+
+
+def _encode_sequence(s: types.SampledSequence) -> dict[str, Any]:
+    out: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": np.asarray(s.tokens, dtype=np.int64),
+                           "logprobs": None if s.logprobs is None else np.asarray(s.logprobs, dtype=np.float32)}
+    if s.sequence_id is not None:
+        out["sequence_id"] = s.sequence_id
+    return out
 
 
 def decode_sample_response(body: Any) -> types.SampleResponse:
     try:
-        return types.SampleResponse(sequences=[
+        sequences = [
             types.SampledSequence(
                 stop_reason=s["stop_reason"], tokens=[int(t) for t in s["tokens"]],
                 logprobs=None if s["logprobs"] is None else [float(x) for x in s["logprobs"]],
+                sequence_id=None if s.get("sequence_id") is None else str(s["sequence_id"]),
             )
             for s in body["sequences"]
-        ])
-    except (KeyError, TypeError, ValueError) as exc:
+        ]
+        return types.SampleResponse(sequences=sequences,
+                                    prompt_logprobs=_decode_prompt_logprobs(body.get("prompt_logprobs")))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise MalformedMessageError(f"sample result is malformed: {exc}") from exc
+
+
+def _decode_prompt_logprobs(raw: Any) -> list[float | None] | None:
+    """The reply's (P,) array as Tinker's list: None at position 0 (nothing predicts the first token)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, np.ndarray) or raw.ndim != 1 or raw.shape[0] < 1:
+        raise MalformedMessageError("sample result 'prompt_logprobs' must be a non-empty 1-D array")
+    return [None, *(float(x) for x in raw[1:])]
 
 
 def _reject_unknown_fields(cls: type, values: dict[str, Any]) -> None:

@@ -109,7 +109,8 @@ class LoraSession:
         (directory / "adapter_config.json").write_text(json.dumps(peft_config(self.config, self.adapter.targets,
                                                                               base_model), indent=1))
 
-    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False) -> str:
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
+                     expires_at: float | None = None) -> str:
         """A PEFT adapter directory (and, with ``merged``, the merged full model in ``merged/``)."""
         self._touch()
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
@@ -118,35 +119,39 @@ class LoraSession:
         def fill(tmp: Path) -> None:
             self._write_adapter(tmp, base_model, weights)
             checkpoints.copy_tokenizer_files(self.base.model_dir, tmp)
-            checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config))
-            if merged:
+            checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config), expires_at=expires_at)
+            if merged:  # loadable by its own path too: it expires with the adapter
                 (tmp / "merged").mkdir()
                 write_merged(self.base.model, self.adapter.frozen(), tmp / "merged")
                 checkpoints.copy_tokenizer_files(self.base.model_dir, tmp / "merged")
-                checkpoints.write_weights_marker(tmp / "merged", base_model)
+                checkpoints.write_weights_marker(tmp / "merged", base_model, expires_at=expires_at)
 
         checkpoints.write_atomically(final, fill)
         return str(final)
 
-    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int) -> str:
+    def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
+                   expires_at: float | None = None, overwrite: bool = True) -> str:
         self._touch()
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
+        if not overwrite:  # refused before anything is gathered (and checked again at the rename)
+            checkpoints.refuse_existing(final)
         saved = self.engine.gather_state()
         assert saved is not None  # one process: always the leader
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
             tmp, write_weights=lambda d: self._write_adapter(d, base_model, saved.weights),
             shapes=self.engine.shapes(), moments=saved.moments, grads=saved.grads, base_model=base_model,
-            model_id=self.model_id, steps=self.engine.steps, seq_id=seq_id, lora=config_dict(self.config)))
+            model_id=self.model_id, steps=self.engine.steps, seq_id=seq_id, lora=config_dict(self.config),
+            expires_at=expires_at), overwrite=overwrite)
         return str(final)
 
-    def load_state(self, directory: Path) -> dict[str, Any]:
+    def load_state(self, directory: Path, *, optimizer: bool = True) -> dict[str, Any]:
         """Replace the adapter, its AdamW state and pending gradients with a saved LoRA state's (same base model,
-        rank and targets)."""
+        rank and targets); without ``optimizer``, the adapter only: AdamW and the gradients start afresh."""
         self._touch()
         lora = config_dict(self.config)
         checkpoints.check_state(directory, self.engine.shapes(), lora, self.base_model)
-        saved = checkpoints.read_state(directory, self.engine.shapes(), {}, lora)
-        self.engine.load(saved, {})
+        saved = checkpoints.read_state(directory, self.engine.shapes(), {}, lora, optimizer=optimizer)
+        self.engine.load(saved, {}, optimizer=optimizer)
         return saved.meta
 
     def close(self) -> None:

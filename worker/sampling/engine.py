@@ -2,7 +2,8 @@
 
 A backend takes ``SampleJob``s from any thread, runs them on its own thread (batched however it likes), and
 reports each job exactly once through ``job.on_done``. It must report, for every sampled token, log p(token)
-at temperature 1 under the job's weights: the number ``forward`` computes for that token.
+at temperature 1 under the job's weights: the number ``forward`` computes for that token; and, for a job with
+``on_prompt_logprobs``, the same number for every prompt token after the first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from tinkerq import types
 from worker.sampling.rules import StopRule
 
@@ -20,6 +23,8 @@ if TYPE_CHECKING:  # a backend need not import transformers
     from transformers import PreTrainedModel
 
 OnDone = Callable[[list[types.SampledSequence] | None, BaseException | None], None]
+# (P,) float32: NaN at 0, then log p(prompt[i] | prompt[:i]) at temperature 1 under the job's weights.
+OnPromptLogprobs = Callable[[np.ndarray], None]
 
 
 def _ignore(sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
@@ -44,6 +49,9 @@ class SampleJob:
     # A LoRA snapshot's adapter over ``model`` (the shared base; worker/lora/routing.py), or None. Jobs of
     # different adapters over one base share its forward passes, each row routed to its own adapter.
     adapter: Any = None
+    # Asks for the prompt's logprobs (Tinker's include_prompt_logprobs): called once, from the engine thread,
+    # just before a successful on_done (never when the job fails). None: not asked, nothing computed.
+    on_prompt_logprobs: OnPromptLogprobs | None = None
 
 
 class SamplingEngine(Protocol):

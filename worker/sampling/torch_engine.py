@@ -8,7 +8,8 @@ iteration instead of waiting for the batch to drain.
 Numerics: rows of one group are left-padded to a common cache length, with an attention mask and explicit
 position ids, so a row's logits are those of its own unpadded sequence (padded keys get exactly zero
 attention weight); prompts are prefilled without padding (each distinct prompt once, batched with prompts of
-the same length). Each token's logprob is log_softmax of the raw logits (temperature 1).
+the same length). Each token's logprob is log_softmax of the raw logits (temperature 1); so are a prompt's
+own logprobs when a job asks for them, computed from that same prefill (worker/sampling/prompt_logprobs.py).
 
 Seeds: row ``r`` (sample index) of a job with seed ``s`` uses ``torch.Generator().manual_seed(row_seed(s, r))``
 with ``row_seed(s, r) = (s * 1_000_003 + r) mod 2**64`` (unseeded jobs draw ``s`` at random). Its k-th token
@@ -30,11 +31,14 @@ from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from tinkerq import types
+from worker.logprobs import fused_head_support
 from worker.lora import routing
+from worker.sampling import prompt_logprobs
 from worker.sampling.engine import EngineClosed, SampleJob
 from worker.sampling.rules import StopRule, filter_logits
 
@@ -95,6 +99,7 @@ class _Job:
         self.results: list[types.SampledSequence | None] = [None] * job.num_samples
         self.left = job.num_samples
         self.reported = False
+        self.prompt_logprobs: np.ndarray | None = None  # (P,), set at prefill when the job asks
 
     def report(self, sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
         if self.reported:
@@ -102,6 +107,9 @@ class _Job:
         self.reported = True
         self._on_report(self)  # before the answer: whoever hears it sees the rows gone
         try:
+            if sequences is not None and self.job.on_prompt_logprobs is not None:
+                assert self.prompt_logprobs is not None  # computed at prefill, before any row could finish
+                self.job.on_prompt_logprobs(self.prompt_logprobs)
             self.job.on_done(sequences, error)
         except Exception:  # a caller's bug must not stop the engine
             log.exception("sampling on_done callback raised; ignored")
@@ -147,6 +155,8 @@ class _Group:
         self.model = model
         self.cache_kwarg = _cache_kwarg(model)
         self.device = next(model.parameters()).device
+        # Prompt logprobs from hidden states and the output embedding (else from every position's logits).
+        self.fused_head = fused_head_support(model) is None
         self.cache: Any = None  # a DynamicCache the model made; its layers are (re)pointed at rows.kv
         self.rows: _Rows | None = None
         self.finished = 0  # rows finished but not yet dropped (compaction is amortised)
@@ -384,8 +394,17 @@ class TorchEngine:
                 index[_prompt_key(job)] = len(index)
                 adapters.append(job.job.adapter)
         ids = torch.tensor([key[0] for key in index], dtype=torch.long, device=device)  # (N, P)
-        with self._gate(), _routed(adapters, device=device):
-            out = group.model(input_ids=ids, use_cache=True, logits_to_keep=1)  # never (N, P, V) logits
+        asked = {_prompt_key(j) for j in jobs if j.job.on_prompt_logprobs is not None}
+        # Every position's logits only for a model whose head cannot be applied to hidden states chunk by chunk.
+        keep = 0 if asked and not group.fused_head else 1
+        with (self._gate(), _routed(adapters, device=device),
+              prompt_logprobs.final_hidden(group.model, bool(asked) and group.fused_head) as hidden):
+            out = group.model(input_ids=ids, use_cache=True, logits_to_keep=keep)  # (N, keep or P, V) logits
+            by_prompt = {key: self._prompt_logprobs(group, ids, index[key], adapters, hidden, out.logits)
+                         for key in asked}
+        for job in jobs:
+            if job.job.on_prompt_logprobs is not None:
+                job.prompt_logprobs = by_prompt[_prompt_key(job)]
         cache = _returned_cache(out)
         if not all(type(layer) is DynamicLayer for layer in cache.layers):
             raise NotImplementedError("the sampling engine needs a full-attention DynamicCache (no sliding window)")
@@ -432,6 +451,15 @@ class TorchEngine:
             "greedy": torch.tensor([j.job.params.temperature == 0 for j in row_jobs], device=device),
         }
         return _Rows(kv, t, row_jobs, samples), logits
+
+    @staticmethod
+    def _prompt_logprobs(group: _Group, ids: torch.Tensor, row: int, adapters: list[Any], hidden: list[torch.Tensor],
+                         logits: torch.Tensor) -> np.ndarray:
+        """The prompt logprobs (P,) of prefill row ``row`` of ``ids`` (N, P): from the final hidden states
+        (N, P, H) the prefill kept, or from its logits (N, P, V) when they are every position's."""
+        if hidden:
+            return prompt_logprobs.from_hidden(group.model, hidden[-1][row], ids[row], adapters[row])
+        return prompt_logprobs.from_logits(logits[row], ids[row])
 
     # -- sampling --------------------------------------------------------------------------------------
 
