@@ -58,7 +58,7 @@ def main() -> int:
     try:
         with ServiceClient(settings=Settings(broker_url=url)) as sc:
             wait_for(lambda: bool(sc.connection.workers_serving(model)), 90, "worker", worker, log)
-            tc = sc.create_training_client(model)
+            tc = sc.create_training_client(model).result()
             probe = make_batch(np.random.default_rng(1), 4)
             before = tc.forward(probe).result(timeout=60)
             for _ in range(50):  # warm-up: code paths, allocator pools

@@ -55,7 +55,7 @@ def main() -> None:
                              loss_fn_inputs={"target_tokens": [2], "weights": [1.0]})]
     with tempfile.TemporaryDirectory() as tmp, Fleet(build_llama(Path(tmp) / "tiny", **TINY_LLAMA)) as fleet:
         service = fleet.service()
-        tc = service.create_training_client(str(fleet.model_dir))
+        tc = service.create_training_client(str(fleet.model_dir)).result()
         r = fleet.redis
         echo_proc = subprocess.Popen([sys.executable, "-c", LIST_ECHO, str(fleet.port)])
 

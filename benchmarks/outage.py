@@ -46,7 +46,7 @@ def run(url: str, model: str, steps: int, window: int, disrupt=None) -> dict:
     adam = types.AdamParams(learning_rate=5e-3)
     answered: list[float] = []
     with ServiceClient(settings=Settings(broker_url=url, heartbeat_s=1.0)) as sc:
-        tc = sc.create_training_client(model)
+        tc = sc.create_training_client(model).result()
         t0 = time.monotonic()
         inflight, norms, marks = [], [], {}
         for k in range(steps):

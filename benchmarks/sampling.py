@@ -121,8 +121,8 @@ def main() -> None:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
         with Fleet(model_dir, threads=args.threads) as fleet:
             service = fleet.service()
-            tc = service.create_training_client(str(fleet.model_dir))
-            sampler = tc.save_weights_and_get_sampling_client()
+            tc = service.create_training_client(str(fleet.model_dir)).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
             run_fleet(sampler, prompts[:4], 2, 4, seed=0)  # warm-up: the first request loads nothing twice
             run_generate(model, prompts[:4], 2, 4)
             for rep in range(args.reps):
@@ -144,7 +144,7 @@ def main() -> None:
             service = fleet.service()
 
             def measure(label: str) -> None:
-                sampler = service.create_sampling_client(base_model=str(fleet.model_dir))
+                sampler = service.create_sampling_client(base_model=str(fleet.model_dir)).result()
                 run_fleet(sampler, prompts[:4], 2, 4, seed=0)  # warm-up
                 two[label] = []
                 for rep in range(args.reps):

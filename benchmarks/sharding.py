@@ -71,8 +71,8 @@ def main() -> None:
                 for n, procs in groups.items():
                     wait_for(lambda n=n: bool(service.connection.workers_serving(f"bench-{n}-shards")), 300,
                              f"{n}-shard group", procs[-1], Path(tmp) / f"shards{n}-rank0.log")
-                clients = {1: service.create_training_client(str(fleet.model_dir))}
-                clients.update({n: service.create_training_client(f"bench-{n}-shards") for n in args.shards})
+                clients = {1: service.create_training_client(str(fleet.model_dir)).result()}
+                clients.update({n: service.create_training_client(f"bench-{n}-shards").result() for n in args.shards})
                 n_params = clients[1].info.num_parameters
                 times: dict[int, list[float]] = {n: [] for n in clients}
                 state_bytes: dict[int, float] = {}

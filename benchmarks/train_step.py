@@ -93,7 +93,7 @@ def main() -> None:
             env["TINKERQ_LOSS_BACKEND"] = args.loss_backend
         with Fleet(model_dir, threads=args.threads, env=env) as fleet:
             service = fleet.service()
-            tc = service.create_training_client(str(fleet.model_dir))
+            tc = service.create_training_client(str(fleet.model_dir)).result()
             local = InProcess(fleet.model_dir, adam)
             n_params = sum(p.numel() for p in local.model.parameters())
             fleet_s: list[float] = []

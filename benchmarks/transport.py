@@ -67,7 +67,7 @@ def main() -> None:
     payload = codec.packb(body)
     with tempfile.TemporaryDirectory() as tmp, Fleet(build_llama(Path(tmp) / "tiny", **TINY_LLAMA)) as fleet:
         service = fleet.service()
-        tc = service.create_training_client(str(fleet.model_dir))
+        tc = service.create_training_client(str(fleet.model_dir)).result()
         r = fleet.redis
         key = "bench:transport"
 

@@ -1,7 +1,10 @@
-"""Futures returned by every client call: ``.result(timeout)``, ``.done()`` and ``await``.
+"""Futures returned by every client call: ``.result(timeout)``, ``.done()``, ``await`` and ``result_async()``.
 
 A future is resolved by the client's dispatcher (producer/dispatch.py) from another thread; waiting on one
 never takes a lock shared with other futures, so any number of threads or asyncio tasks can wait at once.
+
+:class:`ClientFuture` is what the client-creating calls return, as in Tinker's SDK: a future of a client
+that can also be used directly as the client (attribute access waits for it).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from tinkerq.errors import RequestTimeoutError, TinkerqError
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck
 
 T = TypeVar("T")
+U = TypeVar("U")
+C = TypeVar("C")
+F = TypeVar("F", bound="ClientFuture[Any]")
 
 
 class APIFuture(Generic[T]):
@@ -44,6 +50,14 @@ class APIFuture(Generic[T]):
     def failed(cls, error: TinkerqError) -> APIFuture[Any]:
         """A future that already holds an error (e.g. the producer refused the request before sending)."""
         return cls(None, error=error)
+
+    @classmethod
+    def completed(cls, value: T) -> APIFuture[T]:
+        """A future that already holds ``value`` (a call with nothing to wait for)."""
+        future: APIFuture[T] = cls(None)
+        future._value, future._decoded = value, True
+        future._arrived.set_result(None)
+        return future
 
     # -- set by the dispatcher ------------------------------------------------------------------------------
 
@@ -72,10 +86,9 @@ class APIFuture(Generic[T]):
         try:
             reply = self._arrived.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise RequestTimeoutError(
-                f"no answer to {self._describe} within {timeout} s; the request is still queued or running. "
-                f"Wait longer, or check that a worker serves this model (tinkerq fleet status)"
-            ) from None
+            if self._arrived.done():  # the request's own error (RequestTimeoutError is a TimeoutError too)
+                raise
+            raise self._timeout_error(timeout) from None
         with self._decode_lock:
             if not self._decoded:
                 self._read(reply)
@@ -83,6 +96,12 @@ class APIFuture(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value
+
+    def _timeout_error(self, timeout: float | None) -> RequestTimeoutError:
+        return RequestTimeoutError(
+            f"no answer to {self._describe} within {timeout} s; the request is still queued or running. "
+            f"Wait longer, or check that a worker serves this model (tinkerq fleet status)"
+        )
 
     def _read(self, reply: Any) -> None:
         if isinstance(reply, dict) and isinstance(reply.get("timing"), dict):
@@ -116,13 +135,141 @@ class APIFuture(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         return self._await().__await__()
 
-    async def _await(self) -> T:
+    async def result_async(self, timeout: float | None = None) -> T:
+        """``await future``, waiting at most ``timeout`` seconds (Tinker's spelling)."""
+        if timeout is None:
+            return await self._await()
+        try:
+            return await asyncio.wait_for(self._await(), timeout)
+        except asyncio.TimeoutError:
+            if self.done():
+                raise
+            raise self._timeout_error(timeout) from None
+
+    async def coroutine(self) -> T:
+        """This future as a coroutine, for APIs that take one (``asyncio.create_task``)."""
+        return await self._await()
+
+    async def _await_arrival(self) -> None:
         if not self.done():
-            with contextlib.suppress(TinkerqError):  # raised by result() below
+            with contextlib.suppress(TinkerqError):  # raised by result() after this
                 await asyncio.wrap_future(self._arrived)
+
+    async def _await(self) -> T:
+        await self._await_arrival()
         # Decoding may read a claim-checked body from Redis: off the event loop.
         return await asyncio.get_running_loop().run_in_executor(None, self.result, 0)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<APIFuture {self._describe} {state}>"
+
+
+class MappedFuture(APIFuture[U]):
+    """``fn`` applied to another future's answer, by the first caller of ``result()`` (never in the dispatcher's
+    thread). Used where the answer is reshaped client-side: ``compute_logprobs``, ``prompt_logprobs_last_n``,
+    ``forward_backward_custom``'s metrics."""
+
+    def __init__(self, source: APIFuture[Any], fn: Callable[[Any], U]) -> None:
+        super().__init__(None, describe=source._describe, task_id=source.task_id)
+        self._source = source
+        self._fn = fn
+        self._map_lock = threading.Lock()
+        self._mapped: tuple[bool, Any] | None = None  # (ok, value or error), once computed
+
+    def done(self) -> bool:
+        return self._source.done()
+
+    def result(self, timeout: float | None = None) -> U:
+        value = self._source.result(timeout)
+        self.timing = self._source.timing
+        with self._map_lock:
+            if self._mapped is None:
+                try:
+                    self._mapped = (True, self._fn(value))
+                except TinkerqError as exc:
+                    self._mapped = (False, exc)
+        ok, out = self._mapped
+        if not ok:
+            raise cast(TinkerqError, out)
+        return cast(U, out)
+
+    def add_done_callback(self, fn: Callable[[APIFuture[U]], None]) -> None:
+        self._source.add_done_callback(lambda _: fn(self))
+
+    async def _await_arrival(self) -> None:
+        await self._source._await_arrival()
+
+    async def _await(self) -> U:
+        await self._await_arrival()
+        return await asyncio.get_running_loop().run_in_executor(None, self.result, 0)
+
+
+class ClientFuture(Generic[C]):
+    """A future of a client (Tinker's ``Backcompat*ClientFuture``): ``.result(timeout)``, ``await``,
+    ``result_async()``; and, so code written when these calls returned the client keeps working, any public
+    attribute is read from the client once it exists (waiting for it).
+
+    The client is made in a background thread (see ``ServiceClient._background``), so creating several
+    clients at once, or awaiting one in asyncio code, does not serialize on their creation.
+    """
+
+    def __init__(self, future: concurrent.futures.Future[C], describe: str = "client") -> None:
+        self._future = future
+        self._describe = describe
+
+    @classmethod
+    def of(cls: type[F], client: Any, describe: str = "client") -> F:
+        """A future that already holds ``client``."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(client)
+        return cls(future, describe)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> C:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._future.done():  # the creation's own error (RequestTimeoutError is a TimeoutError too)
+                raise
+            raise RequestTimeoutError(f"{self._describe} was not ready within {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except Exception as exc:
+            return exc
+        return None
+
+    async def result_async(self, timeout: float | None = None) -> C:
+        try:
+            # shield: giving up waiting must not cancel the creation itself
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
+        except asyncio.TimeoutError:
+            if self._future.done():  # the creation's own error (RequestTimeoutError is a TimeoutError too)
+                raise
+            raise RequestTimeoutError(f"{self._describe} was not ready within {timeout} s") from None
+
+    def future(self) -> concurrent.futures.Future[C]:
+        """The underlying ``concurrent.futures.Future`` (``concurrent.futures.wait``, ``as_completed``)."""
+        return self._future
+
+    def __await__(self) -> Generator[Any, None, C]:
+        return asyncio.wrap_future(self._future).__await__()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only what the class itself lacks gets here: the client's methods and attributes (model_id, info, ...;
+        # its private ones too, which tinkerq's tests and gateway use). Never the future's own state (missing
+        # only while copy or pickle builds one) nor dunders, which Python and libraries probe for.
+        if name in ("_future", "_describe") or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(name)
+        return getattr(self.result(), name)
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            return f"<{type(self).__name__} {self._describe} pending>"
+        error = self._future.exception()
+        return f"<{type(self).__name__} {self._describe} failed: {error!r}>" if error else \
+            f"<{type(self).__name__} {self._future.result()!r}>"

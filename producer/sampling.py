@@ -9,32 +9,47 @@ Sampling has no side effects, so a request whose worker dies is sent again to an
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from producer.futures import APIFuture
+from producer.futures import APIFuture, ClientFuture, MappedFuture
 from tinkerq import keys, types
-from tinkerq.errors import TinkerqError, UnknownModelError
+from tinkerq.errors import ServerError, TinkerqError, UnknownModelError, UserError
 from tinkerq.validation import validate_sampling
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizer
+
     from producer.client import ServiceClient
 
 MAX_ATTEMPTS = 3  # workers tried for one request before WorkerLostError reaches the caller
+
+
+class SamplingClientFuture(ClientFuture["SamplingClient"]):
+    """What ``create_sampling_client`` and ``save_weights_and_get_sampling_client`` return (Tinker's
+    ``BackcompatSamplingClientFuture``): ``.result()`` or ``await`` it for the :class:`SamplingClient`; using
+    it directly as the client also works (each attribute waits for the client first)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.result().__reduce__()  # pickled as the client it holds (as the SDK's future is)
 
 
 class SamplingClient:
     """Made by ``TrainingClient.save_weights_and_get_sampling_client()`` or
     ``ServiceClient.create_sampling_client(model_path=... | base_model=...)``."""
 
-    def __init__(self, service: ServiceClient, source: dict[str, Any], base_model: str) -> None:
+    def __init__(self, service: ServiceClient, source: dict[str, Any], base_model: str, *,
+                 retry_config: Any = None) -> None:
         self.service = service
         self.source = source
         self.base_model = base_model
+        self.retry_config = retry_config  # Tinker's; unused: lost workers' requests are resent (MAX_ATTEMPTS)
         self.client_id = uuid.uuid4().hex  # names this client's requests (Flower, logs)
         self.model_path = source.get("path")
         self.sampler_id = source.get("snapshot")
@@ -43,14 +58,27 @@ class SamplingClient:
         self.max_seq_len = record.get("max_seq_len")
 
     def sample(self, prompt: types.ModelInput, num_samples: int = 1,
-               sampling_params: types.SamplingParams | None = None) -> APIFuture[types.SampleResponse]:
-        """``num_samples`` completions of ``prompt``: tokens, per-token logprobs and why each stopped."""
+               sampling_params: types.SamplingParams | None = None, include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, target_prompt_logprobs: Any = None,
+               prompt_alt_tokens_k: int = 0,
+               prompt_logprobs_last_n: int | None = None) -> APIFuture[types.SampleResponse]:
+        """``num_samples`` completions of ``prompt``: tokens, per-token logprobs and why each stopped.
+
+        ``include_prompt_logprobs``: also ``prompt_logprobs``, log p(prompt[i] | prompt[:i]) at every position
+        (None at 0); ``prompt_logprobs_last_n``: only the last N of them (earlier entries None). Tinker's
+        top-k, target-token and alternative-token options are not served: a non-default one is refused.
+        """
         params = sampling_params or types.SamplingParams()
         s = self.service.settings
         try:
+            _check_unsupported(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+                               prompt_alt_tokens_k)
             validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                               max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
-            body = codec.packb(messages.encode_sample_request(self.source, prompt, num_samples, params))
+            _check_last_n(prompt_logprobs_last_n, include_prompt_logprobs, prompt.length)
+            # Asked only when wanted, so a plain sample request stays what it always was on the wire.
+            extra = {"prompt_logprobs": True} if include_prompt_logprobs else {}
+            body = codec.packb(messages.encode_sample_request(self.source, prompt, num_samples, params, **extra))
             self.service.connection.claim_check().check_size(len(body))
             record = self.service._sampling_workers.pick(self.base_model, exclude=())
         except TinkerqError as exc:
@@ -68,21 +96,145 @@ class SamplingClient:
             tried.append(other["worker"])
             return other["worker"], keys.sample_queue(other["worker"]), float(other.get("heartbeat_s") or s.heartbeat_s)
 
-        return self.service._dispatch.submit(
+        future: APIFuture[types.SampleResponse] = self.service._dispatch.submit(
             "sample", body, model_id=self.client_id, seq_id=0, queue=keys.sample_queue(record["worker"]),
             decode=messages.decode_sample_response, worker=record["worker"],
             heartbeat_s=float(record.get("heartbeat_s") or s.heartbeat_s), reroute=reroute, sequenced=False,
             argsrepr=f"prompt_tokens={prompt.length} num_samples={num_samples} max_tokens={params.max_tokens}",
             describe=f"sample ({prompt.length} prompt tokens x {num_samples})",
         )
+        if not include_prompt_logprobs:
+            return future
+        return MappedFuture(future, lambda response: _with_prompt_logprobs(response, prompt_logprobs_last_n))
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int = 1,
-                           sampling_params: types.SamplingParams | None = None) -> types.SampleResponse:
+                           sampling_params: types.SamplingParams | None = None, include_prompt_logprobs: bool = False,
+                           topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                           target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
+                           prompt_logprobs_last_n: int | None = None) -> types.SampleResponse:
         """As in Tinker: ``await sampling_client.sample_async(...)`` gives the SampleResponse."""
-        return await self.sample(prompt, num_samples, sampling_params)
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
+                                 topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k,
+                                 prompt_logprobs_last_n)
+
+    def compute_logprobs(self, prompt: types.ModelInput,
+                         prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+        """log p(prompt[i] | prompt[:i]) for every position of ``prompt`` (None at 0, and before the last
+        ``prompt_logprobs_last_n`` when given): what ``forward`` computes for the same tokens. As in the SDK, a
+        one-token sample request with the prompt's logprobs."""
+        future = self.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                             prompt_logprobs_last_n=prompt_logprobs_last_n)
+        return MappedFuture(future, lambda response: list(response.prompt_logprobs))
+
+    async def compute_logprobs_async(self, prompt: types.ModelInput,
+                                     prompt_logprobs_last_n: int | None = None) -> list[float | None]:
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_base_model(self) -> str:
         return self.base_model
+
+    async def get_base_model_async(self) -> str:
+        return self.base_model
+
+    def get_tokenizer(self) -> PreTrainedTokenizer:
+        """The base model's tokenizer (``transformers.AutoTokenizer``), when its directory is visible here."""
+        return load_tokenizer(self.base_model)
+
+    # -- to other processes -----------------------------------------------------------------------------------
+
+    def get_sampler_handle(self) -> str:
+        """A string naming this client's weights (no credentials in it):
+        ``SamplingClient.from_sampler_handle(handle)`` in any process makes a client of the same weights."""
+        state = {"source": self.source, "base_model": self.base_model}
+        return base64.urlsafe_b64encode(json.dumps(state, separators=(",", ":")).encode()).decode()
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> SamplingClient:
+        """A client for the weights ``handle`` names, on the fleet of ``TINKERQ_BROKER_URL`` (one shared
+        ServiceClient per process). tinkerq has no API keys: ``api_key`` must be None."""
+        if api_key is not None:
+            raise UserError("tinkerq has no API keys: the fleet is the one TINKERQ_BROKER_URL names; pass api_key=None")
+        try:
+            state = json.loads(base64.urlsafe_b64decode(handle.encode()))
+            source, base_model = messages.check_source(state["source"]), str(state["base_model"])
+        except (ValueError, TypeError, KeyError, AttributeError, TinkerqError):
+            raise UserError(f"{handle!r:.80} is not a handle from SamplingClient.get_sampler_handle()") from None
+        return SamplingClient(_shared_service(None), source, base_model)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled (multiprocessing), it carries the broker URL too: the other process joins the same fleet.
+        return _unpickle, (self.service.settings.broker_url, self.source, self.base_model)
+
+
+def _unpickle(broker_url: str | None, source: dict[str, Any], base_model: str) -> SamplingClient:
+    return SamplingClient(_shared_service(broker_url), source, base_model)
+
+
+_shared_lock = threading.Lock()
+_shared_services: dict[str | None, ServiceClient] = {}
+
+
+def _shared_service(broker_url: str | None) -> ServiceClient:
+    """One ServiceClient per broker for the clients made from handles and pickles (it lives as long as the
+    process: those clients may be anywhere)."""
+    from producer.client import ServiceClient  # a cycle at import time otherwise
+
+    with _shared_lock:
+        if broker_url not in _shared_services:
+            _shared_services[broker_url] = ServiceClient(broker_url)
+        return _shared_services[broker_url]
+
+
+def _check_unsupported(topk_prompt_logprobs: Any, topk_sample_logprobs: Any, target_prompt_logprobs: Any,
+                       prompt_alt_tokens_k: Any) -> None:
+    """Tinker's sampling options that tinkerq's workers do not compute: refused, never silently dropped."""
+    for name, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs),
+                        ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
+        if value != 0:
+            raise UserError(f"{name}={value!r} is not supported by tinkerq's workers (only 0); "
+                            f"use include_prompt_logprobs, or forward() for per-token logprobs")
+    if target_prompt_logprobs is not None:
+        raise UserError("target_prompt_logprobs is not supported by tinkerq's workers; score chosen tokens with "
+                        "forward() or compute_logprobs() on the prompt that contains them")
+
+
+def _check_last_n(last_n: Any, include_prompt_logprobs: bool, prompt_length: int) -> None:
+    if last_n is None:
+        return
+    if not include_prompt_logprobs:
+        raise UserError("prompt_logprobs_last_n applies to prompt logprobs; set include_prompt_logprobs=True")
+    if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= prompt_length - 1:
+        raise UserError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {prompt_length - 1}, "
+                        f"got {last_n!r}")
+
+
+def _with_prompt_logprobs(response: types.SampleResponse, last_n: int | None) -> types.SampleResponse:
+    """The answer to a request with include_prompt_logprobs: checked, and cut to the last ``last_n`` (here, on
+    the client: the worker computes them all in the same prefill anyway)."""
+    logprobs = response.prompt_logprobs
+    if logprobs is None:
+        raise ServerError("the worker returned no prompt logprobs; it may predate include_prompt_logprobs "
+                          "(upgrade the fleet's workers)")
+    if last_n is not None:
+        keep = len(logprobs) - last_n
+        cut: list[float | None] = [None] * keep
+        response.prompt_logprobs = cut + list(logprobs[keep:])
+    return response
+
+
+def load_tokenizer(base_model: str) -> PreTrainedTokenizer:
+    """``AutoTokenizer`` of a served model, whose directory must be readable here."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("get_tokenizer() needs transformers: pip install 'tinkerq[jobs]'") from None
+    try:
+        return cast("PreTrainedTokenizer", AutoTokenizer.from_pretrained(base_model))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"cannot load the tokenizer of {base_model!r} on this machine ({exc}); the model "
+            f"directory must be readable here"
+        ) from None
 
 
 class SamplingWorkers:
@@ -105,7 +257,7 @@ class SamplingWorkers:
                 self._records[base_model] = (time.monotonic(), records)
         usable = [r for r in records if r.get("worker") not in exclude]
         if not usable:
-            served = self.service.get_server_capabilities()
+            served = self.service._served_models()
             raise UnknownModelError(
                 f"no {'other ' if exclude else ''}worker serves {base_model!r}; served now: {served or 'none'}. "
                 f"Start one with: tinkerq worker --model {base_model} [--role sampler]"

@@ -4,7 +4,7 @@ The demo model is first SFT-warmed for a few steps on string reversal. RL then t
 data never showed — answer with only the first three letters of the reversed string — from a reward
 alone. Each RL iteration follows the Tinker cookbook loop:
 
-1. ``sampler = tc.save_weights_and_get_sampling_client()`` freezes the current weights;
+1. ``sampler = tc.save_weights_and_get_sampling_client().result()`` freezes the current weights;
 2. ``group_size`` completions are sampled per prompt, with their per-token logprobs;
 3. reward = fraction of the rule's answer reproduced (position by position, a wrong length costs),
    advantage = reward minus the group's mean reward;
@@ -99,7 +99,7 @@ def rl_datums(prompt_tokens: list[int], samples: list[types.SampledSequence],
 
 def evaluate(tc: TrainingClient, tokenizer: Any, pairs: list[dict[str, str]]) -> tuple[float, float]:
     """Greedy mean reward and exact-match rate on held-out prompts, sampled through the fleet."""
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=10, temperature=0.0, stop=[tokenizer.eos_token_id])
     futures = [(p, sampler.sample(_prompt(tokenizer, p["prompt"]), 1, params)) for p in pairs]
     rewards, exact = [], 0
@@ -155,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
         with open(metrics_path, "w") as log, tqdm(total=args.iterations, desc="rl", unit="iter") as bar:
             for it in range(args.iterations):
                 t_start = time.perf_counter()
-                sampler = tc.save_weights_and_get_sampling_client()
+                sampler = tc.save_weights_and_get_sampling_client().result()
                 t_snapshot = time.perf_counter()
                 batch = rng.sample(train, args.prompts)
                 prompts = [_prompt(tokenizer, p["prompt"]) for p in batch]

@@ -95,8 +95,8 @@ def open_training_client(sc: ServiceClient, model_dir: str, lora_rank: int | Non
     """A full-parameter session (``lora_rank`` None) or a LoRA session of that rank whose initial adapter is
     drawn from ``seed`` (so a run repeats); a LoRA one prints its size."""
     if lora_rank is None:
-        return sc.create_training_client(model_dir)
-    tc = sc.create_lora_training_client(model_dir, rank=lora_rank, seed=seed)
+        return sc.create_training_client(model_dir).result()
+    tc = sc.create_lora_training_client(model_dir, rank=lora_rank, seed=seed).result()
     print(describe_lora(tc.get_info()))
     return tc
 

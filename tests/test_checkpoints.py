@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import make_batch, max_weight_diff
 from tinkerq import errors, types
@@ -31,7 +32,7 @@ def test_resumed_run_equals_the_uninterrupted_one(service, model_dir):
     finally:
         a.close()
     assert (Path(saved) / "tinkerq_state.json").is_file()
-    b = service.create_training_client_from_state(saved)
+    b = service.create_training_client_from_state_with_optimizer(saved)
     try:
         resumed = _steps(b, batches[3:])
         end_b = b.save_weights_for_sampler("end-b").result(timeout=60).path
@@ -51,7 +52,7 @@ def test_pending_gradients_travel_with_the_state(service, model_dir):
         a.forward_backward(batch)
         path = a.save_state("pending").result(timeout=60).path
         norm_a = a.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"]
-        b.load_state(path).result(timeout=60)
+        b.load_state_with_optimizer(path).result(timeout=60)
         norm_b = b.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"]
         assert norm_b == pytest.approx(norm_a, rel=1e-6) and norm_a > 0
     finally:
@@ -91,3 +92,189 @@ def test_writes_are_atomic(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither a half-written checkpoint nor a leftover temp dir
     write_atomically(tmp_path / "ckpt", lambda d: (d / "ok").write_text("1"))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and (tmp_path / "ckpt" / "ok").exists()
+
+
+# -- load_state without the optimizer (Tinker's load_state; load_state_with_optimizer keeps it) ----------------
+
+
+def client_of(tc):
+    """The TrainingClient itself: create_training_client may give a future of it (Tinker's Backcompat future)."""
+    return tc.result(timeout=120) if callable(getattr(type(tc), "result", None)) else tc
+
+
+def _full_session(model_dir):
+    from tests.helpers import load_reference
+    from worker.logprobs import LogprobComputer
+    from worker.session import TrainingSession
+
+    model = load_reference(model_dir).requires_grad_(True)
+    return TrainingSession("a" * 32, model, base_dir=str(model_dir), microbatch_tokens=96,
+                           logprobs=LogprobComputer(model, "torch"), blank_model=lambda: load_reference(model_dir))
+
+
+def _lora_session(model_dir, name="b" * 32):
+    from tests.helpers import load_reference
+    from worker.logprobs import LogprobComputer
+    from worker.lora.session import LoraBase, LoraSession
+
+    base = load_reference(model_dir)
+    lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=96)
+    return LoraSession(name, lora, types.LoraConfig(rank=4, seed=5), base_model="tiny")
+
+
+def _step(session, batch) -> dict:
+    session.run_loss(batch, "cross_entropy", None, backward=True)
+    return session.optim_step(ADAM).metrics
+
+
+def _weights(session) -> dict:
+    return {n: p.detach().clone() for n, p in zip(session.engine.param_names, session.engine.params, strict=True)}
+
+
+def _assert_weights(got: dict, want: dict, atol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
+
+
+def _trained_then_saved(session, tmp_path, rng):
+    """Two steps and a pending gradient, saved; then the step that continues it (its weights are returned), and
+    more training with a pending gradient again, so that loading has something to undo."""
+    for _ in range(2):
+        _step(session, make_batch(rng, 3))
+    session.run_loss(make_batch(rng, 2), "cross_entropy", None, backward=True)  # pending when saved
+    path = session.save_state(str(tmp_path), "mid", base_model="tiny", seq_id=3)
+    probe = make_batch(rng, 3)
+    continued = (_step(session, probe), _weights(session))
+    _step(session, make_batch(rng, 4))
+    session.run_loss(make_batch(rng, 2), "cross_entropy", None, backward=True)
+    return Path(path), probe, continued
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_load_state_with_and_without_the_optimizer(model_dir, tmp_path, kind):
+    from worker.checkpoints import PEFT_PREFIX
+    from worker.lora.session import LoraSession
+
+    rng = np.random.default_rng(60)
+    session = _full_session(model_dir) if kind == "full" else _lora_session(model_dir)
+    path, probe, (continued_metrics, continued) = _trained_then_saved(session, tmp_path, rng)
+
+    # With the optimizer: exactly the step that followed the save (moments, step count and pending gradients).
+    meta = session.load_state(path, optimizer=True)
+    assert meta["optimizer_steps"] == 2 and session.steps == 2
+    metrics = _step(session, probe)
+    assert metrics["step:max"] == 3 and metrics["grad_norm:mean"] == pytest.approx(continued_metrics["grad_norm:mean"])
+    _assert_weights(_weights(session), continued, atol=0.0)
+
+    # Without: the saved weights, AdamW as in a new session and no pending gradient.
+    session.load_state(path, optimizer=False)
+    assert session.steps == 0 and not session.engine.optimizer.state
+    assert all(not p.grad.any() for p in session.engine.params)
+    metrics = _step(session, probe)
+    assert metrics["step:max"] == 1
+
+    # The plain-PyTorch reference: the saved weights, a fresh torch.optim.AdamW, one step on the same batch.
+    if kind == "full":
+        from transformers import AutoModelForCausalLM
+
+        from tests.helpers import reference_step
+
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        opt = torch.optim.AdamW(ref.parameters(), lr=0.0)
+        norm = reference_step(ref, opt, [probe], ADAM)
+        want = {n: p.detach() for n, p in ref.named_parameters()}
+    else:  # the saved adapter as PEFT loads it over the base, trained by a fresh torch.optim.AdamW
+        import peft
+
+        from tests.helpers import load_reference, reference_step
+
+        ref = peft.PeftModel.from_pretrained(load_reference(model_dir), str(path), is_trainable=True).eval()
+        trained = [p for p in ref.parameters() if p.requires_grad]
+        norm = reference_step(ref, torch.optim.AdamW(trained, lr=0.0), [probe], ADAM)
+        want = {n.removeprefix(PEFT_PREFIX).replace(".default", ""): p.detach()
+                for n, p in ref.named_parameters() if p.requires_grad}
+        assert isinstance(session, LoraSession) and len(want) == len(trained)
+    assert metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
+    _assert_weights(_weights(session), want, atol=1e-6)
+    assert max(float((continued[n] - want[n]).abs().max()) for n in want) > 1e-4  # the two really differ
+
+
+def test_load_state_optimizer_flag_on_the_wire(service, model_dir):
+    """Through a worker: a body without "optimizer" restores it (as before); False starts AdamW afresh; anything
+    else is a user error that changes nothing."""
+    tc = client_of(service.create_training_client(str(model_dir)))
+    try:
+        rng = np.random.default_rng(61)
+        _steps(tc, [make_batch(rng, 2)])
+        path = tc.save_state("wire-optimizer").result(timeout=60).path
+
+        def load(body):
+            return tc._submit("load_state", body, lambda b: b, argsrepr="test")
+
+        assert load({"path": path}).result(timeout=60)["optimizer_steps"] == 1
+        reply = load({"path": path, "optimizer": False}).result(timeout=60)
+        assert reply["optimizer_steps"] == 0 and reply["optimizer"] is False
+        assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
+        for bad in (1, "no", None):
+            err = load({"path": path, "optimizer": bad}).exception(timeout=60)
+            assert isinstance(err, errors.ValidationError) and "optimizer" in err.message, bad
+        assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 2
+    finally:
+        tc.close()
+
+
+SHARDED = "tiny-sharded-checkpoints"
+
+
+@pytest.fixture(scope="module")
+def sharded(model_dir, redis_url, checkpoint_dir, tmp_path_factory, worker):
+    """A model in two shards (tests/test_sharding.py), under a name of its own."""
+    from producer import ServiceClient
+    from tests.test_sharding import _start_group
+
+    with ServiceClient(broker_url=redis_url) as sc:
+        group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, sc, SHARDED)
+    yield SHARDED
+    group.stop()
+
+
+def test_sharded_load_state_with_and_without_the_optimizer(service, sharded):
+    """A session in two shards takes the same engine path: load_state(optimizer=False) then one step equals the
+    plain-PyTorch reference that starts AdamW afresh from the saved weights; optimizer=True continues exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import reference_step
+
+    rng = np.random.default_rng(62)
+    tc = client_of(service.create_training_client(sharded))
+
+    def load(path, **flags):
+        return tc._submit("load_state", {"path": path, **flags}, lambda b: b, argsrepr="test").result(timeout=60)
+
+    def weights(tag):
+        return tc.save_weights_for_sampler(tag).result(timeout=60).path
+
+    try:
+        _steps(tc, [make_batch(rng, 3), make_batch(rng, 2)])
+        tc.forward_backward(make_batch(rng, 2))  # pending when saved
+        path = tc.save_state("sharded-optimizer").result(timeout=60).path
+        probe = make_batch(rng, 3)
+        _steps(tc, [probe])
+        continued = weights("sharded-continued")
+        _steps(tc, [make_batch(rng, 4)])
+        tc.forward_backward(make_batch(rng, 2))
+
+        assert load(path, optimizer=True)["optimizer_steps"] == 2
+        _steps(tc, [probe])
+        assert max_weight_diff(AutoModelForCausalLM.from_pretrained(continued), weights("sharded-again")) < 1e-6
+
+        assert load(path, optimizer=False)["optimizer_steps"] == 0
+        tc.forward_backward(probe)
+        step = tc.optim_step(ADAM).result(timeout=60).metrics
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        norm = reference_step(ref, torch.optim.AdamW(ref.parameters(), lr=0.0), [probe], ADAM)
+        assert step["step:max"] == 1 and step["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
+        assert max_weight_diff(ref, weights("sharded-fresh")) < 1e-5
+    finally:
+        tc.close()

@@ -47,7 +47,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
 
         # Two models share one Redis without interfering: each session lands on its own model's worker.
         with ServiceClient(broker_url=broker) as sc:
-            assert sc.get_server_capabilities() == sorted([str(model_dir), str(other)])
+            served = [m.model_name for m in sc.get_server_capabilities().supported_models]
+            assert served == sorted([str(model_dir), str(other)])
             a, b = sc.create_training_client(str(model_dir)), sc.create_training_client(str(other))
             assert a.info.worker != b.info.worker
             data = make_batch(np.random.default_rng(40), 2)

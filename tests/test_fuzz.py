@@ -85,7 +85,7 @@ def test_worker_survives_thousands_of_hostile_messages(training_client, worker, 
     for a, b in zip(before.loss_fn_outputs, after.loss_fn_outputs, strict=True):
         assert np.array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
     # Still registered and beating (its consumer loop runs).
-    assert tc.service.get_server_capabilities() == [str(model_dir)]
+    assert [m.model_name for m in tc.service.get_server_capabilities().supported_models] == [str(model_dir)]
     ages = tc.service.connection.store.ages(keys.HEARTBEATS)
     assert ages[tc.info.worker] < 3 * 1.0  # the test worker beats every 0.5 s
 

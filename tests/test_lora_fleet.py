@@ -61,7 +61,7 @@ def test_state_resumes_on_a_new_client_and_sampling_works(service, model_dir, ch
     tc = service.create_lora_training_client(str(model_dir), rank=8, seed=5, train_attn=False)
     _train(tc, batches[:2])
     path = tc.save_state("lora-mid").result(timeout=60).path
-    resumed = service.create_training_client_from_state(path)
+    resumed = service.create_training_client_from_state_with_optimizer(path)
     assert resumed.get_info().extra["lora"]["rank"] == 8 and resumed.get_info().extra["lora"]["train_attn"] is False
     a, b = _train(tc, batches[2:]), _train(resumed, batches[2:])
     for (fa, sa), (fb, sb) in zip(a, b, strict=True):

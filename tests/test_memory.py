@@ -360,7 +360,7 @@ def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capac
         extra, refused = [], None
         for _ in range(40):
             try:
-                extra.append(sc.create_training_client(capacity_worker))
+                extra.append(sc.create_training_client(capacity_worker).result())
             except ServerError as exc:
                 refused = exc
                 break
@@ -388,7 +388,7 @@ def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capac
         assert [s.tokens for s in again.sequences] == [s.tokens for s in sampled.sequences]
         tc.forward_backward(data).result(timeout=120)
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
-        replacement = sc.create_training_client(capacity_worker)  # room again after the closes
+        replacement = sc.create_training_client(capacity_worker).result()  # room again after the closes
         replacement.close()
         tc.close()
 

@@ -281,7 +281,7 @@ def _train_through(sentinels: SentinelSetup, model_dir: Path) -> None:
     batches = [make_batch(rng, 2, max_len=20) for _ in range(3)]
     adam = types.AdamParams(learning_rate=5e-3)
     with ServiceClient(broker_url=sentinels.url) as sc:
-        assert sc.get_server_capabilities() == [SENTINEL_MODEL]
+        assert [m.model_name for m in sc.get_server_capabilities().supported_models] == [SENTINEL_MODEL]
         tc = sc.create_training_client(SENTINEL_MODEL)
         for future in _steps(tc, batches, adam):
             future.result(timeout=60)

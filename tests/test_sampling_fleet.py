@@ -69,7 +69,7 @@ def _trained_snapshot(tc, seed: int):
 
 def test_second_worker_samples_a_published_snapshot_identically(service, sampler_worker):
     sampler_id, _, log = sampler_worker
-    tc = service.create_training_client(service.get_server_capabilities()[0])
+    tc = service.create_training_client(service.get_server_capabilities().supported_models[0].model_name)
     try:
         assert tc.info.worker != sampler_id  # a sampler worker takes no training sessions
         sampler, source = _trained_snapshot(tc, 31)

@@ -198,7 +198,7 @@ def test_state_saved_by_two_shards_resumes_on_one_worker_and_back(service, model
             a.close()
         meta = json.loads((Path(path) / "tinkerq_state.json").read_text())
         assert meta["saved_by_shards"] == (2 if saver == SHARDED else 1)
-        b = service.create_training_client_from_state(path, base_model=loader)
+        b = service.create_training_client_from_state_with_optimizer(path, base_model=loader)
         try:
             resumed = _run(b, batches[2:])
             end_b = b.save_weights_for_sampler("end-b").result(timeout=60).path
@@ -262,7 +262,7 @@ def test_a_non_finite_loss_on_one_shard_is_refused_by_all_and_changes_nothing(pa
 
 def test_lora_sessions_are_refused_by_a_sharded_worker(service, shard_group):
     with pytest.raises(errors.ValidationError, match="LoRA sessions are served by unsharded workers"):
-        service.create_lora_training_client(SHARDED, rank=4)
+        service.create_lora_training_client(SHARDED, rank=4).result()
     assert service.create_training_client(SHARDED).info.extra["shards"] == 2  # still serving
 
 
@@ -327,7 +327,7 @@ def test_a_dead_rank_0_fails_waiting_requests_and_its_shards_exit(
         service, model_dir, redis_url, checkpoint_dir, tmp_path_factory):
     group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, service, "tiny-sharded-leader")
     try:
-        tc = service.create_training_client(group.name)
+        tc = service.create_training_client(group.name).result()
         group.procs[0].kill()
         err = tc.forward(make_batch(np.random.default_rng(78), 3)).exception(timeout=120)
         assert isinstance(err, errors.WorkerLostError), err
