@@ -41,6 +41,11 @@ class Settings:
     result_ttl_s: int = 3600
     # Hard limits on a single request; larger ones are refused with a user error.
     max_message_bytes: int = 256 * 1024 * 1024
+    # The HTTP gateway (docs/gateway.md): how long a retrieve_future call is held before it answers
+    # try_again (the SDK re-polls at once, and gives up on a call after 45 s), and how long finished
+    # results stay retrievable.
+    gateway_poll_s: float = 25.0
+    gateway_keep_s: float = 600.0
     max_datums: int = 8192
     max_batch_tokens: int = 4 * 1024 * 1024
     # Seconds a producer waits for the broker to answer before failing.
@@ -166,7 +171,8 @@ class Settings:
                      "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s", "resend_after_s",
                      "max_batch_tokens", "max_sessions", "max_lora_sessions", "max_lora_rank",
                      "lora_batch_max_datums", "microbatch_tokens", "max_samplers", "sample_max_rows",
-                     "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s"):
+                     "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s", "gateway_poll_s",
+                     "gateway_keep_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.shards < 1 or not 0 <= self.shard_rank < self.shards:

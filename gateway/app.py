@@ -1,0 +1,277 @@
+"""The HTTP routes of Tinker's protocol (what SDK 0.38 sends; ../docs/gateway.md lists them).
+
+Thin: each route authenticates the caller's API key, reads the body, and hands it to
+:class:`gateway.service.Gateway`. Errors are ``{"detail": ...}`` bodies with the status the SDK treats as
+final (400, 401, 404, 413, 422) or retryable (503) as fits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.service import Gateway, HTTPError
+from tinkerq.errors import TinkerqError
+from tinkerq.tenants import ApiKeys
+
+log = logging.getLogger("tinkerq.gateway")
+
+PROTOBUF = "application/x-protobuf"
+AUTH_CACHE_S = 1.0  # a revoked key stops working within this long
+
+# What /client/config tells the SDK: no JWT exchange, uncompressed protobuf forward_backward bodies, the
+# SDK's default chunking, and the plain sampling path (no retrieve_futures / join_sampling_session).
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False, "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before it is read into memory."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _too_large(send, self.limit)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(send, self.limit)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps({"detail": f"request body over the gateway's limit of {limit} bytes; send fewer datums "
+                                 f"per request"}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
+    """The ASGI app; ``gateway_factory`` runs at start-up (inside the server's event loop)."""
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        gw = gateway_factory()
+        state["gateway"], state["keys"] = gw, ApiKeys(gw.records.client, cache_s=AUTH_CACHE_S)
+        try:
+            yield
+        finally:
+            gw.close()
+
+    app = FastAPI(title="tinkerq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def gateway() -> Gateway:
+        return state["gateway"]  # type: ignore[no-any-return]
+
+    def tenant(request: Request) -> str:
+        name = state["keys"].authenticate(request.headers.get("x-api-key"))
+        if name is None:
+            raise HTTPError(401, "unknown or revoked API key (X-API-Key): ask the fleet's operator for one "
+                                 "(`tinkerq keys create NAME`) and set TINKER_API_KEY")
+        return name
+
+    Tenant = Depends(tenant)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise HTTPError(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        return body
+
+    Body = Depends(json_body)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(TinkerqError)
+    async def _fleet_error(_request: Request, exc: TinkerqError) -> JSONResponse:
+        status = 400 if exc.is_user_error else 503
+        return JSONResponse({"detail": exc.message}, status_code=status,
+                            headers={} if exc.is_user_error else {"retry-after": "2"})
+
+    @app.exception_handler(KeyError)
+    async def _missing_field(_request: Request, exc: KeyError) -> JSONResponse:
+        return JSONResponse({"detail": f"the request lacks the field {exc.args[0]!r}"}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.errors())[:2000]}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if exc.status_code != 404 else "no such endpoint in this server's Tinker API"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code)
+
+    v1 = "/api/v1"
+
+    # -- bootstrap and sessions ---------------------------------------------------------------------------------
+
+    @app.get(f"{v1}/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @app.post(f"{v1}/client/config")
+    async def client_config(_t: str = Tenant) -> dict[str, Any]:
+        return CLIENT_CONFIG
+
+    @app.post(f"{v1}/client/dynamic_config")
+    async def dynamic_config(_t: str = Tenant) -> dict[str, Any]:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+
+    @app.post(f"{v1}/telemetry")
+    async def telemetry(_t: str = Tenant) -> dict[str, Any]:
+        return {"status": "accepted"}
+
+    @app.get(f"{v1}/get_server_capabilities")
+    async def capabilities(_t: str = Tenant) -> dict[str, Any]:
+        return await gateway().capabilities()
+
+    @app.post(f"{v1}/create_session")
+    async def create_session(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().create_session(t, body)
+
+    @app.post(f"{v1}/session_heartbeat")
+    async def heartbeat(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().heartbeat(t, str(body.get("session_id")))
+
+    @app.post(f"{v1}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str, t: str = Tenant) -> dict[str, Any]:
+        return await gateway().finish_session(t, session_id)
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    @app.post(f"{v1}/create_model")
+    async def create_model(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return await gateway().create_model(t, body)
+
+    @app.post(f"{v1}/get_info")
+    async def get_info(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().get_info(t, str(body.get("model_id")))
+
+    @app.post(f"{v1}/unload_model")
+    async def unload_model(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return await gateway().unload_model(t, str(body.get("model_id")))
+
+    @app.post(f"{v1}/forward_backward")
+    async def forward_backward(request: Request, t: str = Tenant) -> dict[str, Any]:
+        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+            raise HTTPError(400, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)")
+        if not request.headers.get("content-type", "").startswith(PROTOBUF):
+            raise HTTPError(400, f"forward_backward takes a protobuf body (Content-Type: {PROTOBUF}), as SDK 0.25+")
+        return gateway().forward_backward(t, await request.body())
+
+    @app.post(f"{v1}/forward")
+    async def forward_json(_t: str = Tenant) -> dict[str, Any]:
+        raise HTTPError(400, "JSON /forward is not served: use a tinker SDK >= 0.25 (forward goes through "
+                             "/forward_backward as protobuf)")
+
+    @app.post(f"{v1}/optim_step")
+    async def optim_step(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().optim_step(t, body)
+
+    @app.post(f"{v1}/save_weights")
+    async def save_weights(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().save_weights(t, body)
+
+    @app.post(f"{v1}/save_weights_for_sampler")
+    async def save_weights_for_sampler(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().save_weights_for_sampler(t, body)
+
+    @app.post(f"{v1}/load_weights")
+    async def load_weights(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return await gateway().load_weights(t, body)
+
+    # -- sampling ---------------------------------------------------------------------------------------------
+
+    @app.post(f"{v1}/create_sampling_session")
+    async def create_sampling_session(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return await gateway().create_sampling_session(t, body)
+
+    @app.get(f"{v1}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str, t: str = Tenant) -> dict[str, Any]:
+        return gateway().get_sampler(t, sampler_id)
+
+    @app.post(f"{v1}/asample")
+    async def asample(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().asample(t, body)
+
+    # -- futures ----------------------------------------------------------------------------------------------
+
+    @app.post(f"{v1}/retrieve_future")
+    async def retrieve_future(t: str = Tenant, body: dict[str, Any] = Body) -> Response:
+        request_id = body.get("request_id")
+        entry = gateway().futures.get(str(request_id), t)
+        if entry is None:
+            raise HTTPError(404, f"request {request_id!r} not found (unknown, expired, or made with another API key)")
+        answer = await gateway().futures.wait(entry)
+        if answer is None:  # 408 + try_again: the SDK polls again at once, quietly
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                                status_code=408)
+        if answer.proto is not None:
+            return Response(answer.proto, media_type=PROTOBUF)
+        return JSONResponse(answer.json)
+
+    # -- REST lookups -----------------------------------------------------------------------------------------
+
+    @app.get(f"{v1}/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0, t: str = Tenant) -> dict[str, Any]:
+        return gateway().training_runs(t, max(1, min(limit, 1000)), max(0, offset))
+
+    @app.get(f"{v1}/training_runs/{{run_id}}")
+    async def training_run(run_id: str, t: str = Tenant) -> dict[str, Any]:
+        return gateway().training_run(t, run_id)
+
+    @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
+    async def checkpoints(run_id: str, t: str = Tenant) -> dict[str, Any]:
+        return gateway().list_checkpoints(t, run_id)
+
+    @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:
+        return gateway().delete_checkpoint(t, run_id, checkpoint_id)
+
+    @app.post(f"{v1}/weights_info")
+    async def weights_info(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().weights_info(t, body.get("tinker_path"))
+
+    return app
+
