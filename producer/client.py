@@ -396,7 +396,7 @@ class TrainingClient:
             return APIFuture.failed(UserError(
                 "loss_fn must be a callable (data, logprobs_list) -> (loss, metrics); tinkerq has no server-side "
                 "custom losses (ServiceClient.create_custom_loss)"))
-        data = list(data)
+        data = [types.as_datum(d) for d in data]
         try:
             forward_data = [_custom_forward_datum(i, d) for i, d in enumerate(data)]
         except TinkerqError as exc:
@@ -597,7 +597,7 @@ class TrainingClient:
     def _loss_call(
         self, op: str, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None
     ) -> APIFuture[types.ForwardBackwardOutput]:
-        data = list(data) if isinstance(data, (list, tuple)) else data
+        data = [types.as_datum(d) for d in data] if isinstance(data, (list, tuple)) else data
         try:
             validate_loss_request(
                 data, loss_fn, loss_fn_config, limits=self._limits,

@@ -68,7 +68,8 @@ class SamplingClient:
         (None at 0); ``prompt_logprobs_last_n``: only the last N of them (earlier entries None). Tinker's
         top-k, target-token and alternative-token options are not served: a non-default one is refused.
         """
-        params = sampling_params or types.SamplingParams()
+        prompt = types.as_model_input(prompt)  # a tinker.ModelInput / SamplingParams works too
+        params = types.as_sampling_params(sampling_params) or types.SamplingParams()
         s = self.service.settings
         try:
             _check_unsupported(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,

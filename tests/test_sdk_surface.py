@@ -392,3 +392,37 @@ def test_forward_backward_custom_gives_the_gradients_of_its_loss(service, model_
     finally:
         a.close()
         b.close()
+
+
+def test_code_built_on_tinker_types_runs_unchanged(service, model_dir):
+    """Existing Tinker code builds tinker.Datum / ModelInput / TensorData / SamplingParams / AdamParams: the
+    producer takes them as they are, with the same numbers as tinkerq's own types."""
+    import tinker
+
+    batch = make_batch(np.random.default_rng(4), 3, max_len=16)
+    theirs = [tinker.Datum(model_input=tinker.ModelInput.from_ints(d.model_input.to_ints()),
+                           loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"].to_numpy().tolist(),
+                                           "weights": tinker.TensorData.from_numpy(d.loss_fn_inputs["weights"]
+                                                                                  .to_numpy())})
+              for d in batch]
+    a = service.create_lora_training_client(str(model_dir), rank=2, seed=1).result(timeout=60)
+    b = service.create_lora_training_client(str(model_dir), rank=2, seed=1).result(timeout=60)
+    try:
+        out_a = a.forward_backward(theirs, "cross_entropy").result(timeout=60)
+        out_b = b.forward_backward(batch, "cross_entropy").result(timeout=60)
+        assert out_a.metrics["loss:sum"] == pytest.approx(out_b.metrics["loss:sum"], rel=1e-6)
+        a.optim_step(tinker.AdamParams(learning_rate=5e-3)).result(timeout=60)
+        b.optim_step(types.AdamParams(learning_rate=5e-3)).result(timeout=60)
+        after_a = a.forward(theirs, "cross_entropy").result(timeout=60)
+        after_b = b.forward(batch, "cross_entropy").result(timeout=60)
+        assert after_a.metrics["loss:sum"] == pytest.approx(after_b.metrics["loss:sum"], rel=1e-6)
+        sampler = a.save_weights_and_get_sampling_client().result(timeout=60)
+        params = tinker.SamplingParams(max_tokens=4, seed=3, temperature=1.0)
+        got = sampler.sample(tinker.ModelInput.from_ints([1, 2, 3]), 2, params).result(timeout=60)
+        want = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2,
+                              types.SamplingParams(max_tokens=4, seed=3)).result(timeout=60)
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+        assert len(sampler.compute_logprobs(tinker.ModelInput.from_ints([1, 2, 3])).result(timeout=60)) == 3
+    finally:
+        a.close()
+        b.close()

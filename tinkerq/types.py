@@ -7,8 +7,8 @@ Tinker-style ``data`` / ``tolist()`` views are computed on demand.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -139,6 +139,8 @@ def _coerce_loss_input(key: str, value: Any) -> TensorData:
     dtype = LOSS_INPUT_DTYPES.get(key)
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu().numpy()
+    elif hasattr(value, "to_numpy"):  # the tinker SDK's TensorData (its own class, same fields)
+        return TensorData(value.to_numpy())
     return TensorData(value, dtype=dtype)
 
 
@@ -266,3 +268,34 @@ class SampleResponse:
     prompt_logprobs: list[float | None] | None = None
 
 
+
+
+# Code written for the official SDK builds tinker.types objects. They have the same fields as ours (pydantic
+# models there, dataclasses here), so the producer converts them by shape, without importing the SDK (which
+# would pull in torch). Anything that does not look like the expected type is returned unchanged, and
+# validation then refuses it with its usual message.
+
+
+def as_model_input(obj: Any) -> Any:
+    if isinstance(obj, ModelInput) or not isinstance(getattr(obj, "chunks", None), (list, tuple)):
+        return obj
+    chunks = []
+    for chunk in obj.chunks:
+        tokens = getattr(chunk, "tokens", None)
+        if tokens is None:
+            return obj  # an image chunk: validation says only token input is served
+        chunks.append(EncodedTextChunk(tokens=list(tokens)))
+    return ModelInput(chunks=chunks)
+
+
+def as_datum(obj: Any) -> Any:
+    inputs = getattr(obj, "loss_fn_inputs", None)
+    if isinstance(obj, Datum) or not hasattr(obj, "model_input") or not isinstance(inputs, Mapping):
+        return obj
+    return Datum(model_input=as_model_input(obj.model_input), loss_fn_inputs=dict(inputs))
+
+
+def as_sampling_params(obj: Any) -> Any:
+    if obj is None or isinstance(obj, SamplingParams) or not hasattr(obj, "max_tokens"):
+        return obj
+    return SamplingParams(**{f.name: getattr(obj, f.name) for f in fields(SamplingParams) if hasattr(obj, f.name)})
