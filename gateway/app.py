@@ -120,12 +120,16 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     Body = Depends(json_body)
 
     @app.exception_handler(HTTPError)
-    async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
+    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        # Operators see every refusal (what, to whom, why); a user sees the same reason in the SDK's error.
+        log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.detail)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
 
     @app.exception_handler(TinkerqError)
-    async def _fleet_error(_request: Request, exc: TinkerqError) -> JSONResponse:
+    async def _fleet_error(request: Request, exc: TinkerqError) -> JSONResponse:
         status = 400 if exc.is_user_error else 503
+        log.log(logging.INFO if exc.is_user_error else logging.WARNING, "%s %s -> %d: %s", request.method,
+                request.url.path, status, exc.message)
         return JSONResponse({"detail": exc.message}, status_code=status,
                             headers={} if exc.is_user_error else {"retry-after": "2"})
 
