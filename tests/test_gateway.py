@@ -204,6 +204,14 @@ def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
     base = sdk.create_sampling_client(base_model=NAME)
     assert len(base.sample(prompt, 1, params).result().sequences) == 1
 
+    # The legacy in-run load (TrainingClient.load_state: model_id + seq_id) after more training.
+    tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(**ADAM)).result()
+    tc.load_state(state.path).result()
+    back = tc.forward(sdk_batch(batch), "cross_entropy").result()
+    for x, y in zip(back.loss_fn_outputs, before.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), rtol=1e-5, atol=1e-5)
+
     # More training, then resume from the state: weights only, and with the optimizer. Each equals the
     # producer library resuming from the same directory the same way (fresh vs continued AdamW differ).
     tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
@@ -255,6 +263,8 @@ def test_with_service_client_finishes_the_session(gateway_url, api_keys, monkeyp
         tc = sc.create_lora_training_client(NAME, rank=2)
         tc.forward(sdk_batch(make_batch(np.random.default_rng(1), 1)), "cross_entropy").result()
         session_id = sc.holder.get_session_id()
+        alive = post(gateway_url, "session_heartbeat", api_keys["alice"], {"session_id": session_id})
+        assert alive.status_code == 200
     r = post(gateway_url, "session_heartbeat", api_keys["alice"], {"session_id": session_id,
                                                                    "type": "session_heartbeat"})
     assert r.status_code == 410
@@ -469,3 +479,47 @@ def test_a_restarted_gateway_drives_the_same_runs_and_applies_nothing_twice(redi
         mine.close()
     finally:
         ours.close()
+
+
+def test_full_fine_tune_and_unload_over_raw_http(gateway_url, api_keys, model_dir):
+    """create_model without lora_config is a full fine-tune (the protocol allows it; the SDK never sends it)."""
+    key = api_keys["alice"]
+    session = post(gateway_url, "create_session", key, {}).json()["session_id"]
+    promise = post(gateway_url, "create_model", key, {"session_id": session, "model_seq_id": 0, "base_model": NAME,
+                                                      "optimizer_config": {"type": "adamw"}}).json()
+    model_id = result(gateway_url, key, promise["request_id"]).json()["model_id"]
+    info = post(gateway_url, "get_info", key, {"model_id": model_id}).json()
+    assert info["is_lora"] is False and info["model_data"]["model_name"] == NAME
+    batch = make_batch(np.random.default_rng(30), 2, max_len=12)
+    r = post(gateway_url, "forward_backward", key, fb_proto(model_id, 1, batch, forward_only=True), proto=True)
+    out = tinker_public_pb2.ForwardBackwardOutput.FromString(result(gateway_url, key, r.json()["request_id"]).content)
+    ref = load_reference(model_dir)  # a fresh full copy: the served weights themselves
+    with torch.no_grad():
+        want = sum(-(reference_logprobs(ref, d).numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum()
+                   for d in batch)
+    assert out.metrics["loss:sum"] == pytest.approx(float(want), rel=1e-4)
+    unload = post(gateway_url, "unload_model", key, {"model_id": model_id}).json()
+    assert result(gateway_url, key, unload["request_id"]).json()["model_id"] == model_id
+    assert post(gateway_url, "get_info", key, {"model_id": model_id}).status_code == 404
+    r = post(gateway_url, "forward_backward", key, fb_proto(model_id, 2, batch), proto=True)
+    assert r.status_code == 404
+
+
+def test_another_tenant_cannot_sample_or_see_a_sampler(gateway_url, api_keys):
+    alice, bob = api_keys["alice"], api_keys["bob"]
+    session = post(gateway_url, "create_session", alice, {}).json()["session_id"]
+    made = post(gateway_url, "create_sampling_session", alice, {"session_id": session, "sampling_session_seq_id": 0,
+                                                                "base_model": NAME}).json()
+    sampler_id = made["sampling_session_id"]
+    sample = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 2,
+              "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
+              "sampling_params": {"max_tokens": 3, "seed": 1}}
+    assert post(gateway_url, "asample", bob, sample).status_code == 404
+    r = requests.get(f"{gateway_url}/api/v1/samplers/{sampler_id}", headers={"X-API-Key": bob}, timeout=30)
+    assert r.status_code == 404
+    promise = post(gateway_url, "asample", alice, sample).json()
+    assert len(promise["sample_sequence_ids"]) == 2
+    assert post(gateway_url, "asample", alice, sample).json() == promise  # a resend: the same promise
+    got = tinker_public_pb2.SampleResponse.FromString(result(gateway_url, alice, promise["request_id"]).content)
+    # tokens (int32) and logprobs (float32) as raw bytes: one logprob per sampled token
+    assert len(got.sequences) == 2 and all(0 < len(s.tokens) == len(s.logprobs) for s in got.sequences)
