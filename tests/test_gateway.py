@@ -128,6 +128,24 @@ def result(url: str, key: str, request_id: str, timeout: float = 120) -> request
             return r
 
 
+def library_loss_after_one_step(redis_url: str, seed: int, chunks: list[list[types.Datum]]) -> float:
+    """The producer library's answer: a rank-4 LoRA run that accumulates ``chunks`` once each, takes one step,
+    then computes the forward loss of ``chunks[0]``."""
+    from producer import ServiceClient
+
+    ours = ServiceClient(broker_url=redis_url)
+    try:
+        mine = ours.create_lora_training_client(NAME, rank=4, seed=seed).result(timeout=120)
+        for chunk in chunks:
+            mine.forward_backward(chunk, "cross_entropy")
+        mine.optim_step(types.AdamParams(**ADAM)).result(timeout=120)
+        loss = mine.forward(chunks[0], "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        mine.close()
+        return loss
+    finally:
+        ours.close()
+
+
 # -- the SDK, end to end ---------------------------------------------------------------------------------------
 
 
@@ -312,19 +330,7 @@ def test_resends_are_answered_once_and_chunks_run_in_seq_order(gateway_url, api_
     fwd = post(gateway_url, "forward_backward", key, fb_proto(model_id, 5, chunks[0], forward_only=True), proto=True)
     got = tinker_public_pb2.ForwardBackwardOutput.FromString(result(gateway_url, key, fwd.json()["request_id"]).content)
 
-    from producer import ServiceClient
-
-    ours = ServiceClient(broker_url=redis_url)
-    try:
-        mine = ours.create_lora_training_client(NAME, rank=4, seed=9)
-        for chunk in chunks:
-            mine.forward_backward(chunk, "cross_entropy")
-        mine.optim_step(types.AdamParams(**ADAM)).result(timeout=120)
-        want = mine.forward(chunks[0], "cross_entropy").result(timeout=120)
-        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
-        mine.close()
-    finally:
-        ours.close()
+    assert got.metrics["loss:sum"] == pytest.approx(library_loss_after_one_step(redis_url, 9, chunks), rel=1e-6)
 
 
 def test_long_poll_waits_then_answers_try_again(gateway_url, api_keys, raw_model):
@@ -465,20 +471,7 @@ def test_a_restarted_gateway_drives_the_same_runs_and_applies_nothing_twice(redi
     finally:
         second.terminate()
         second.wait(30)
-
-    from producer import ServiceClient
-
-    ours = ServiceClient(broker_url=redis_url)
-    try:
-        mine = ours.create_lora_training_client(NAME, rank=4, seed=5).result(timeout=120)
-        for chunk in chunks:
-            mine.forward_backward(chunk, "cross_entropy")
-        mine.optim_step(types.AdamParams(**ADAM)).result(timeout=120)
-        want = mine.forward(chunks[0], "cross_entropy").result(timeout=120)
-        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
-        mine.close()
-    finally:
-        ours.close()
+    assert got.metrics["loss:sum"] == pytest.approx(library_loss_after_one_step(redis_url, 5, chunks), rel=1e-6)
 
 
 def test_full_fine_tune_and_unload_over_raw_http(gateway_url, api_keys, model_dir):
