@@ -46,8 +46,12 @@ def test_services(compose):
     assert "redis-server -" in redis and 'requirepass "$$REDIS_PASSWORD"' in redis and "--requirepass" not in redis
     assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD")
     assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
-    for name in ("worker", "worker-cpu", "flower", "sft"):
+    for name in ("worker", "worker-cpu", "flower", "sft", "gateway"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The gateway is the only way in for SDK users: published on loopback, checked through its health endpoint.
+    assert services["gateway"]["profiles"] == ["gateway"]
+    assert services["gateway"]["ports"] == ["127.0.0.1:${GATEWAY_PORT:-8000}:8000"]
+    assert "/api/v1/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
 
 
 def test_every_command_is_a_real_tinkerq_command(compose):
