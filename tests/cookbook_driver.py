@@ -1,22 +1,26 @@
-"""Run tinker-cookbook 0.5.8's supervised or RL training loop for a few steps against a tinkerq gateway.
+"""Run tinker-cookbook's supervised or RL training loop for a few steps against a tinkerq gateway.
 
-Runs inside .venv-cookbook (./scripts/cookbook-venv), not the project venv: the cookbook pins other
-transformers/huggingface_hub versions. tests/test_cookbook.py starts it as a subprocess with
-TINKER_API_KEY, HF_HOME (a fake hub cache holding the tiny 261-token tokenizer under the repo id the
-cookbook maps meta-llama/Llama-3* to) and HF_HUB_OFFLINE=1.
+Works with tinker-cookbook 0.5.8 and 0.6.1, whose train.Config fields used here are the same (0.6.1 adds
+rl Config.num_epochs, default 1). Runs inside .venv-cookbook or .venv-cookbook-061 (./scripts/cookbook-venv),
+not the project venv: the cookbook pins other transformers/huggingface_hub versions. tests/test_cookbook.py
+starts it as a subprocess with TINKER_API_KEY, HF_HOME (a fake hub cache holding the tiny 261-token tokenizer
+under the repo id the cookbook maps meta-llama/Llama-3* to) and HF_HUB_OFFLINE=1.
 
 It calls ``train.main`` with a chz Config directly: the recipe CLIs (sl_basic/rl_basic) ask interactively
 when log_path exists and default to hub datasets. Data is local: a JSONL of conversations for SL
 (FromConversationFileBuilder) and the in-memory arithmetic environment for RL.
 
     python tests/cookbook_driver.py --base-url URL --log-dir DIR --mode sl|rl [--model-name NAME]
+        [--expect-version X.Y.Z]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
+import sys
 from pathlib import Path
 
 RENDERER = "role_colon"  # what the cookbook's model_info recommends for the base Llama-3.2 models
@@ -78,7 +82,11 @@ def main() -> None:
     ap.add_argument("--model-name", default="meta-llama/Llama-3.2-3B")
     ap.add_argument("--steps", type=int, default=None, help="default: 3 (sl), 2 (rl)")
     ap.add_argument("--lora-rank", type=int, default=4)
+    ap.add_argument("--expect-version", help="fail unless this is the installed tinker-cookbook version")
     args = ap.parse_args()
+    version = importlib.metadata.version("tinker-cookbook")
+    if args.expect_version and version != args.expect_version:
+        sys.exit(f"expected tinker-cookbook {args.expect_version}, {sys.executable} has {version}")
     args.steps = args.steps or (3 if args.mode == "sl" else 2)
 
     if args.mode == "sl":
@@ -88,7 +96,7 @@ def main() -> None:
     else:
         cfg, train = rl_config(args)
     asyncio.run(train.main(cfg))
-    print(f"cookbook {args.mode}: done, log_path={cfg.log_path}")
+    print(f"cookbook {version} {args.mode}: done, log_path={cfg.log_path}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
-"""tinker-cookbook 0.5.8's own training loops, unmodified, against a real `tinkerq gateway`, worker and Redis.
+"""tinker-cookbook's own training loops, unmodified, against a real `tinkerq gateway`, worker and Redis.
 
-The cookbook lives in its own venv (.venv-cookbook, made by ./scripts/cookbook-venv; ./scripts/test runs it),
-because it pins other transformers/huggingface_hub versions than the project. tests/cookbook_driver.py runs
-``tinker_cookbook.supervised.train.main`` and ``tinker_cookbook.rl.train.main`` there, as a subprocess.
+The cookbook lives in its own venvs, made by ./scripts/cookbook-venv (./scripts/test runs it), because it pins
+other transformers/huggingface_hub versions than the project. Each test runs once per cookbook version:
+  0.5.8         .venv-cookbook, a normal install.
+  0.6.1-nodeps  .venv-cookbook-061: 0.5.8's dependencies + the 0.6.1 wheel installed with --no-deps, since
+                0.6.1 requires tml-renderers>=0.4.1 and the registry has at most 0.2.1 (role_colon, the
+                renderer used here, does not use tml_renderers; see scripts/cookbook-venv).
+tests/cookbook_driver.py runs ``tinker_cookbook.supervised.train.main`` and ``tinker_cookbook.rl.train.main``
+there, as a subprocess. One gateway and worker serve both versions.
 
 The worker serves a tiny Llama under a cookbook registry name (``meta-llama/Llama-3.2-3B``: renderer
 ``role_colon``; the cookbook loads its tokenizer from the hub repo it maps every meta-llama/Llama-3* to). The
@@ -35,7 +40,8 @@ from tinkerq.tenants import ApiKeys
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ROOT / ".venv-cookbook" / "bin" / "python"
+# test id -> (venv, the tinker-cookbook version the driver checks it holds)
+VENVS = {"0.5.8": (".venv-cookbook", "0.5.8"), "0.6.1-nodeps": (".venv-cookbook-061", "0.6.1")}
 NAME = "meta-llama/Llama-3.2-3B"
 TOKENIZER_REPO = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # get_tokenizer's meta-llama/Llama-3* map
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -90,11 +96,19 @@ def fake_hub_cache(model_dir: Path, hf_home: Path) -> None:
             (snapshot / name).write_bytes((model_dir / name).read_bytes())
 
 
+@pytest.fixture(params=list(VENVS), ids=list(VENVS))
+def cookbook_venv(request) -> tuple[str, Path, str]:
+    """(test id, the venv's python, the tinker-cookbook version it must hold). Fails if the venv is missing."""
+    venv, version = VENVS[request.param]
+    python = ROOT / venv / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"tinker-cookbook {version}'s venv {venv} is missing: run ./scripts/cookbook-venv "
+                    "(./scripts/test does)")
+    return request.param, python, version
+
+
 @pytest.fixture(scope="module")
 def cookbook(redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[dict]:
-    if not PYTHON.exists():
-        pytest.fail("tinker-cookbook's venv .venv-cookbook is missing: run ./scripts/cookbook-venv "
-                    "(./scripts/test does)")
     work = tmp_path_factory.mktemp("cookbook")
     model_dir = build_byte_llama(work / "byte-llama")
     fake_hub_cache(model_dir, work / "hf_home")
@@ -118,22 +132,25 @@ def cookbook(redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator
             proc.kill()
 
 
-def run_driver(cookbook: dict, mode: str) -> Path:
-    log_dir = cookbook["work"] / mode
+def run_driver(cookbook: dict, venv: tuple[str, Path, str], mode: str) -> Path:
+    test_id, python, version = venv
+    log_dir = cookbook["work"] / f"{test_id}-{mode}"
+    what = f"cookbook {test_id} {mode}"
     env = {**os.environ, "TINKER_API_KEY": cookbook["key"], "HF_HOME": str(cookbook["work"] / "hf_home"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TINKER_TELEMETRY": "0"}
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)  # keep the project's packages out of the cookbook's interpreter
     started = time.monotonic()
     try:
-        done = subprocess.run([str(PYTHON), str(ROOT / "tests" / "cookbook_driver.py"), "--base-url", cookbook["url"],
-                               "--log-dir", str(log_dir), "--mode", mode, "--model-name", NAME],
+        done = subprocess.run([str(python), str(ROOT / "tests" / "cookbook_driver.py"), "--base-url", cookbook["url"],
+                               "--log-dir", str(log_dir), "--mode", mode, "--model-name", NAME,
+                               "--expect-version", version],
                               env=env, cwd=cookbook["work"], capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"cookbook {mode} ran past {DRIVER_TIMEOUT_S} s\n{_tail(e.stdout)}\n{_tail(e.stderr)}"
+        pytest.fail(f"{what} ran past {DRIVER_TIMEOUT_S} s\n{_tail(e.stdout)}\n{_tail(e.stderr)}"
                     f"\n--- gateway.log ---\n{_tail((cookbook['work'] / 'gateway.log').read_text())}")
-    print(f"cookbook {mode}: {time.monotonic() - started:.1f} s")
-    assert done.returncode == 0, (f"cookbook {mode} failed (rc {done.returncode})\n{_tail(done.stdout)}\n"
+    print(f"{what}: {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, (f"{what} failed (rc {done.returncode})\n{_tail(done.stdout)}\n"
                                   f"{_tail(done.stderr)}\n--- gateway.log ---\n"
                                   f"{_tail((cookbook['work'] / 'gateway.log').read_text())}")
     return log_dir
@@ -172,8 +189,8 @@ def check_checkpoints(cookbook: dict, log_dir: Path, names: list[str]) -> None:
     assert run["base_model"] == NAME and run["is_lora"] and run["lora_rank"] == 4
 
 
-def test_cookbook_supervised_training_loop(cookbook):
-    log_dir = run_driver(cookbook, "sl")
+def test_cookbook_supervised_training_loop(cookbook, cookbook_venv):
+    log_dir = run_driver(cookbook, cookbook_venv, "sl")
     metrics = jsonl(log_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
@@ -188,10 +205,17 @@ def test_cookbook_supervised_training_loop(cookbook):
     check_checkpoints(cookbook, log_dir, ["000002", "final"])
 
 
-def test_cookbook_rl_training_loop(cookbook):
-    log_dir = run_driver(cookbook, "rl")
-    metrics = jsonl(log_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1]
+def test_cookbook_rl_training_loop(cookbook, cookbook_venv):
+    log_dir = run_driver(cookbook, cookbook_venv, "rl")
+    rows = jsonl(log_dir / "metrics.jsonl")
+    metrics = [m for m in rows if "env/all/total_episodes" in m]  # one row per training step
+    assert [m["step"] for m in metrics] == [0, 1], rows
+    totals = [m for m in rows if m not in metrics]
+    if cookbook_venv[2] == "0.5.8":
+        assert totals == [], rows
+    else:  # 0.6.1 logs its token totals as one more row after the last step
+        assert [m["step"] for m in totals] == [2], rows
+        assert 0 < totals[0]["tokens/cumulative/sampled"] <= 2 * 4 * 8 and totals[0]["tokens/cumulative/trained"] > 0
     for m in metrics:
         # 2 groups x 2 samples of at most max_tokens=8, each rewarded by the arithmetic environment.
         assert m["env/all/total_episodes"] == 4, m
