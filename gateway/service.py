@@ -34,7 +34,7 @@ from producer.sampling import SamplingClient
 from tinkerq import types
 from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.settings import Settings
-from tinkerq.validation import validate_adam, validate_loss_request
+from tinkerq.validation import validate_adam, validate_lora, validate_loss_request
 from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
@@ -143,8 +143,10 @@ class Gateway:
             return {"request_id": self.creating[model_id], "model_id": model_id}
         _check_optimizer(body.get("optimizer_config"))
         base_model = str(body["base_model"])
-        await self._check_served(base_model)
         lora = _lora_config(body.get("lora_config"))
+        if lora is not None:
+            validate_lora(lora, max_rank=self.settings.max_lora_rank)  # refused now (400), not in the future
+        await self._check_served(base_model)
 
         async def work() -> Answer:
             client = await asyncio.to_thread(self.service._open, base_model, lora, None)
