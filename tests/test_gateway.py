@@ -520,3 +520,16 @@ def test_another_tenant_cannot_sample_or_see_a_sampler(gateway_url, api_keys):
     got = tinker_public_pb2.SampleResponse.FromString(result(gateway_url, alice, promise["request_id"]).content)
     # tokens (int32) and logprobs (float32) as raw bytes: one logprob per sampled token
     assert len(got.sequences) == 2 and all(0 < len(s.tokens) == len(s.logprobs) for s in got.sequences)
+
+
+def test_a_checkpoint_with_a_ttl_is_gone_after_it(gateway_url, api_keys, raw_model):
+    key, (model_id, session) = api_keys["alice"], raw_model
+    save = post(gateway_url, "save_weights", key, {"model_id": model_id, "path": "short-lived", "seq_id": 1,
+                                                   "ttl_seconds": 1})
+    path = result(gateway_url, key, save.json()["request_id"]).json()["path"]
+    assert post(gateway_url, "weights_info", key, {"tinker_path": path}).status_code == 200
+    time.sleep(1.5)
+    assert post(gateway_url, "weights_info", key, {"tinker_path": path}).status_code == 404
+    r = post(gateway_url, "load_weights", key, {"session_id": session, "model_seq_id": 7, "path": path,
+                                               "optimizer": True})
+    assert r.status_code == 404
