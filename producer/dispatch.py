@@ -21,6 +21,7 @@ Redis stays away longer than ``TINKERQ_REDIS_RETRY_S``, pending requests fail wi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -321,8 +322,7 @@ class Dispatcher:
                     return WorkerLostError(
                         f"{r.future._describe}: worker {w}, which holds this training session, stopped (no "
                         f"heartbeat for {silent:.1f} s) before answering; the request may or may not have been "
-                        f"applied. Create a new training client, or resume from your last checkpoint "
-                        f"(create_training_client_from_state)")
+                        f"applied. {self._resume_hint(r.model_id)}")
 
                 def owed_by(r: Request, w: str = worker) -> bool:
                     return r.worker == w
@@ -331,6 +331,20 @@ class Dispatcher:
                 n = self._fail_where(owed_by, lost)
                 log.warning("worker %s is gone: %d pending request(s) failed, %d sent to other workers",
                             worker, n, moved)
+
+    def _resume_hint(self, model_id: str) -> str:
+        """What a caller whose session is lost can do: resume from its automatic snapshot when it has one."""
+        try:
+            raw = self.store.with_retry(0).get(keys.auto_snapshot(model_id))
+            snapshot = json.loads(raw) if raw else None
+        except (TinkerqError, ValueError):
+            snapshot = None
+        if not isinstance(snapshot, dict) or not isinstance(snapshot.get("path"), str):
+            return ("Create a new training client, or resume from your last checkpoint "
+                    "(create_training_client_from_state_with_optimizer)")
+        return (f"Its latest automatic snapshot holds the state after its request {snapshot.get('seq_id')}: resume "
+                f"with sc.create_training_client_from_state_with_optimizer({snapshot['path']!r}) and send again "
+                f"the requests after that one")
 
     def _reroute(self, requests: list[Request]) -> int:
         """Send the requests that may run anywhere (sampling) to another worker; returns how many moved."""

@@ -58,6 +58,11 @@ def serving_pattern(base_model: str | None = None) -> str:
 
 # -- replies, liveness, dead letters ----------------------------------------------------------------------
 
+def auto_snapshot(model_id: str) -> str:
+    """JSON: a training session's latest automatic snapshot (path, request position, time, worker)."""
+    return f"{PREFIX}:autosnapshot:{model_id}"
+
+
 def reply(task_id: str) -> str:
     """A request's answer, kept for ``result_ttl_s`` (read back by a producer after a Redis outage)."""
     return f"{PREFIX}:reply:{task_id}"

@@ -105,6 +105,13 @@ class Settings:
     snapshot_inline_max_bytes: int = 64 * 1024 * 1024
     # How long a published snapshot stays loadable by other workers.
     snapshot_ttl_s: int = 6 * 3600
+    # Automatic snapshots of every training session (docs/reliability.md): its whole state is written to
+    # <checkpoint_dir>/<model_id>/state/.auto after every this many optimizer steps (0: never), so a lost
+    # worker costs at most that many steps; the WorkerLostError names it.
+    auto_snapshot_steps: int = 10
+    # ... and kept this long after the latest one (the worker's expiry sweep removes it; closing the training
+    # client removes it at once).
+    auto_snapshot_ttl_s: int = 7 * 24 * 3600
     # Sessions idle this long may be closed to make room for a new one.
     session_idle_ttl_s: float = 1800.0
     # A request that waits this long for a missing predecessor fails (with every request after it), and
@@ -185,7 +192,10 @@ class Settings:
                 f"0's host and a free port, the same on every rank) or set TINKERQ_RENDEZVOUS"
                 + (f"; got {self.rendezvous!r}" if self.rendezvous else "")
             )
-        for name in ("rendezvous_timeout_s", "collective_timeout_s"):
+        if self.auto_snapshot_steps < 0:
+            raise SettingsError(f"{ENV_PREFIX}AUTO_SNAPSHOT_STEPS must be 0 (off) or positive, got "
+                                f"{self.auto_snapshot_steps}")
+        for name in ("rendezvous_timeout_s", "collective_timeout_s", "auto_snapshot_ttl_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.role not in ("trainer", "sampler"):

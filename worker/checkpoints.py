@@ -58,14 +58,31 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _CHECKPOINT_DEPTH = 3
 
 
+# A session's automatic snapshot (docs/reliability.md): save_state's layout under a name no user picks
+# (check_name refuses a leading dot for users' names).
+AUTO_SNAPSHOT = ".auto"
+
+
+def remove_auto_snapshot(checkpoint_dir: str, model_id: str) -> None:
+    """Delete a closed session's automatic snapshot, if any (never following a link)."""
+    try:
+        directory = path_below(checkpoint_dir, _check_model_id(model_id), "state", AUTO_SNAPSHOT)
+    except ValidationError:
+        return
+    st = _refuse_link(directory) if directory.exists() or directory.is_symlink() else None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def now() -> float:
     """The clock expiry is judged by (unix seconds); one place for tests to move it."""
     return time.time()
 
 
 def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
-        raise ValidationError(f"checkpoint name {name!r} must be 1-128 characters of [A-Za-z0-9_.-]")
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name.startswith("."):
+        raise ValidationError(f"checkpoint name {name!r} must be 1-128 characters of [A-Za-z0-9_.-], not starting "
+                              f"with '.'")
     return name
 
 
@@ -148,7 +165,8 @@ def weights_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
 
 def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
     """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>`` (as weights_path)."""
-    check_name(name)
+    if name != AUTO_SNAPSHOT:  # users' names are checked; the automatic snapshot's is ours
+        check_name(name)
     return path_below(checkpoint_dir, _check_model_id(model_id), "state", name, create_parents=True)
 
 
@@ -336,8 +354,8 @@ def remove_expired(checkpoint_dir: str, at: float | None = None) -> list[Path]:
     returns those deleted.
 
     Walks the directories below it, at most ``_CHECKPOINT_DEPTH`` levels down, without following a symbolic
-    link; a directory holding a marker is a checkpoint (not entered). Names starting with '.' are skipped:
-    saves in progress are built there.
+    link; a directory holding a marker is a checkpoint (not entered). Names starting with '.' are skipped
+    (saves in progress are built there), but for automatic snapshots.
     """
     when = now() if at is None else at
     deleted: list[Path] = []
@@ -345,7 +363,7 @@ def remove_expired(checkpoint_dir: str, at: float | None = None) -> list[Path]:
     def walk(directory: Path, depth: int) -> None:
         try:
             with os.scandir(directory) as found:
-                entries = [e for e in found if not e.name.startswith(".")]
+                entries = [e for e in found if not e.name.startswith(".") or e.name == AUTO_SNAPSHOT]
         except OSError:
             return
         for entry in entries:

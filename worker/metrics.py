@@ -34,6 +34,10 @@ class WorkerMetrics:
                                     "it waits for a failed shard to come back", registry=r)
         self.shard_group_failures = Counter("tinkerq_shard_group_failures", "Times the shard group broke (a shard "
                                             "died or hung)", registry=r)
+        self.auto_snapshots = Counter("tinkerq_auto_snapshots", "Automatic snapshots of training sessions written",
+                                      registry=r)
+        self.auto_snapshot_seconds = Histogram("tinkerq_auto_snapshot_seconds", "Time a session paused while its "
+                                               "automatic snapshot was written", buckets=_SECONDS, registry=r)
         self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
                                        "the fullest shard, at the latest optim_step", registry=r)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import secrets
 import threading
@@ -82,6 +83,7 @@ class _Slot:
     # session's later requests wait in its order meanwhile.
     in_flight: int | None = None
     in_flight_tasks: list[str] | None = None
+    steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
 
 
 class WorkerService:
@@ -276,6 +278,10 @@ class WorkerService:
         slot = self.slots.pop(model_id)
         slot.session.close()
         self.snapshots.forget_session(model_id)
+        # A closed session needs no snapshot to resume from (and a full one holds the whole model's state).
+        with contextlib.suppress(TinkerqError):
+            self.connection.store.delete(keys.auto_snapshot(model_id))
+        checkpoints.remove_auto_snapshot(self.settings.checkpoint_dir, model_id)
         gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), NO_TIMING)
         for pending in slot.ordering.buffered.values():
             self._store_late(pending.task_ids, gone)
@@ -511,7 +517,32 @@ class WorkerService:
         metrics = session.optim_step(adam).metrics
         if "shard_state_bytes:max" in metrics:
             self.metrics.shard_state_bytes.set(metrics["shard_state_bytes:max"])
+        self._auto_snapshot(session)
         return codec.packb({"metrics": metrics}), 0
+
+    def _auto_snapshot(self, session: Session) -> None:
+        """Every ``auto_snapshot_steps`` optimizer steps, write the session's whole state (as save_state) to its
+        automatic snapshot and record where in Redis: a lost worker then costs at most that many steps, and
+        the producer's WorkerLostError names the snapshot to resume from (docs/reliability.md)."""
+        s = self.settings
+        slot = self.slots[session.model_id]
+        slot.steps_since_snapshot += 1
+        if s.auto_snapshot_steps <= 0 or slot.steps_since_snapshot < s.auto_snapshot_steps:
+            return
+        seq_id = slot.ordering.next_seq  # this optim_step's own position (recorded once it returns)
+        started = time.perf_counter()
+        try:
+            path = session.save_state(s.checkpoint_dir, checkpoints.AUTO_SNAPSHOT, base_model=self.base_model,
+                                      seq_id=seq_id, expires_at=time.time() + s.auto_snapshot_ttl_s)
+            record = {"path": path, "seq_id": seq_id, "time": time.time(), "worker": self.worker_id}
+            self.connection.store.set(keys.auto_snapshot(session.model_id), json.dumps(record).encode(),
+                                      s.auto_snapshot_ttl_s)
+        except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
+            log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
+            return
+        slot.steps_since_snapshot = 0
+        self.metrics.auto_snapshots.inc()
+        self.metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
 
     def _create_sampler(self, session: Session, body: Any) -> tuple[bytes, int]:
         # Refused (CapacityError) before the weights are copied when the copy would not fit (a LoRA snapshot
@@ -586,10 +617,12 @@ class WorkerService:
         return self._tokenizer
 
     def _save_state(self, session: Session, body: Any) -> tuple[bytes, int]:
-        name = body.get("name") if isinstance(body, dict) else None
+        name = checkpoints.check_name(body.get("name") if isinstance(body, dict) else None)
         overwrite = _flag(body, "overwrite", True, "save_state")  # absent: replace, as before the field existed
         expires_at = _expires_at(body)
-        seq_id = self.slots[session.model_id].ordering.next_seq - 1  # this request's own position
+        # The last request applied before this one (this one is recorded once it returns): the state saved
+        # is the state after it.
+        seq_id = self.slots[session.model_id].ordering.next_seq - 1
         path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model, seq_id=seq_id,
                                   expires_at=expires_at, overwrite=overwrite)
         self.sweep_checkpoints()

@@ -1,0 +1,99 @@
+"""Automatic snapshots: a worker killed with SIGKILL costs at most TINKERQ_AUTO_SNAPSHOT_STEPS steps.
+
+The lost requests' WorkerLostError names the session's latest automatic snapshot; resuming from it on
+another worker and sending the requests after it again gives bitwise the weights of a run never
+interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from producer import ServiceClient
+from tests.conftest import start_named_worker
+from tests.helpers import make_batch
+from tinkerq import errors, keys, types
+
+pytestmark = pytest.mark.timeout(300)
+ADAM = types.AdamParams(learning_rate=1e-2)
+EVERY = 2  # TINKERQ_AUTO_SNAPSHOT_STEPS in these workers
+
+
+def _worker(model_dir: Path, redis_url: str, name: str, checkpoint_dir: Path, log: Path):
+    return start_named_worker(model_dir, redis_url, name, log, env={
+        "TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir), "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY)})
+
+
+def _pairs(tc, batches) -> None:
+    """fb + optim_step per batch, all submitted before any is awaited."""
+    futures = [(tc.forward_backward(b, "cross_entropy"), tc.optim_step(ADAM)) for b in batches]
+    for fb, step in futures:
+        fb.result(timeout=120)
+        step.result(timeout=120)
+
+
+def _logprobs(tc, batch) -> list[np.ndarray]:
+    out = tc.forward(batch, "cross_entropy").result(timeout=120)
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_killed_workers_session_resumes_exactly_from_its_automatic_snapshot(model_dir, redis_url, tmp_path, lora):
+    name = f"snap-{uuid.uuid4().hex[:8]}"
+    checkpoint_dir = tmp_path / "checkpoints"
+    rng = np.random.default_rng(40)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(5)]
+    probe = make_batch(rng, 3, max_len=16)
+    first = _worker(model_dir, redis_url, name, checkpoint_dir, tmp_path / "w1.log")
+    sc = ServiceClient(broker_url=redis_url)
+    second = None
+    try:
+        open_client = (lambda: sc.create_lora_training_client(name, rank=4, seed=3)) if lora else \
+            (lambda: sc.create_training_client(name))
+        tc = open_client().result(timeout=120)
+        _pairs(tc, batches[:4])  # steps 2 and 4 are snapshotted: the latest is after request 8 (the 4th step)
+        record = json.loads(redis.Redis.from_url(redis_url).get(keys.auto_snapshot(tc.model_id)))
+        assert record["seq_id"] == 8 and Path(record["path"]).is_dir()
+        _pairs(tc, batches[4:5])  # step 5: not snapshotted (every 2)
+
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(30)
+        with pytest.raises(errors.WorkerLostError) as lost:
+            tc.forward(probe, "cross_entropy").result(timeout=60)
+        assert record["path"] in str(lost.value) and "request 8" in str(lost.value)
+
+        second = _worker(model_dir, redis_url, name, checkpoint_dir, tmp_path / "w2.log")
+        resumed = sc.create_training_client_from_state_with_optimizer(record["path"]).result(timeout=120)
+        _pairs(resumed, batches[4:5])  # the requests after the snapshot, sent again
+        fresh = open_client().result(timeout=120)  # the uninterrupted run, on the same worker
+        _pairs(fresh, batches)
+        for got, want in zip(_logprobs(resumed, probe), _logprobs(fresh, probe), strict=True):
+            np.testing.assert_array_equal(got, want)  # bitwise: CPU, one thread, the same requests
+
+        # Closing a session removes its snapshot: the record and the directory.
+        store = redis.Redis.from_url(redis_url)
+        fresh_record = json.loads(store.get(keys.auto_snapshot(fresh.model_id)))
+        assert Path(fresh_record["path"]).is_dir()
+        fresh.close()
+        assert store.get(keys.auto_snapshot(fresh.model_id)) is None
+        assert not Path(fresh_record["path"]).exists()
+        resumed.close()
+    finally:
+        sc.close()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+
+
+def test_users_cannot_write_over_the_automatic_snapshot(training_client):
+    with pytest.raises(errors.ValidationError, match="not starting with"):
+        training_client.save_state(".auto").result(timeout=60)
