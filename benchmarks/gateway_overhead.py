@@ -27,7 +27,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 from _fleet import TINY_LLAMA, Fleet, build_llama, machine, median, percentile, print_table
 
-from launcher.processes import free_port, start_process, wait_for
+from launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq import types
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
@@ -61,21 +60,13 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self._cmd = [sys.executable, "-m", "launcher.main", "gateway", "--broker", broker_url, "--port", str(self.port)]
+        self._cmd = gateway_command(broker_url, self.port)
         self.proc: Any = None
 
     def __enter__(self) -> GatewayProcess:
         self.proc = start_process(self._cmd, self.log)
-
-        def up() -> bool:
-            try:
-                with urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=2) as r:
-                    return r.status == 200
-            except (urllib.error.URLError, ConnectionError):
-                return False
-
         try:
-            wait_for(up, 60, "tinkerq gateway", self.proc, self.log)
+            wait_for(lambda: gateway_up(self.url), 60, "tinkerq gateway", self.proc, self.log)
         except BaseException:
             self.__exit__()
             raise

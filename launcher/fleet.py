@@ -1,7 +1,8 @@
 """`tinkerq fleet up | status | down`: the local fleet without Docker.
 
 `up` starts, as local processes with their logs in one folder: a redis-server (unless --broker names one),
-N workers per model, and Flower; it records what it started in ``<home>/fleet/<name>/state.json``.
+N workers per model, Flower, and the HTTP gateway if asked; it records what it started in
+``<home>/fleet/<name>/state.json``.
 `status` shows what runs and what each worker is doing; `down` stops exactly what `up` started (workers
 get SIGTERM first: Celery's warm shutdown finishes the running task).
 
@@ -41,6 +42,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555; 0 = no Flower)")
     up.add_argument("--flower-auth", help="user:password for Flower (default: FLOWER_BASIC_AUTH, else generated "
                                           "and printed once)")
+    up.add_argument("--gateway-port", type=int, default=0,
+                    help="also start the HTTP gateway for the official tinker SDK on this port (default 0 = none; "
+                         "keys: tinkerq keys create NAME)")
     up.add_argument("--threads", type=int, help="torch CPU threads per worker")
     up.add_argument("--device", help="torch device of the workers (default cpu)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every worker to register")
@@ -114,7 +118,17 @@ def fleet_up(args: argparse.Namespace) -> int:
             proc = processes.start_process(cmd, log, processes.secret_env(broker, flower_auth=auth))
             state["flower"] = {"pid": proc.pid, "port": args.flower_port, "auth": auth, "log": str(log)}
             _save(folder, state)
+        if args.gateway_port:
+            log = logs / "gateway.log"
+            proc = processes.start_process(processes.gateway_command(None, args.gateway_port), log,
+                                           processes.secret_env(broker))
+            state["gateway"] = {"pid": proc.pid, "port": args.gateway_port, "log": str(log)}
+            _save(folder, state)
         _wait_registered(state, args.timeout)
+        if "gateway" in state:
+            url = f"http://127.0.0.1:{state['gateway']['port']}"
+            processes.wait_for(lambda: processes.gateway_up(url), args.timeout, "the gateway", proc,
+                               Path(state["gateway"]["log"]))
     except BaseException:
         _stop_all(state, timeout=10)
         (folder / "state.json").unlink(missing_ok=True)
@@ -123,6 +137,9 @@ def fleet_up(args: argparse.Namespace) -> int:
     print(f"  export TINKERQ_BROKER_URL='{broker}'")
     if "flower" in state:
         print(f"  Flower: http://127.0.0.1:{state['flower']['port']}/  (basic auth {state['flower']['auth']})")
+    if "gateway" in state:
+        print(f"  gateway: TINKER_BASE_URL=http://127.0.0.1:{state['gateway']['port']}  "
+              f"(a key for the SDK: tinkerq keys create NAME)")
     print("  tinkerq fleet status | tinkerq fleet down")
     return 0
 
@@ -176,6 +193,9 @@ def fleet_status(args: argparse.Namespace) -> int:
     if "flower" in state:
         print(f"  flower        pid {state['flower']['pid']:>7}  {_up(state['flower']['pid'])}  "
               f"http://127.0.0.1:{state['flower']['port']}/")
+    if "gateway" in state:
+        print(f"  gateway       pid {state['gateway']['pid']:>7}  {_up(state['gateway']['pid'])}  "
+              f"http://127.0.0.1:{state['gateway']['port']}/")
     try:
         from tinkerq.connection import Connection
 
@@ -210,13 +230,14 @@ def fleet_down(args: argparse.Namespace) -> int:
 
 
 def _stop_all(state: dict[str, Any], timeout: float) -> int:
-    """Flower, then workers (warm shutdown), then Redis: the broker goes last so tasks can be acked.
+    """Flower and the gateway, then workers (warm shutdown), then Redis: the broker goes last so tasks can be
+    acked.
 
     Rank 0 of a shard group stops before its other ranks: it finishes its task, then tells them to exit.
     """
     stopped = 0
     workers = sorted(state.get("workers", []), key=lambda w: w.get("rank", 0))
-    pids = ([state["flower"]["pid"]] if "flower" in state else []) + [w["pid"] for w in workers]
+    pids = [state[k]["pid"] for k in ("flower", "gateway") if k in state] + [w["pid"] for w in workers]
     for pid in pids:
         stopped += processes.stop(pid, timeout=timeout)
     if "redis" in state:

@@ -141,6 +141,24 @@ def start_process(cmd: list[str], log: Path, env: dict[str, str] | None = None) 
                                 start_new_session=True, umask=CHILD_UMASK)
 
 
+def gateway_command(broker: str | None, port: int, *, host: str = "127.0.0.1") -> list[str]:
+    """`tinkerq gateway`'s command line (``broker`` as for :func:`worker_command`)."""
+    cmd = [sys.executable, "-m", "launcher.main", "gateway", "--host", host, "--port", str(port)]
+    return cmd + (["--broker", broker] if broker else [])
+
+
+def gateway_up(url: str) -> bool:
+    """True once the gateway at ``url`` answers its health check."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def flower_command(broker: str | None, port: int, *, db: Path | None = None,
                    basic_auth: str | None = None) -> list[str]:
     """`tinkerq flower`'s command line. Secrets belong in ``secret_env(broker, flower_auth)``: pass ``broker``

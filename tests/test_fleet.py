@@ -32,15 +32,26 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
 
     other = build_tiny_llama(tmp_path / "other-model", seed=1)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
+    gateway_port = free_port()
     up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other), "--samplers", "1",
-                  "--redis-port", str(free_port()), "--flower-port", str(free_port()), "--threads", "1", env=env)
+                  "--redis-port", str(free_port()), "--flower-port", str(free_port()), "--threads", "1",
+                  "--gateway-port", str(gateway_port), env=env)
     assert up.returncode == 0, up.stderr[-3000:]
     broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
     assert "Flower: http://127.0.0.1:" in up.stdout
+    assert f"TINKER_BASE_URL=http://127.0.0.1:{gateway_port}" in up.stdout
     try:
         status = _tinkerq("fleet", "status", "--name", "t", env=env)
         assert status.returncode == 0, status.stderr
-        assert status.stdout.count("running") == 6  # redis, two workers, two sampling workers, flower
+        assert status.stdout.count("running") == 7  # redis, two workers, two sampling workers, flower, gateway
+
+        # The gateway serves the official SDK with a key made by the operator's command.
+        key = _tinkerq("keys", "create", "fleet-user", "--broker", broker, env=env).stdout.strip().splitlines()[-1]
+        import tinker
+
+        rest = tinker.ServiceClient(base_url=f"http://127.0.0.1:{gateway_port}", api_key=key).create_rest_client()
+        names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+        assert names == sorted([str(model_dir), str(other)])
         assert status.stdout.count("sampler ") == 2
         assert "4 registered worker(s)" in status.stdout and "idle" in status.stdout
         assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
@@ -72,7 +83,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
     finally:
         down = _tinkerq("fleet", "down", "--name", "t", env=env)
     assert down.returncode == 0, down.stderr
-    assert "7 process(es) stopped" in down.stdout or "6 process(es) stopped" in down.stdout
+    assert "8 process(es) stopped" in down.stdout or "7 process(es) stopped" in down.stdout
     again = _tinkerq("fleet", "status", "--name", "t", env=env)
     assert again.returncode == 2 and "no fleet named 't'" in again.stderr
 

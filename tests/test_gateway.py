@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import redis
 import requests
 import torch
 
-from launcher.processes import free_port, start_process, wait_for
+from launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_logprobs
 from tinkerq import types
@@ -60,17 +59,9 @@ def api_keys(redis_url: str) -> Iterator[dict[str, str]]:
 
 def start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = start_process([sys.executable, "-m", "launcher.main", "gateway", "--broker", redis_url,
-                          "--port", str(port)], log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
+    proc = start_process(gateway_command(redis_url, port), log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return requests.get(f"{url}/api/v1/healthz", timeout=2).ok
-        except requests.ConnectionError:
-            return False
-
-    wait_for(up, 60, "tinkerq gateway", proc, log)
+    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", proc, log)
     return proc, url
 
 
