@@ -138,32 +138,37 @@ def test_a_killed_workers_session_is_adopted_exactly(fleet, redis_url, lora):
         sc.close()
 
 
-KILLS = 5  # one worker start per kill (seconds each on two shared cores): five keep the test near a minute
+KILLS = 10
+CHUNK = 4  # pairs submitted (pipelined) before each kill: the kill falls while some of them are pending
 
 
-def test_several_kills_in_one_run_lose_nothing(fleet, redis_url):
+def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
+    """Ten kills at seeded points: mid-chunk, right after an automatic snapshot (empty journal), and with the
+    next kill right after an adoption (before the replacement worker is up)."""
     rng = np.random.default_rng(1313)
-    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(CHUNK * (KILLS + 1))]
     probe = make_batch(rng, 3, max_len=16)
     fleet.start()
     fleet.start()
     sc = ServiceClient(broker_url=redis_url)
     try:
         tc = _open(sc, fleet.name, lora=False)
-        futures = _submit_pairs(tc, batches)
-        points = sorted(rng.choice(np.arange(2, 2 * PAIRS - 2), size=KILLS, replace=False).tolist())
-        for i, point in enumerate(points):
-            wait_for(lambda p=point: _done(futures) >= p, 180, f"{point} answers")
-            if i % 2 == 1:  # right after an automatic snapshot: the journal was just emptied
+        futures: list = []
+        for i in range(KILLS):
+            chunk = _submit_pairs(tc, batches[i * CHUNK:(i + 1) * CHUNK])
+            futures += chunk
+            if i % 3 == 1:  # right after an automatic snapshot: the journal was just emptied
                 before = fleet.redis.get(keys.auto_snapshot(tc.model_id))
-                wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b
-                         or _done(futures) == len(futures), 60, "a new automatic snapshot")
-            if _done(futures) == len(futures):
-                break
+                wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b, 60,
+                         "a new automatic snapshot")
+            else:
+                point = int(rng.integers(0, len(chunk) - 1))
+                wait_for(lambda p=point, c=chunk: _done(c) >= p, 120, f"{point} answers")
             lost = fleet.holder(tc.model_id)
             fleet.kill(lost)
             fleet.wait_adopted(tc.model_id, lost)
             fleet.start()
+        futures += _submit_pairs(tc, batches[KILLS * CHUNK:])
         for f in futures:
             f.result(timeout=180)
         got = _logprobs(tc, probe)
