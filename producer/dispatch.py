@@ -322,7 +322,7 @@ class Dispatcher:
             self._lost(exc)
             return
         self._follow_adoptions(ages, now)
-        if time.monotonic() - asked > min(owed.values()) / 2:
+        if time.monotonic() - asked > min(owed.values(), default=self.settings.heartbeat_s) / 2:
             # Redis took long to answer (paused, or stalled): no worker could beat meanwhile either.
             self._reachable_since = time.monotonic()
             return

@@ -138,6 +138,7 @@ class WorkerService:
             "close_model": lambda s, body: (codec.packb({}), 0),
         }
         self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
+        self._moved: dict[str, str] = {}  # sessions adopted by another worker while this one was taken for lost
         # Set while an adopted session's journal is replayed: replayed requests are neither journaled again
         # nor snapshotted (the journal being replayed must stay in Redis until it is covered).
         self._replaying = False
@@ -407,6 +408,9 @@ class WorkerService:
         adopted = 0
         for key in store.scan(keys.SESSION_HOME_PATTERN):
             home = _home(store.get(key))
+            if home is not None and home["worker"] != self.worker_id and home["model_id"] in self.slots:
+                self._adopted_away(home)
+                continue
             if (home is None or home["base_model"] != self.base_model or home["worker"] == self.worker_id
                     or ages.get(home["worker"], float("inf")) <= limit or home["model_id"] in self.slots):
                 continue
@@ -427,6 +431,21 @@ class WorkerService:
                 with contextlib.suppress(TinkerqError):
                     store.delete(keys.adopting(model_id))
         return adopted
+
+    def _adopted_away(self, home: dict[str, Any]) -> None:
+        """This worker was taken for lost (paused, cut off) and another adopted one of its sessions: the copy here
+        is dropped without touching the session's record, journal or snapshot (the adopter's now), and requests
+        still reaching it here go unanswered (their producer sent them to the adopter, which answers)."""
+        with self._lock:
+            slot = self.slots.pop(home["model_id"], None)
+            if slot is None:
+                return
+            self._moved[home["model_id"]] = home["worker"]
+            slot.session.close()
+            self.snapshots.forget_session(home["model_id"])
+            slot.ordering.drop_buffered()
+            log.error("training session %s was adopted by worker %s while this worker was taken for lost: dropped "
+                      "here", home["model_id"], home["worker"])
 
     def _claim(self, store: Any, model_id: str, ages: dict[str, float], limit: float) -> bool:
         """Claim a session for adoption; a claim left by a worker lost meanwhile (mid-adoption) is taken over."""
@@ -459,6 +478,8 @@ class WorkerService:
             self._replaying = True
             try:
                 for entry in entries:
+                    if entry["seq"] < slot.ordering.next_seq:  # twice (a worker resumed after being taken for lost)
+                        continue
                     if entry["seq"] != slot.ordering.next_seq:
                         raise WorkerError(f"the journal of {model_id} misses request {slot.ordering.next_seq}")
                     reply: Outcome = (entry["reply"][0], entry["reply"][1], entry["reply"][2] or {})
@@ -505,6 +526,10 @@ class WorkerService:
 
     def _sequenced(self, op: str, envelope: Any, task_id: str, inbox: str | None) -> Outcome | None:
         model_id, seq_id, _ = messages.check_envelope(envelope, op)
+        if model_id in self._moved:  # its producer sent it to the adopter too: that one answers
+            log.warning("%s seq %d of session %s (adopted by %s) not answered here", op, seq_id, model_id,
+                        self._moved[model_id])
+            return None
         slot = self.slots.get(model_id)
         if slot is None:
             raise UnknownModelError(
