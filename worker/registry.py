@@ -7,7 +7,9 @@
   only while its consumer loop runs (``consuming``): a process that is alive but no longer takes messages
   is not alive for the fleet.
 * The *reaper* (:func:`reap_dead_workers`) answers the messages left in a dead worker's queue with
-  ``WorkerLostError`` and deletes the queue, so nothing waits there forever (rq's cleanup pass, in Redis).
+  ``WorkerLostError`` and deletes the queue, so nothing waits there forever (rq's cleanup pass, in Redis);
+  messages of sessions with a session record are dropped unanswered: another worker adopts those sessions and
+  their producers send the messages there (worker/service.py, docs/reliability.md).
 """
 
 from __future__ import annotations
