@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import redis
 
-from launcher.processes import wait_for
+from launcher.processes import free_port, wait_for
 from producer import ServiceClient
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
@@ -42,11 +43,16 @@ class Fleet:
         self.procs: list = []
         self.redis = redis.Redis.from_url(redis_url)
 
-    def start(self) -> None:
+    def start(self, env: dict[str, str] | None = None, extra: list[str] | None = None) -> None:
         log = self.tmp_path / f"w{len(self.procs)}.log"
         self.procs.append(start_named_worker(self.model_dir, self.redis_url, self.name, log, env={
             "TINKERQ_CHECKPOINT_DIR": str(self.tmp_path / "checkpoints"),
-            "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY)}))
+            "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY), **(env or {})}, extra=extra))
+        # start_named_worker returns once *a* worker serves the name: wait for this one's own registration.
+        pid = self.procs[-1].pid
+        wait_for(lambda: any(json.loads(self.redis.get(k) or b"{}").get("pid") == pid
+                             for k in self.redis.scan_iter(keys.serving_pattern(self.name))), 120,
+                 f"worker {pid}", self.procs[-1], log)
 
     def holder(self, model_id: str) -> str:
         return json.loads(self.redis.get(keys.session_home(model_id)))["worker"]
@@ -229,3 +235,49 @@ def test_without_an_adopter_the_futures_fail_naming_the_snapshot(fleet, redis_ur
         assert time.monotonic() - killed < bound + 1.5 * 1 + 3  # the bound + detection + the monitor's period
     finally:
         sc.close()
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_the_journal_stays_bounded_without_optimizer_steps_and_is_counted(fleet, redis_url):
+    """Forward-only: past TINKERQ_JOURNAL_MAX_ENTRIES entries a snapshot is taken at a request boundary (and
+    empties the journal); the gauge tinkerq_journal_entries follows, and tinkerq_adoptions counts adoptions."""
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, 2, max_len=16)
+    env = {"TINKERQ_JOURNAL_MAX_ENTRIES": "4"}
+    ports = []
+    for _ in range(2):  # one at a time: free_port() may give the same port twice while it is unused
+        ports.append(free_port())
+        fleet.start(env, extra=["--metrics-port", str(ports[-1])])
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        holder = fleet.holder(tc.model_id)
+        outs = [tc.forward(batch, "cross_entropy") for _ in range(11)]
+        want = outs[0].result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
+        for f in outs:
+            f.result(timeout=120)
+        assert fleet.redis.llen(keys.journal(tc.model_id)) == 1  # 5 -> snapshot (after 5), 5 -> snapshot, 1
+        assert json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))["seq_id"] == 10
+        entries = sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_journal_entries") for p in ports)
+        assert entries == 1
+        fleet.kill(holder)
+        fleet.wait_adopted(tc.model_id, holder)
+        alive = [p for p in ports if _up(p)]
+        assert sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_adoptions_total") for p in alive) == 1
+        got = tc.forward(batch, "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_array_equal(got, want)  # no optimizer step: the same weights after the adoption
+    finally:
+        sc.close()
+
+
+def _up(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        return True
+    except OSError:
+        return False
