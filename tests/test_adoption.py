@@ -185,6 +185,41 @@ def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
         sc.close()
 
 
+def test_an_adopter_killed_while_replaying_is_replaced(fleet, redis_url):
+    """A long journal (snapshots far apart) makes the replay last long enough to SIGKILL the adopter while it
+    holds its claim: a third worker takes the claim over and adopts the session, exactly."""
+    rng = np.random.default_rng(77)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    probe = make_batch(rng, 3, max_len=16)
+    env = {"TINKERQ_AUTO_SNAPSHOT_STEPS": "1000", "TINKERQ_JOURNAL_MAX_ENTRIES": "1000"}
+    for _ in range(3):
+        fleet.start(env)
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        futures = _submit_pairs(tc, batches)
+        wait_for(lambda: _done(futures) >= 2 * PAIRS - 10, 120, "most answers")
+        lost = fleet.holder(tc.model_id)
+        fleet.kill(lost)
+        claim = keys.adopting(tc.model_id)
+        deadline = time.monotonic() + 30
+        while (adopter := fleet.redis.get(claim)) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert adopter is not None, "no worker claimed the session"
+        fleet.kill(adopter.decode())
+        during = fleet.holder(tc.model_id) == lost  # the adopter died before it rewrote the record
+        wait_for(lambda: fleet.holder(tc.model_id) not in (lost, adopter.decode()), 60, "a second adoption")
+        for f in futures:
+            f.result(timeout=120)
+        got = _logprobs(tc, probe)
+        want = _reference(sc, fleet.name, False, batches, probe)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert during, "the adopter finished its replay before it was killed (the kill came too late)"
+    finally:
+        sc.close()
+
+
 def test_a_sampling_client_made_before_the_loss_still_samples(fleet, redis_url):
     rng = np.random.default_rng(7)
     batches = [make_batch(rng, 2, max_len=16) for _ in range(5)]
