@@ -518,7 +518,8 @@ class WorkerService:
             self.snapshots.add(session.snapshot(), session.model_id, snapshot_id=str(answer["sampler_id"]))
             return
         assert body is not None
-        out, _ = self._ops[op](session, self._unpack(body))
+        with self.turns.take("train"):  # the LoRA pass loop and sampling share this compute (and the base model)
+            out, _ = self._ops[op](session, self._unpack(body))
         if op == "forward_backward" and out != value:
             log.warning("replayed forward_backward of %s differs from the lost worker's answer", session.model_id)
 
