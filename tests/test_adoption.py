@@ -27,6 +27,7 @@ from tests.helpers import make_batch
 from tests.test_sampling import PROMPT
 from tinkerq import errors, keys, types
 from tinkerq.settings import Settings
+from tinkerq.wire import messages
 
 pytestmark = pytest.mark.timeout(600)
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -296,16 +297,22 @@ def test_the_journal_stays_bounded_without_optimizer_steps_and_is_counted(fleet,
         want = outs[0].result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
         for f in outs:
             f.result(timeout=120)
-        assert fleet.redis.llen(keys.journal(tc.model_id)) == 1  # 5 -> snapshot (after 5), 5 -> snapshot, 1
-        assert json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))["seq_id"] == 10
+        # Entry 5 makes 5 > 4: snapshot after request 5, the journal cut to [5]; again at 9; then 10, 11.
+        assert json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))["seq_id"] == 9
+        assert fleet.redis.llen(keys.journal(tc.model_id)) == 3
         entries = sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_journal_entries") for p in ports)
-        assert entries == 1
+        assert entries == 3
         fleet.kill(holder)
         fleet.wait_adopted(tc.model_id, holder)
         alive = [p for p in ports if _up(p)]
         assert sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_adoptions_total") for p in alive) == 1
         got = tc.forward(batch, "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
         np.testing.assert_array_equal(got, want)  # no optimizer step: the same weights after the adoption
+        # The snapshot's own last request, sent again (its answer might never have reached the caller): the
+        # adopter answers it from the journal's kept entry, not with "no longer kept".
+        again = tc._submit("forward", messages.encode_loss_request(batch, "cross_entropy", None),
+                           messages.decode_forward_backward_output, argsrepr="", seq_id=9).result(timeout=60)
+        np.testing.assert_array_equal(again.loss_fn_outputs[0]["logprobs"].to_numpy(), want)
     finally:
         sc.close()
 

@@ -86,6 +86,7 @@ class _Slot:
     in_flight_tasks: list[str] | None = None
     steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
     journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
+    snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
 
 
 class WorkerService:
@@ -139,9 +140,6 @@ class WorkerService:
         }
         self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
         self._moved: dict[str, str] = {}  # sessions adopted by another worker while this one was taken for lost
-        # Set while an adopted session's journal is replayed: replayed requests are neither journaled again
-        # nor snapshotted (the journal being replayed must stay in Redis until it is covered).
-        self._replaying = False
         self.metrics.journal_entries.set_function(lambda: sum(s.journal_len for s in list(self.slots.values())))
         self.sweep_checkpoints()
 
@@ -376,23 +374,26 @@ class WorkerService:
         except TinkerqError as exc:  # the session works; it just cannot be adopted
             log.warning("could not record session %s: %s", session.model_id, exc.message)
 
-    def _journal(self, slot: _Slot, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> None:
-        """Append an applied request to its session's journal (before its answer is sent: every answered request
-        is in the journal or in the snapshot). A request whose answer is an error changed nothing: its body is
-        not kept, only the answer. Past ``journal_max_entries``, the session is snapshotted now."""
-        if not self._journaling or self._replaying or op == "close_model":
+    def _applied(self, slot: _Slot, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> None:
+        """A request was applied (its answer is not sent yet): journal it, then take the automatic snapshot if
+        one is due, so every answered request is in the snapshot or the journal. A request whose answer is an
+        error changed nothing: its body is not kept, only the answer."""
+        if op == "close_model":
             return
-        entry = codec.packb({"seq": seq_id, "op": op, "body": raw if outcome[0] == "ok" else None,
-                             "reply": list(outcome)})
-        try:
-            self.connection.store.push(keys.journal(slot.session.model_id), entry,
-                                       ttl_s=self.settings.auto_snapshot_ttl_s)
-        except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
-            log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
-            return
-        slot.journal_len += 1
-        if slot.journal_len > self.settings.journal_max_entries and slot.broken is None:
-            self._snapshot(slot, seq_id)
+        entry = None
+        if self._journaling:
+            entry = codec.packb({"seq": seq_id, "op": op, "body": raw if outcome[0] == "ok" else None,
+                                 "reply": list(outcome)})
+            try:
+                self.connection.store.push(keys.journal(slot.session.model_id), entry,
+                                           ttl_s=self.settings.auto_snapshot_ttl_s)
+                slot.journal_len += 1
+            except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
+                log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
+                return
+        # Due after auto_snapshot_steps optimizer steps, or when the journal is too long (any request boundary).
+        if slot.broken is None and (slot.snapshot_due or slot.journal_len > self.settings.journal_max_entries > 0):
+            self._snapshot(slot, seq_id, entry)
 
     def adopt_orphans(self) -> int:
         """Adopt the sessions of lost workers of this model (periodic); returns how many were adopted.
@@ -473,21 +474,23 @@ class WorkerService:
             if (directory / checkpoints.STATE_FILE).is_file():
                 last = int(session.load_state(directory, optimizer=True)["seq_id"])
             slot.ordering.next_seq = last + 1
-            entries = sorted((e for e in (codec.unpackb(raw) for raw in store.list_range(keys.journal(model_id), 0, -1))
-                              if e["seq"] > last), key=lambda e: e["seq"])
-            self._replaying = True
-            try:
-                for entry in entries:
-                    if entry["seq"] < slot.ordering.next_seq:  # twice (a worker resumed after being taken for lost)
-                        continue
-                    if entry["seq"] != slot.ordering.next_seq:
-                        raise WorkerError(f"the journal of {model_id} misses request {slot.ordering.next_seq}")
-                    reply: Outcome = (entry["reply"][0], entry["reply"][1], entry["reply"][2] or {})
-                    self._replay(slot, entry["op"], entry["body"], reply)
-                    slot.ordering.applied(entry["seq"], reply)  # a repeat of it is answered as the lost worker did
-            finally:
-                self._replaying = False
-            slot.journal_len = len(entries)
+            journal = sorted((codec.unpackb(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
+                             key=lambda e: e["seq"])
+            for entry in journal:  # covered by the snapshot; their answers may not have reached their callers
+                if entry["seq"] <= last:
+                    slot.ordering.keep(entry["seq"], _outcome(entry))
+            entries = [e for e in journal if e["seq"] > last]
+            # Replayed requests are neither journaled again nor snapshotted here (_applied is not called): the
+            # journal being replayed stays in Redis until the next snapshot covers it.
+            for entry in entries:
+                if entry["seq"] < slot.ordering.next_seq:  # twice (a worker resumed after being taken for lost)
+                    continue
+                if entry["seq"] != slot.ordering.next_seq:
+                    raise WorkerError(f"the journal of {model_id} misses request {slot.ordering.next_seq}")
+                reply = _outcome(entry)
+                self._replay(slot, entry["op"], entry["body"], reply)
+                slot.ordering.applied(entry["seq"], reply)  # a repeat of it is answered as the lost worker did
+            slot.journal_len = len(journal)
             slot.steps_since_snapshot = sum(1 for e in entries if e["op"] == "optim_step" and e["reply"][0] == "ok")
             home = {**home, "worker": self.worker_id}
             store.set(keys.session_home(model_id), json.dumps(home).encode(), self.settings.auto_snapshot_ttl_s)
@@ -603,7 +606,7 @@ class WorkerService:
                 outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(),
                            timing)
             slot.ordering.applied(seq_id, outcome)
-            self._journal(slot, seq_id, op, raw, outcome)
+            self._applied(slot, seq_id, op, raw, outcome)
             self.metrics.observe(op, outcome[0], timing)
             return outcome
         if slot.broken is not None:
@@ -631,7 +634,7 @@ class WorkerService:
                                f"({type(exc).__name__}: {exc}); create a new training client")
                 outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
         slot.ordering.applied(seq_id, outcome)
-        self._journal(slot, seq_id, op, raw, outcome)  # after applying, before the caller stores the reply
+        self._applied(slot, seq_id, op, raw, outcome)  # after applying, before the caller stores the reply
         if op == "close_model" and outcome[0] == "ok":
             self._close(model_id)
         self.metrics.observe(op, outcome[0], timing)
@@ -680,7 +683,7 @@ class WorkerService:
             tasks = slot.in_flight_tasks or []
             slot.in_flight, slot.in_flight_tasks = None, None
             slot.ordering.applied(seq_id, outcome)
-            self._journal(slot, seq_id, op, raw, outcome)  # before the answer goes out
+            self._applied(slot, seq_id, op, raw, outcome)  # before the answer goes out
             self.metrics.observe(op, outcome[0], timing)
             self._store_late(tasks, outcome)
             if memory.is_large(ref, outcome):  # as for requests applied inline: give freed buffers back
@@ -710,19 +713,19 @@ class WorkerService:
         return codec.packb({"metrics": metrics}), 0
 
     def _auto_snapshot(self, session: Session) -> None:
-        """Every ``auto_snapshot_steps`` optimizer steps, write the session's whole state (as save_state) to its
-        automatic snapshot and record where in Redis: a lost worker then costs at most that many steps, and
-        the producer's WorkerLostError names the snapshot to resume from (docs/reliability.md)."""
-        s = self.settings
+        """Every ``auto_snapshot_steps`` optimizer steps, the session's whole state (as save_state) goes to its
+        automatic snapshot, recorded in Redis: a lost worker then costs at most that many steps (or nothing,
+        when another worker adopts the session), and the producer's WorkerLostError names the snapshot to resume
+        from (docs/reliability.md). Taken once this optim_step is applied and journaled (:meth:`_applied`)."""
         slot = self.slots[session.model_id]
         slot.steps_since_snapshot += 1
-        if s.auto_snapshot_steps <= 0 or slot.steps_since_snapshot < s.auto_snapshot_steps or self._replaying:
-            return
-        self._snapshot(slot, slot.ordering.next_seq)  # this optim_step's own position (recorded once it returns)
+        if 0 < self.settings.auto_snapshot_steps <= slot.steps_since_snapshot:
+            slot.snapshot_due = True
 
-    def _snapshot(self, slot: _Slot, seq_id: int) -> None:
+    def _snapshot(self, slot: _Slot, seq_id: int, entry: bytes | None) -> None:
         """Write the session's automatic snapshot as the state after its request ``seq_id``, record it, and then
-        empty its journal (every entry in it is covered now)."""
+        cut its journal down to that request's own ``entry`` (everything older is covered now; the answer to
+        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it)."""
         s, session = self.settings, slot.session
         started = time.perf_counter()
         try:
@@ -734,12 +737,15 @@ class WorkerService:
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
             return
-        try:  # after the record: a kill in between leaves entries the adopter skips (seq <= the snapshot's)
-            self.connection.store.delete(keys.journal(session.model_id))
-            slot.journal_len = 0
-        except TinkerqError as exc:
-            log.warning("could not empty the journal of %s: %s", session.model_id, exc)
-        slot.steps_since_snapshot = 0
+        if entry is not None:
+            try:  # after the record: a kill in between leaves entries the adopter does not apply (seq <= S)
+                # One atomic LPUSH + LTRIM: the journal is this entry alone, never empty in between.
+                self.connection.store.push(keys.journal(session.model_id), entry, ttl_s=s.auto_snapshot_ttl_s,
+                                           max_len=1)
+                slot.journal_len = 1
+            except TinkerqError as exc:
+                log.warning("could not cut the journal of %s: %s", session.model_id, exc)
+        slot.steps_since_snapshot, slot.snapshot_due = 0, False
         self.metrics.auto_snapshots.inc()
         self.metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
 
@@ -906,6 +912,12 @@ class WorkerService:
 
 
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
+
+
+def _outcome(entry: dict[str, Any]) -> Outcome:
+    """A journal entry's answer, as kept."""
+    status, value, timing = entry["reply"]
+    return (status, value, timing or {})
 
 
 def _home(raw: bytes | None) -> dict[str, Any] | None:
