@@ -343,7 +343,8 @@ class TrainingClient:
         self.model_id = info.model_id
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
-        self._queue = keys.worker_queue(info.worker)
+        # Which worker holds the session is kept by the dispatcher: another one once it adopts the session.
+        service._dispatch.set_home(self.model_id, info.worker)
         s = service.settings
         self._limits = Limits(max_datums=s.max_datums, max_batch_tokens=s.max_batch_tokens)
 
@@ -623,11 +624,17 @@ class TrainingClient:
         if seq_id is None:
             seq_id = self.next_seq_id()
         # Posted now, or by the dispatcher once Redis is reachable: an outage costs time, not the session.
+        worker, queue = self.service._dispatch.home(self.model_id)
         return self.service._dispatch.submit(
-            op, encoded, model_id=self.model_id, seq_id=seq_id, queue=self._queue, decode=decode,
-            argsrepr=argsrepr, worker=self.info.worker,
+            op, encoded, model_id=self.model_id, seq_id=seq_id, queue=queue, decode=decode,
+            argsrepr=argsrepr, worker=worker,
             heartbeat_s=float(self.info.extra.get("heartbeat_s") or self.service.settings.heartbeat_s),
         )
+
+    @property
+    def _queue(self) -> str:
+        """The queue of the worker holding the session now."""
+        return self.service._dispatch.home(self.model_id)[1]
 
     def next_seq_id(self) -> int:
         with self._seq_lock:

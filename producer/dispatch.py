@@ -86,6 +86,11 @@ class Dispatcher:
         self._reachable_since = time.monotonic()
         self._needs_recovery = False
         self._progress: dict[str, float] = {}  # model id -> when it last had an answer (monotonic)
+        # Where each training session's requests go: model id -> (worker, its queue). The one place a
+        # TrainingClient reads it from, so an adoption moves its future submissions too.
+        self._homes: dict[str, tuple[str, str]] = {}
+        # Sessions whose worker was lost and that may be adopted: model id -> (lost worker, give up at, monotonic).
+        self._adopting: dict[str, tuple[str, float]] = {}
         # Publishing must fail fast while Redis is away (the monitor re-posts): kombu would otherwise retry the
         # connection for minutes inside the caller's submit, or wait on a paused server without a timeout.
         conf = connection.app.conf
@@ -115,6 +120,15 @@ class Dispatcher:
             self._pending[request.task_id] = request
         self._try_post(request)
         return future
+
+    def set_home(self, model_id: str, worker: str) -> None:
+        with self._lock:
+            self._homes[model_id] = (worker, keys.worker_queue(worker))
+
+    def home(self, model_id: str) -> tuple[str, str]:
+        """(worker, queue) that holds a training session now (set_home, or its adopter)."""
+        with self._lock:
+            return self._homes[model_id]
 
     def expect(self, task_id: str, decode: Callable[[Any], Any], *, worker: str | None = None,
                describe: str = "request") -> APIFuture[Any]:
@@ -298,8 +312,8 @@ class Dispatcher:
             if not request.posted and not self._try_post(request):
                 return
         self._resend_stalled(pending, now)
-        owed = {r.worker: r.heartbeat_s for r in pending if r.worker}
-        if not owed:
+        owed = {r.worker: r.heartbeat_s for r in pending if r.worker and r.model_id not in self._adopting}
+        if not owed and not self._adopting:
             return
         asked = time.monotonic()
         try:
@@ -307,7 +321,8 @@ class Dispatcher:
         except Exception as exc:
             self._lost(exc)
             return
-        if time.monotonic() - asked > min(owed.values()) / 2:
+        self._follow_adoptions(ages, now)
+        if time.monotonic() - asked > min(owed.values(), default=self.settings.heartbeat_s) / 2:
             # Redis took long to answer (paused, or stalled): no worker could beat meanwhile either.
             self._reachable_since = time.monotonic()
             return
@@ -324,13 +339,73 @@ class Dispatcher:
                         f"heartbeat for {silent:.1f} s) before answering; the request may or may not have been "
                         f"applied. {self._resume_hint(r.model_id)}")
 
+                # A session with a record (worker/service.py) may be adopted by another worker: its requests
+                # wait for that (bounded by adopt_timeout_s) instead of failing now.
+                for model_id in {r.model_id for r in pending if r.worker == worker and r.sequenced and r.seq_id > 0
+                                 and r.model_id not in self._adopting}:
+                    if self._session_home(model_id) is not None:
+                        self._adopting[model_id] = (worker, now + self.settings.adopt_timeout_s)
+                        log.warning("worker %s, holding session %s, is gone: waiting up to %g s for another worker "
+                                    "to adopt it", worker, model_id[:8], self.settings.adopt_timeout_s)
+
                 def owed_by(r: Request, w: str = worker) -> bool:
-                    return r.worker == w
+                    return r.worker == w and r.model_id not in self._adopting
 
                 moved = self._reroute([r for r in pending if r.worker == worker])
                 n = self._fail_where(owed_by, lost)
                 log.warning("worker %s is gone: %d pending request(s) failed, %d sent to other workers",
                             worker, n, moved)
+
+    def _session_home(self, model_id: str) -> dict[str, Any] | None:
+        try:
+            raw = self.store.with_retry(0).get(keys.session_home(model_id))
+            home = json.loads(raw) if raw else None
+        except (TinkerqError, ValueError):
+            return None
+        return home if isinstance(home, dict) and isinstance(home.get("worker"), str) else None
+
+    def _follow_adoptions(self, ages: dict[str, float], now: float) -> None:
+        """Sessions waiting for an adopter: move them to it once their record names a live worker, or fail
+        their requests with WorkerLostError once adopt_timeout_s has passed without one."""
+        for model_id, (lost, give_up_at) in list(self._adopting.items()):
+            home = self._session_home(model_id)
+            with self._lock:
+                waiting = [r for r in self._pending.values() if r.model_id == model_id and r.sequenced and r.worker]
+            limit = LOST_AFTER_BEATS * max((r.heartbeat_s for r in waiting), default=self.settings.heartbeat_s)
+            adopter = home["worker"] if home is not None and home["worker"] != lost else None
+            if adopter is not None and ages.get(adopter, float("inf")) <= limit:
+                del self._adopting[model_id]
+                self._move(model_id, adopter)
+            elif home is None or now > give_up_at:
+                del self._adopting[model_id]
+
+                def lost_error(r: Request, w: str = lost) -> TinkerqError:
+                    return WorkerLostError(
+                        f"{r.future._describe}: worker {w}, which held this training session, stopped before "
+                        f"answering, and no other worker of the model adopted the session within "
+                        f"{self.settings.adopt_timeout_s:g} s (TINKERQ_ADOPT_TIMEOUT_S); the request may or may "
+                        f"not have been applied. {self._resume_hint(r.model_id)}")
+
+                def of_session(r: Request, m: str = model_id) -> bool:
+                    return r.model_id == m and r.sequenced
+
+                n = self._fail_where(of_session, lost_error)
+                log.warning("session %s was not adopted: %d pending request(s) failed", model_id[:8], n)
+
+    def _move(self, model_id: str, worker: str) -> None:
+        """Send a session's pending requests (same task ids and seq ids), and its future ones, to its adopter:
+        it answers those its lost worker had applied from their kept replies, and applies the others in order."""
+        queue = keys.worker_queue(worker)
+        with self._lock:
+            self._homes[model_id] = (worker, queue)
+            moved = sorted((r for r in self._pending.values() if r.model_id == model_id and r.sequenced and r.worker),
+                           key=lambda r: r.seq_id)
+            for r in moved:
+                r.worker, r.queue, r.posted = worker, queue, False
+        for r in moved:
+            self._try_post(r)  # or by the monitor, once Redis answers
+        log.warning("session %s was adopted by worker %s: %d pending request(s) sent to it", model_id[:8], worker,
+                    len(moved))
 
     def _resume_hint(self, model_id: str) -> str:
         """What a caller whose session is lost can do: resume from its automatic snapshot when it has one."""
@@ -365,7 +440,7 @@ class Dispatcher:
         for r in pending:
             # Not create_model: a repeat of it could open a second session on another worker of the model.
             # Not sampling: a long sample is no sign of a lost message (its worker's heartbeat covers it).
-            if not (r.sequenced and r.worker and r.posted):
+            if not (r.sequenced and r.worker and r.posted) or r.model_id in self._adopting:
                 continue
             if r.model_id not in heads or r.seq_id < heads[r.model_id].seq_id:
                 heads[r.model_id] = r

@@ -28,8 +28,11 @@ EVERY = 2  # TINKERQ_AUTO_SNAPSHOT_STEPS in these workers
 
 
 def _worker(model_dir: Path, redis_url: str, name: str, checkpoint_dir: Path, log: Path):
+    # Adoption off (no journal): this is the case where the caller resumes by hand (tests/test_adoption.py has
+    # the automatic one).
     return start_named_worker(model_dir, redis_url, name, log, env={
-        "TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir), "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY)})
+        "TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir), "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY),
+        "TINKERQ_JOURNAL_MAX_ENTRIES": "0"})
 
 
 def _pairs(tc, batches) -> None:

@@ -118,7 +118,10 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
-    proc = start_named_worker(model_dir, redis_url, "kill9-model", log)
+    # Adoption off (no journal, no session record): no other worker could take the session over, so
+    # its requests fail as soon as the worker is seen lost (with adoption they wait TINKERQ_ADOPT_TIMEOUT_S
+    # for an adopter first: tests/test_adoption.py).
+    proc = start_named_worker(model_dir, redis_url, "kill9-model", log, env={"TINKERQ_JOURNAL_MAX_ENTRIES": "0"})
     try:
         with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
             tc = sc.create_training_client("kill9-model")
@@ -167,7 +170,10 @@ def test_a_frozen_worker_is_lost_too(tmp_path, model_dir, redis_url):
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
-    proc = start_named_worker(model_dir, redis_url, "frozen-model", log)
+    # Adoption off (no journal, no session record): no other worker could take the session over, so
+    # its requests fail as soon as the worker is seen lost (with adoption they wait TINKERQ_ADOPT_TIMEOUT_S
+    # for an adopter first: tests/test_adoption.py).
+    proc = start_named_worker(model_dir, redis_url, "frozen-model", log, env={"TINKERQ_JOURNAL_MAX_ENTRIES": "0"})
     try:
         with ServiceClient(settings=Settings(broker_url=redis_url, heartbeat_s=1.0)) as sc:
             tc = sc.create_training_client("frozen-model")

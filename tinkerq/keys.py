@@ -63,6 +63,25 @@ def auto_snapshot(model_id: str) -> str:
     return f"{PREFIX}:autosnapshot:{model_id}"
 
 
+def session_home(model_id: str) -> str:
+    """JSON: where a training session lives {model_id, base_model, worker, lora}; rewritten by an adopter."""
+    return f"{PREFIX}:session:{model_id}"
+
+
+SESSION_HOME_PATTERN = f"{PREFIX}:session:*"
+
+
+def journal(model_id: str) -> str:
+    """A list (LPUSH, newest first) of msgpack maps {seq, op, body, reply}: every request a session applied
+    since its latest automatic snapshot, replayed by a worker adopting the session."""
+    return f"{PREFIX}:journal:{model_id}"
+
+
+def adopting(model_id: str) -> str:
+    """A claim (SET NX, value: the worker id): this worker is adopting the session."""
+    return f"{PREFIX}:adopting:{model_id}"
+
+
 def reply(task_id: str) -> str:
     """A request's answer, kept for ``result_ttl_s`` (read back by a producer after a Redis outage)."""
     return f"{PREFIX}:reply:{task_id}"

@@ -112,6 +112,13 @@ class Settings:
     # ... and kept this long after the latest one (the worker's expiry sweep removes it; closing the training
     # client removes it at once).
     auto_snapshot_ttl_s: int = 7 * 24 * 3600
+    # Adoption (docs/reliability.md): every request a session applies is also appended to its journal in Redis
+    # until the next automatic snapshot; past this many entries a snapshot is taken at once, so a workload
+    # without optimizer steps keeps a bounded journal too. 0: no journal, no session record, no adoption.
+    journal_max_entries: int = 256
+    # How long a producer whose session's worker was lost waits for another worker to adopt the session
+    # (replaying snapshot + journal) before its pending requests fail with WorkerLostError.
+    adopt_timeout_s: float = 30.0
     # Sessions idle this long may be closed to make room for a new one.
     session_idle_ttl_s: float = 1800.0
     # A request that waits this long for a missing predecessor fails (with every request after it), and
@@ -195,7 +202,10 @@ class Settings:
         if self.auto_snapshot_steps < 0:
             raise SettingsError(f"{ENV_PREFIX}AUTO_SNAPSHOT_STEPS must be 0 (off) or positive, got "
                                 f"{self.auto_snapshot_steps}")
-        for name in ("rendezvous_timeout_s", "collective_timeout_s", "auto_snapshot_ttl_s"):
+        if self.journal_max_entries < 0:
+            raise SettingsError(f"{ENV_PREFIX}JOURNAL_MAX_ENTRIES must be 0 (off) or positive, got "
+                                f"{self.journal_max_entries}")
+        for name in ("rendezvous_timeout_s", "collective_timeout_s", "auto_snapshot_ttl_s", "adopt_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.role not in ("trainer", "sampler"):

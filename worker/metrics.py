@@ -38,6 +38,10 @@ class WorkerMetrics:
                                       registry=r)
         self.auto_snapshot_seconds = Histogram("tinkerq_auto_snapshot_seconds", "Time a session paused while its "
                                                "automatic snapshot was written", buckets=_SECONDS, registry=r)
+        self.adoptions = Counter("tinkerq_adoptions", "Training sessions of lost workers adopted here (snapshot + "
+                                 "journal replayed)", registry=r)
+        self.journal_entries = Gauge("tinkerq_journal_entries", "Requests in the journals of this worker's sessions "
+                                     "(applied since their latest automatic snapshot)", registry=r)
         self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
                                        "the fullest shard, at the latest optim_step", registry=r)
 

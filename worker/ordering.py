@@ -100,6 +100,14 @@ class Ordering:
         ``kept_reply_bytes``; the newest one always stays.
         """
         assert seq_id == self.next_seq
+        self.keep(seq_id, reply)
+        self.next_seq += 1
+
+    def keep(self, seq_id: int, reply: Any) -> None:
+        """Keep the answer to a request already applied (``applied``; an adopter: the journal's entries its
+        snapshot covers), for repeats of it."""
+        if seq_id in self.replies:
+            return
         size = reply_bytes(reply)
         self.replies[seq_id] = reply
         self._reply_sizes[seq_id] = size
@@ -108,7 +116,6 @@ class Ordering:
                                           or self.reply_bytes > self.kept_reply_bytes):
             old, _ = self.replies.popitem(last=False)
             self.reply_bytes -= self._reply_sizes.pop(old)
-        self.next_seq += 1
 
     def pop_ready(self) -> tuple[int, Pending] | None:
         """The buffered request that is next in order, if it has arrived."""

@@ -7,11 +7,14 @@
   only while its consumer loop runs (``consuming``): a process that is alive but no longer takes messages
   is not alive for the fleet.
 * The *reaper* (:func:`reap_dead_workers`) answers the messages left in a dead worker's queue with
-  ``WorkerLostError`` and deletes the queue, so nothing waits there forever (rq's cleanup pass, in Redis).
+  ``WorkerLostError`` and deletes the queue, so nothing waits there forever (rq's cleanup pass, in Redis);
+  messages of sessions with a session record are dropped unanswered: another worker adopts those sessions and
+  their producers send the messages there (worker/service.py, docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -24,7 +27,7 @@ from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerLostError
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
-from tinkerq.wire import messages
+from tinkerq.wire import codec, messages
 from worker.intake import store_reply
 
 log = logging.getLogger("tinkerq.worker")
@@ -148,6 +151,9 @@ def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:
             task_id, inbox = _sender(item)
             if task_id is None:
                 continue
+            model_id = _model_of(item)
+            if model_id is not None and store.get(keys.session_home(model_id)) is not None:
+                continue  # an adoptable session: its producer posts the request again to the adopter
             error = WorkerLostError(f"worker {worker} stopped before taking this request; create a new training "
                                     f"client, or resume from your last checkpoint (create_training_client_from_state)")
             try:
@@ -192,6 +198,18 @@ def _unacked_message(raw: bytes) -> bytes:
         return json.dumps(record[0]).encode() if isinstance(record, list) and record else b""
     except (ValueError, UnicodeDecodeError):
         return b""
+
+
+def _model_of(item: bytes) -> str | None:
+    """The training session a raw queue entry (kombu's JSON, the body our msgpack ``[args, kwargs, embed]``
+    in base64) belongs to, when it can be read."""
+    try:
+        message = json.loads(item)
+        args = codec.unpackb(base64.b64decode(message["body"]))[0]
+        model_id = args[0]["model_id"]
+    except Exception:  # anything unreadable is answered as before
+        return None
+    return model_id if isinstance(model_id, str) and 0 < len(model_id) <= 128 else None
 
 
 def _sender(item: bytes) -> tuple[str | None, str | None]:

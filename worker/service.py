@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -53,7 +54,7 @@ from worker.lora.session import LoraBase, LoraSession, config_dict
 from worker.metrics import WorkerMetrics
 from worker.model_loading import max_seq_len, vocab_size
 from worker.ordering import Ordering
-from worker.registry import reap_dead_workers
+from worker.registry import LOST_AFTER_BEATS, reap_dead_workers
 from worker.sampling.engine import SampleJob
 from worker.sampling.rules import StopRule
 from worker.sampling.torch_engine import TorchEngine
@@ -84,6 +85,8 @@ class _Slot:
     in_flight: int | None = None
     in_flight_tasks: list[str] | None = None
     steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
+    journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
+    snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
 
 
 class WorkerService:
@@ -136,6 +139,8 @@ class WorkerService:
             "close_model": lambda s, body: (codec.packb({}), 0),
         }
         self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
+        self._moved: dict[str, str] = {}  # sessions adopted by another worker while this one was taken for lost
+        self.metrics.journal_entries.set_function(lambda: sum(s.journal_len for s in list(self.slots.values())))
         self.sweep_checkpoints()
 
     # -- entry point -----------------------------------------------------------------------------------------
@@ -191,6 +196,7 @@ class WorkerService:
             session = self._new_lora_session(model_id, lora) if lora is not None else self._new_full_session(model_id)
             self.slots[model_id] = _Slot(session, Ordering())
             log.info("opened %s session %s (%d open)", "LoRA" if lora else "full", model_id, len(self.slots))
+            self._write_home(session)
         session = self.slots[model_id].session
         extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
                  "shards": self.settings.shards, "heartbeat_s": self.settings.heartbeat_s}
@@ -281,6 +287,8 @@ class WorkerService:
         # A closed session needs no snapshot to resume from (and a full one holds the whole model's state).
         with contextlib.suppress(TinkerqError):
             self.connection.store.delete(keys.auto_snapshot(model_id))
+            self.connection.store.delete(keys.session_home(model_id))  # nothing to adopt any more
+            self.connection.store.delete(keys.journal(model_id))
         checkpoints.remove_auto_snapshot(self.settings.checkpoint_dir, model_id)
         gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), NO_TIMING)
         for pending in slot.ordering.buffered.values():
@@ -327,6 +335,8 @@ class WorkerService:
                     # Only once this worker has been in touch with Redis for a while: after an outage every
                     # heartbeat is old, and live workers must get the time to beat again.
                     settled = time.monotonic() - self.redis_back_at > 4 * self.settings.heartbeat_s
+                    if settled:  # every tick: a lost worker's sessions are adopted as soon as it is seen gone
+                        self.adopt_orphans()
                     if ticks % reap_every == 0 and settled:
                         reap_dead_workers(self.connection.store.with_retry(self.settings.heartbeat_s),
                                           self.settings, self.worker_id)
@@ -344,10 +354,186 @@ class WorkerService:
         if self.lora_passes is not None:
             self.lora_passes.close()
 
+    # -- adoption (docs/reliability.md) --------------------------------------------------------------------------
+
+    @property
+    def _journaling(self) -> bool:
+        """Whether this worker's sessions are adoptable: journaled, with a session record. Not on sharded
+        workers (a shard group's session is not re-made elsewhere: a documented limit)."""
+        return self.settings.journal_max_entries > 0 and self.shards is None and self.settings.role != "sampler"
+
+    def _write_home(self, session: Session) -> None:
+        """Record where the session lives and how to re-make it (an adopter opens the same one)."""
+        if not self._journaling:
+            return
+        lora = config_dict(session.config) if isinstance(session, LoraSession) else None  # the effective seed
+        home = {"model_id": session.model_id, "base_model": self.base_model, "worker": self.worker_id, "lora": lora}
+        try:
+            self.connection.store.set(keys.session_home(session.model_id), json.dumps(home).encode(),
+                                      self.settings.auto_snapshot_ttl_s)
+        except TinkerqError as exc:  # the session works; it just cannot be adopted
+            log.warning("could not record session %s: %s", session.model_id, exc.message)
+
+    def _applied(self, slot: _Slot, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> None:
+        """A request was applied (its answer is not sent yet): journal it, then take the automatic snapshot if
+        one is due, so every answered request is in the snapshot or the journal. A request whose answer is an
+        error changed nothing: its body is not kept, only the answer."""
+        if op == "close_model":
+            return
+        entry = None
+        if self._journaling:
+            entry = codec.packb({"seq": seq_id, "op": op, "body": raw if outcome[0] == "ok" else None,
+                                 "reply": list(outcome)})
+            try:
+                self.connection.store.push(keys.journal(slot.session.model_id), entry,
+                                           ttl_s=self.settings.auto_snapshot_ttl_s)
+                slot.journal_len += 1
+            except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
+                log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
+                return
+        # Due after auto_snapshot_steps optimizer steps, or when the journal is too long (any request boundary).
+        if slot.broken is None and (slot.snapshot_due or slot.journal_len > self.settings.journal_max_entries > 0):
+            self._snapshot(slot, seq_id, entry)
+
+    def adopt_orphans(self) -> int:
+        """Adopt the sessions of lost workers of this model (periodic); returns how many were adopted.
+
+        A session record whose worker has not beaten for ``LOST_AFTER_BEATS`` periods is claimed (SET NX, so one
+        worker adopts it), re-made from its automatic snapshot and journal, and recorded as this worker's; the
+        producers then send its requests here (producer/dispatch.py)."""
+        if not self._journaling:
+            return 0
+        store = self.connection.store.with_retry(self.settings.heartbeat_s)
+        limit = LOST_AFTER_BEATS * self.settings.heartbeat_s
+        ages = store.ages(keys.HEARTBEATS)
+        adopted = 0
+        for key in store.scan(keys.SESSION_HOME_PATTERN):
+            home = _home(store.get(key))
+            if home is not None and home["worker"] != self.worker_id and home["model_id"] in self.slots:
+                self._adopted_away(home)
+                continue
+            if (home is None or home["base_model"] != self.base_model or home["worker"] == self.worker_id
+                    or ages.get(home["worker"], float("inf")) <= limit or home["model_id"] in self.slots):
+                continue
+            model_id = home["model_id"]
+            if not self._claim(store, model_id, ages, limit):
+                continue
+            try:
+                # Claimed; re-read: another worker may have adopted it between our scan and the claim.
+                home = _home(store.get(key))
+                if home is None or ages.get(home["worker"], float("inf")) <= limit:
+                    continue
+                with self._lock:
+                    self._adopt(home, store)
+                adopted += 1
+            except Exception:
+                log.exception("adopting session %s failed; another worker may try", model_id)
+            finally:
+                with contextlib.suppress(TinkerqError):
+                    store.delete(keys.adopting(model_id))
+        return adopted
+
+    def _adopted_away(self, home: dict[str, Any]) -> None:
+        """This worker was taken for lost (paused, cut off) and another adopted one of its sessions: the copy here
+        is dropped without touching the session's record, journal or snapshot (the adopter's now), and requests
+        still reaching it here go unanswered (their producer sent them to the adopter, which answers)."""
+        with self._lock:
+            slot = self.slots.pop(home["model_id"], None)
+            if slot is None:
+                return
+            self._moved[home["model_id"]] = home["worker"]
+            slot.session.close()
+            self.snapshots.forget_session(home["model_id"])
+            slot.ordering.drop_buffered()
+            log.error("training session %s was adopted by worker %s while this worker was taken for lost: dropped "
+                      "here", home["model_id"], home["worker"])
+
+    def _claim(self, store: Any, model_id: str, ages: dict[str, float], limit: float) -> bool:
+        """Claim a session for adoption; a claim left by a worker lost meanwhile (mid-adoption) is taken over."""
+        if store.set_if_absent(keys.adopting(model_id), self.worker_id.encode(), ADOPT_CLAIM_TTL_S):
+            return True
+        holder = store.get(keys.adopting(model_id))
+        if holder is None or ages.get(holder.decode(errors="replace"), float("inf")) <= limit:
+            return False
+        store.delete(keys.adopting(model_id))
+        return store.set_if_absent(keys.adopting(model_id), self.worker_id.encode(), ADOPT_CLAIM_TTL_S)
+
+    def _adopt(self, home: dict[str, Any], store: Any) -> None:
+        """Re-make a lost worker's session here: snapshot, then the journal's later requests, in order."""
+        model_id, lost = home["model_id"], home["worker"]
+        started = time.perf_counter()
+        lora = home.get("lora")
+        session = (self._new_lora_session(model_id, types.LoraConfig(**lora)) if lora
+                   else self._new_full_session(model_id))
+        slot = _Slot(session, Ordering())
+        self.slots[model_id] = slot
+        try:
+            # The snapshot directory's own seq_id is the truth: a kill can fall between its rename and the record.
+            directory = checkpoints.state_path(self.settings.checkpoint_dir, model_id, checkpoints.AUTO_SNAPSHOT)
+            last = 0
+            if (directory / checkpoints.STATE_FILE).is_file():
+                last = int(session.load_state(directory, optimizer=True)["seq_id"])
+            slot.ordering.next_seq = last + 1
+            journal = sorted((codec.unpackb(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
+                             key=lambda e: e["seq"])
+            for entry in journal:  # covered by the snapshot; their answers may not have reached their callers
+                if entry["seq"] <= last:
+                    slot.ordering.keep(entry["seq"], _outcome(entry))
+            entries = [e for e in journal if e["seq"] > last]
+            # Replayed requests are neither journaled again nor snapshotted here (_applied is not called): the
+            # journal being replayed stays in Redis until the next snapshot covers it.
+            for entry in entries:
+                if entry["seq"] < slot.ordering.next_seq:  # twice (a worker resumed after being taken for lost)
+                    continue
+                if entry["seq"] != slot.ordering.next_seq:
+                    raise WorkerError(f"the journal of {model_id} misses request {slot.ordering.next_seq}")
+                reply = _outcome(entry)
+                self._replay(slot, entry["op"], entry["body"], reply)
+                slot.ordering.applied(entry["seq"], reply)  # a repeat of it is answered as the lost worker did
+            slot.journal_len = len(journal)
+            slot.steps_since_snapshot = sum(1 for e in entries if e["op"] == "optim_step" and e["reply"][0] == "ok")
+            home = {**home, "worker": self.worker_id}
+            store.set(keys.session_home(model_id), json.dumps(home).encode(), self.settings.auto_snapshot_ttl_s)
+        except BaseException:
+            self.slots.pop(model_id, None)
+            session.close()
+            raise
+        self.metrics.adoptions.inc()
+        self.metrics.sessions.set(len(self.slots))
+        log.warning("adopted session %s of lost worker %s: snapshot after request %d + %d journaled request(s) "
+                    "replayed in %.1f s", model_id, lost, last, len(entries), time.perf_counter() - started)
+
+    def _replay(self, slot: _Slot, op: str, body: bytes | None, reply: Outcome) -> None:
+        """Apply a journaled request again, as the lost worker did (its answer is already known)."""
+        session = slot.session
+        status, value, _ = reply
+        if status != "ok":  # an error changed nothing, unless it broke the session
+            details = value.get("details") if isinstance(value, dict) else None
+            if isinstance(details, dict) and details.get("session_broken"):
+                slot.broken = str(value.get("message") or "the session broke on its lost worker")
+            return
+        if op in ("forward", "echo"):  # no state change
+            return
+        answer = codec.unpackb(value)
+        if op in ("save_state", "save_weights_for_sampler") and os.path.exists(str(answer.get("path"))):
+            return  # written before the loss: not rewritten (a user may already read it)
+        if op == "create_sampler":  # the same id: sampling clients made from it keep working
+            self.snapshots.add(session.snapshot(), session.model_id, snapshot_id=str(answer["sampler_id"]))
+            return
+        assert body is not None
+        with self.turns.take("train"):  # the LoRA pass loop and sampling share this compute (and the base model)
+            out, _ = self._ops[op](session, self._unpack(body))
+        if op == "forward_backward" and out != value:
+            log.warning("replayed forward_backward of %s differs from the lost worker's answer", session.model_id)
+
     # -- ordered requests --------------------------------------------------------------------------------------------
 
     def _sequenced(self, op: str, envelope: Any, task_id: str, inbox: str | None) -> Outcome | None:
         model_id, seq_id, _ = messages.check_envelope(envelope, op)
+        if model_id in self._moved:  # its producer sent it to the adopter too: that one answers
+            log.warning("%s seq %d of session %s (adopted by %s) not answered here", op, seq_id, model_id,
+                        self._moved[model_id])
+            return None
         slot = self.slots.get(model_id)
         if slot is None:
             raise UnknownModelError(
@@ -405,9 +591,11 @@ class WorkerService:
         ref = envelope.get("payload")
         started = time.time()
         timing = _queue_wait(envelope, started)
+        raw: bytes | None = None  # the request's body, claim check unwrapped (for the journal)
         if (slot.broken is None and isinstance(slot.session, LoraSession) and op in ("forward_backward", "forward")):
             try:
-                self._to_lora_pass(slot, op, ref, seq_id, task_ids, timing, started)
+                raw = self.claim_check.unwrap(ref)
+                self._to_lora_pass(slot, op, raw, ref, seq_id, task_ids, timing, started)
                 return None
             except TinkerqError as exc:  # refused before it reached the pass: answered now, in order
                 outcome: Outcome = ("error", exc.to_wire(), timing)
@@ -418,6 +606,7 @@ class WorkerService:
                 outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(),
                            timing)
             slot.ordering.applied(seq_id, outcome)
+            self._applied(slot, seq_id, op, raw, outcome)
             self.metrics.observe(op, outcome[0], timing)
             return outcome
         if slot.broken is not None:
@@ -427,7 +616,8 @@ class WorkerService:
         else:
             try:
                 with self.turns.take("train"):
-                    body, tokens = self._ops[op](slot.session, self._decode(ref))
+                    raw = self.claim_check.unwrap(ref)
+                    body, tokens = self._ops[op](slot.session, self._unpack(raw))
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens))
                 if tokens:
@@ -444,6 +634,7 @@ class WorkerService:
                                f"({type(exc).__name__}: {exc}); create a new training client")
                 outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
         slot.ordering.applied(seq_id, outcome)
+        self._applied(slot, seq_id, op, raw, outcome)  # after applying, before the caller stores the reply
         if op == "close_model" and outcome[0] == "ok":
             self._close(model_id)
         self.metrics.observe(op, outcome[0], timing)
@@ -452,10 +643,10 @@ class WorkerService:
             memory.release_memory()
         return outcome
 
-    def _to_lora_pass(self, slot: _Slot, op: str, ref: Any, seq_id: int, task_ids: list[str],
+    def _to_lora_pass(self, slot: _Slot, op: str, raw: bytes, ref: Any, seq_id: int, task_ids: list[str],
                       timing: dict[str, float], started: float) -> None:
         """Check a LoRA loss request and queue it for the next mixed pass; answered by :meth:`_lora_done`."""
-        data, loss_fn, config = messages.decode_loss_request(self._decode(ref))
+        data, loss_fn, config = messages.decode_loss_request(self._unpack(raw))
         validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
                               max_seq_len=self.max_seq_len)
         backward = op == "forward_backward"
@@ -469,7 +660,7 @@ class WorkerService:
         tokens = sum(d.model_input.length for d in data)
 
         def done(item: LossItem) -> None:
-            self._lora_done(slot, op, seq_id, ref, item, timing, started, tokens)
+            self._lora_done(slot, op, seq_id, raw, ref, item, timing, started, tokens)
 
         try:
             self.lora_passes.submit(item, backward=backward, done=done)
@@ -477,8 +668,8 @@ class WorkerService:
             slot.in_flight, slot.in_flight_tasks = None, None
             raise
 
-    def _lora_done(self, slot: _Slot, op: str, seq_id: int, ref: Any, item: LossItem, timing: dict[str, float],
-                   started: float, tokens: int) -> None:
+    def _lora_done(self, slot: _Slot, op: str, seq_id: int, raw: bytes, ref: Any, item: LossItem,
+                   timing: dict[str, float], started: float, tokens: int) -> None:
         """A LoRA loss request's pass is over (pass loop thread): answer it, then run its session's next ones."""
         with self._lock:
             compute = time.time() - started
@@ -492,6 +683,7 @@ class WorkerService:
             tasks = slot.in_flight_tasks or []
             slot.in_flight, slot.in_flight_tasks = None, None
             slot.ordering.applied(seq_id, outcome)
+            self._applied(slot, seq_id, op, raw, outcome)  # before the answer goes out
             self.metrics.observe(op, outcome[0], timing)
             self._store_late(tasks, outcome)
             if memory.is_large(ref, outcome):  # as for requests applied inline: give freed buffers back
@@ -521,15 +713,20 @@ class WorkerService:
         return codec.packb({"metrics": metrics}), 0
 
     def _auto_snapshot(self, session: Session) -> None:
-        """Every ``auto_snapshot_steps`` optimizer steps, write the session's whole state (as save_state) to its
-        automatic snapshot and record where in Redis: a lost worker then costs at most that many steps, and
-        the producer's WorkerLostError names the snapshot to resume from (docs/reliability.md)."""
-        s = self.settings
+        """Every ``auto_snapshot_steps`` optimizer steps, the session's whole state (as save_state) goes to its
+        automatic snapshot, recorded in Redis: a lost worker then costs at most that many steps (or nothing,
+        when another worker adopts the session), and the producer's WorkerLostError names the snapshot to resume
+        from (docs/reliability.md). Taken once this optim_step is applied and journaled (:meth:`_applied`)."""
         slot = self.slots[session.model_id]
         slot.steps_since_snapshot += 1
-        if s.auto_snapshot_steps <= 0 or slot.steps_since_snapshot < s.auto_snapshot_steps:
-            return
-        seq_id = slot.ordering.next_seq  # this optim_step's own position (recorded once it returns)
+        if 0 < self.settings.auto_snapshot_steps <= slot.steps_since_snapshot:
+            slot.snapshot_due = True
+
+    def _snapshot(self, slot: _Slot, seq_id: int, entry: bytes | None) -> None:
+        """Write the session's automatic snapshot as the state after its request ``seq_id``, record it, and then
+        cut its journal down to that request's own ``entry`` (everything older is covered now; the answer to
+        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it)."""
+        s, session = self.settings, slot.session
         started = time.perf_counter()
         try:
             path = session.save_state(s.checkpoint_dir, checkpoints.AUTO_SNAPSHOT, base_model=self.base_model,
@@ -540,7 +737,15 @@ class WorkerService:
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
             return
-        slot.steps_since_snapshot = 0
+        if entry is not None:
+            try:  # after the record: a kill in between leaves entries the adopter does not apply (seq <= S)
+                # One atomic LPUSH + LTRIM: the journal is this entry alone, never empty in between.
+                self.connection.store.push(keys.journal(session.model_id), entry, ttl_s=s.auto_snapshot_ttl_s,
+                                           max_len=1)
+                slot.journal_len = 1
+            except TinkerqError as exc:
+                log.warning("could not cut the journal of %s: %s", session.model_id, exc)
+        slot.steps_since_snapshot, slot.snapshot_due = 0, False
         self.metrics.auto_snapshots.inc()
         self.metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
 
@@ -669,7 +874,10 @@ class WorkerService:
     # -- wire -------------------------------------------------------------------------------------------------------
 
     def _decode(self, ref: Any) -> Any:
-        return codec.unpackb(self.claim_check.unwrap(ref), max_bytes=self.settings.max_message_bytes)
+        return self._unpack(self.claim_check.unwrap(ref))
+
+    def _unpack(self, raw: bytes) -> Any:
+        return codec.unpackb(raw, max_bytes=self.settings.max_message_bytes)
 
     def _reply(self, outcome: Outcome) -> dict[str, Any]:
         status, value, timing = outcome
@@ -701,6 +909,27 @@ class WorkerService:
             store_reply(self.connection.store, self.settings, task_id, inbox, reply)
         except TinkerqError as exc:  # Redis stayed away for the whole retry window: the request is redelivered
             log.error("could not answer %s: %s", task_id, exc.message)
+
+
+ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
+
+
+def _outcome(entry: dict[str, Any]) -> Outcome:
+    """A journal entry's answer, as kept."""
+    status, value, timing = entry["reply"]
+    return (status, value, timing or {})
+
+
+def _home(raw: bytes | None) -> dict[str, Any] | None:
+    """A session record (keys.session_home), or None when absent or unreadable."""
+    try:
+        home = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if not isinstance(home, dict) or not all(isinstance(home.get(k), str) for k in ("model_id", "worker",
+                                                                                     "base_model")):
+        return None
+    return home
 
 
 def _flag(body: Any, key: str, default: bool, op: str) -> bool:

@@ -74,10 +74,11 @@ class Snapshots:
 
     # -- made here ------------------------------------------------------------------------------------------
 
-    def add(self, model: Weights, session_id: str) -> str:
+    def add(self, model: Weights, session_id: str, snapshot_id: str | None = None) -> str:
         """Keep a snapshot made by a training session on this worker (a model, or a LoRA adapter) and announce
-        it; returns its id."""
-        snapshot_id = os.urandom(16).hex()
+        it; returns its id. ``snapshot_id``: the id a lost worker gave it (an adopter re-making it, so the
+        sampling clients holding that id keep working)."""
+        snapshot_id = snapshot_id or os.urandom(16).hex()
         if isinstance(model, FrozenAdapter):
             routing.install(self.base)  # its rows are routed over the base (inert hooks for everything else)
         else:

@@ -1,0 +1,325 @@
+"""Adoption: a SIGKILLed worker's training sessions go on, exactly, on another worker of the model.
+
+The worker holding a session journals every request it applies (worker/service.py); another worker of the
+model notices the loss, re-makes the session from its automatic snapshot and journal, and the producer sends
+the session's pending requests there (producer/dispatch.py). The final weights equal an uninterrupted run's
+bitwise (CPU, one thread, the same requests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from launcher.processes import free_port, wait_for
+from producer import ServiceClient
+from tests.conftest import start_named_worker
+from tests.helpers import make_batch
+from tests.test_sampling import PROMPT
+from tinkerq import errors, keys, types
+from tinkerq.settings import Settings
+from tinkerq.wire import messages
+
+pytestmark = pytest.mark.timeout(600)
+ADAM = types.AdamParams(learning_rate=1e-2)
+EVERY = 3  # TINKERQ_AUTO_SNAPSHOT_STEPS in these workers
+PAIRS = 30
+
+
+class Fleet:
+    """Workers serving one model name, sharing a checkpoint directory; killed and replaced by the tests."""
+
+    def __init__(self, model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+        self.model_dir, self.redis_url, self.tmp_path = model_dir, redis_url, tmp_path
+        self.name = f"adopt-{uuid.uuid4().hex[:8]}"
+        self.procs: list = []
+        self.redis = redis.Redis.from_url(redis_url)
+
+    def start(self, env: dict[str, str] | None = None, extra: list[str] | None = None) -> None:
+        log = self.tmp_path / f"w{len(self.procs)}.log"
+        self.procs.append(start_named_worker(self.model_dir, self.redis_url, self.name, log, env={
+            "TINKERQ_CHECKPOINT_DIR": str(self.tmp_path / "checkpoints"),
+            "TINKERQ_AUTO_SNAPSHOT_STEPS": str(EVERY), **(env or {})}, extra=extra))
+        # start_named_worker returns once *a* worker serves the name: wait for this one's own registration.
+        pid = self.procs[-1].pid
+        wait_for(lambda: any(json.loads(self.redis.get(k) or b"{}").get("pid") == pid
+                             for k in self.redis.scan_iter(keys.serving_pattern(self.name))), 120,
+                 f"worker {pid}", self.procs[-1], log)
+
+    def holder(self, model_id: str) -> str:
+        return json.loads(self.redis.get(keys.session_home(model_id)))["worker"]
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL the worker process with this id (``host-pid-hex``)."""
+        pid = int(worker_id.rsplit("-", 2)[1])
+        proc = next(p for p in self.procs if p.pid == pid)
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(30)
+
+    def wait_adopted(self, model_id: str, lost: str) -> str:
+        wait_for(lambda: self.holder(model_id) != lost, 60, f"adoption of {model_id}")
+        return self.holder(model_id)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+
+
+@pytest.fixture
+def fleet(model_dir, redis_url, tmp_path):
+    f = Fleet(model_dir, redis_url, tmp_path)
+    yield f
+    f.stop()
+
+
+def _open(sc: ServiceClient, name: str, lora: bool):
+    if lora:
+        return sc.create_lora_training_client(name, rank=4, seed=3).result(timeout=120)
+    return sc.create_training_client(name).result(timeout=120)
+
+
+def _submit_pairs(tc, batches) -> list:
+    futures = []
+    for b in batches:
+        futures += [tc.forward_backward(b, "cross_entropy"), tc.optim_step(ADAM)]
+    return futures
+
+
+def _logprobs(tc, batch) -> list[np.ndarray]:
+    out = tc.forward(batch, "cross_entropy").result(timeout=120)
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def _reference(sc: ServiceClient, name: str, lora: bool, batches, probe) -> list[np.ndarray]:
+    """The uninterrupted run's probe logprobs."""
+    fresh = _open(sc, name, lora)
+    for f in _submit_pairs(fresh, batches):
+        f.result(timeout=120)
+    want = _logprobs(fresh, probe)
+    fresh.close()
+    return want
+
+
+def _done(futures) -> int:
+    return sum(f.done() for f in futures)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_killed_workers_session_is_adopted_exactly(fleet, redis_url, lora):
+    rng = np.random.default_rng(130 + lora)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    probe = make_batch(rng, 3, max_len=16)
+    fleet.start()
+    fleet.start()
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora)
+        futures = _submit_pairs(tc, batches)
+        kill_at = int(rng.integers(4, 2 * PAIRS - 10))
+        wait_for(lambda: _done(futures) >= kill_at, 120, f"{kill_at} answers")
+        lost = fleet.holder(tc.model_id)
+        fleet.kill(lost)
+        fleet.start()  # two stay alive
+        for f in futures:
+            f.result(timeout=120)  # every one answered: by the lost worker, or the adopter (applied or kept)
+        assert fleet.holder(tc.model_id) != lost
+        got = _logprobs(tc, probe)
+        want = _reference(sc, fleet.name, lora, batches, probe)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        tc.close()
+        assert fleet.redis.get(keys.session_home(tc.model_id)) is None
+        assert fleet.redis.llen(keys.journal(tc.model_id)) == 0
+    finally:
+        sc.close()
+
+
+KILLS = 10
+CHUNK = 4  # pairs submitted (pipelined) before each kill: the kill falls while some of them are pending
+
+
+def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
+    """Ten kills at seeded points: mid-chunk, right after an automatic snapshot (empty journal), and with the
+    next kill right after an adoption (before the replacement worker is up)."""
+    rng = np.random.default_rng(1313)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(CHUNK * (KILLS + 1))]
+    probe = make_batch(rng, 3, max_len=16)
+    fleet.start()
+    fleet.start()
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        futures: list = []
+        for i in range(KILLS):
+            chunk = _submit_pairs(tc, batches[i * CHUNK:(i + 1) * CHUNK])
+            futures += chunk
+            if i % 3 == 1:  # right after an automatic snapshot: the journal was just emptied
+                before = fleet.redis.get(keys.auto_snapshot(tc.model_id))
+                wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b, 60,
+                         "a new automatic snapshot")
+            else:
+                point = int(rng.integers(0, len(chunk) - 1))
+                wait_for(lambda p=point, c=chunk: _done(c) >= p, 120, f"{point} answers")
+            lost = fleet.holder(tc.model_id)
+            fleet.kill(lost)
+            fleet.wait_adopted(tc.model_id, lost)
+            fleet.start()
+        futures += _submit_pairs(tc, batches[KILLS * CHUNK:])
+        for f in futures:
+            f.result(timeout=180)
+        got = _logprobs(tc, probe)
+        want = _reference(sc, fleet.name, False, batches, probe)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    finally:
+        sc.close()
+
+
+def test_an_adopter_killed_while_replaying_is_replaced(fleet, redis_url):
+    """A long journal (snapshots far apart) makes the replay last long enough to SIGKILL the adopter while it
+    holds its claim: a third worker takes the claim over and adopts the session, exactly."""
+    rng = np.random.default_rng(77)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    probe = make_batch(rng, 3, max_len=16)
+    env = {"TINKERQ_AUTO_SNAPSHOT_STEPS": "1000", "TINKERQ_JOURNAL_MAX_ENTRIES": "1000"}
+    for _ in range(3):
+        fleet.start(env)
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        futures = _submit_pairs(tc, batches)
+        wait_for(lambda: _done(futures) >= 2 * PAIRS - 10, 120, "most answers")
+        lost = fleet.holder(tc.model_id)
+        fleet.kill(lost)
+        claim = keys.adopting(tc.model_id)
+        deadline = time.monotonic() + 30
+        while (adopter := fleet.redis.get(claim)) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert adopter is not None, "no worker claimed the session"
+        fleet.kill(adopter.decode())
+        during = fleet.holder(tc.model_id) == lost  # the adopter died before it rewrote the record
+        wait_for(lambda: fleet.holder(tc.model_id) not in (lost, adopter.decode()), 60, "a second adoption")
+        for f in futures:
+            f.result(timeout=120)
+        got = _logprobs(tc, probe)
+        want = _reference(sc, fleet.name, False, batches, probe)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert during, "the adopter finished its replay before it was killed (the kill came too late)"
+    finally:
+        sc.close()
+
+
+def test_a_sampling_client_made_before_the_loss_still_samples(fleet, redis_url):
+    rng = np.random.default_rng(7)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(5)]
+    fleet.start()
+    fleet.start()
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=True)
+        for f in _submit_pairs(tc, batches[:EVERY]):  # the automatic snapshot comes after the last of these
+            f.result(timeout=120)
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)  # in the journal
+        params = types.SamplingParams(max_tokens=8, seed=5)
+        before = sampler.sample(PROMPT, 2, params).result(timeout=60)
+        for f in _submit_pairs(tc, batches[EVERY:]):
+            f.result(timeout=120)
+        lost = fleet.holder(tc.model_id)
+        fleet.kill(lost)
+        fleet.wait_adopted(tc.model_id, lost)
+        after = sampler.sample(PROMPT, 2, params).result(timeout=120)
+        assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
+        for f in _submit_pairs(tc, batches[:1]):  # and training goes on
+            f.result(timeout=120)
+    finally:
+        sc.close()
+
+
+def test_without_an_adopter_the_futures_fail_naming_the_snapshot(fleet, redis_url):
+    rng = np.random.default_rng(11)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    fleet.start()
+    bound = 4.0
+    sc = ServiceClient(settings=Settings(broker_url=redis_url, adopt_timeout_s=bound))
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        futures = _submit_pairs(tc, batches)
+        wait_for(lambda: fleet.redis.get(keys.auto_snapshot(tc.model_id)) is not None, 120, "a snapshot")
+        fleet.kill(fleet.holder(tc.model_id))
+        killed = time.monotonic()
+        record = json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))
+        failed = 0
+        for f in futures:
+            try:
+                f.result(timeout=60)
+            except errors.WorkerLostError as exc:
+                assert record["path"] in str(exc) and "TINKERQ_ADOPT_TIMEOUT_S" in str(exc)
+                failed += 1
+        assert failed > 0
+        assert time.monotonic() - killed < bound + 1.5 * 1 + 3  # the bound + detection + the monitor's period
+    finally:
+        sc.close()
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_the_journal_stays_bounded_without_optimizer_steps_and_is_counted(fleet, redis_url):
+    """Forward-only: past TINKERQ_JOURNAL_MAX_ENTRIES entries a snapshot is taken at a request boundary (and
+    empties the journal); the gauge tinkerq_journal_entries follows, and tinkerq_adoptions counts adoptions."""
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, 2, max_len=16)
+    env = {"TINKERQ_JOURNAL_MAX_ENTRIES": "4"}
+    ports = []
+    for _ in range(2):  # one at a time: free_port() may give the same port twice while it is unused
+        ports.append(free_port())
+        fleet.start(env, extra=["--metrics-port", str(ports[-1])])
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, lora=False)
+        holder = fleet.holder(tc.model_id)
+        outs = [tc.forward(batch, "cross_entropy") for _ in range(11)]
+        want = outs[0].result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
+        for f in outs:
+            f.result(timeout=120)
+        # Entry 5 makes 5 > 4: snapshot after request 5, the journal cut to [5]; again at 9; then 10, 11.
+        assert json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))["seq_id"] == 9
+        assert fleet.redis.llen(keys.journal(tc.model_id)) == 3
+        entries = sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_journal_entries") for p in ports)
+        assert entries == 3
+        fleet.kill(holder)
+        fleet.wait_adopted(tc.model_id, holder)
+        alive = [p for p in ports if _up(p)]
+        assert sum(_metric(f"http://127.0.0.1:{p}/metrics", "tinkerq_adoptions_total") for p in alive) == 1
+        got = tc.forward(batch, "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_array_equal(got, want)  # no optimizer step: the same weights after the adoption
+        # The snapshot's own last request, sent again (its answer might never have reached the caller): the
+        # adopter answers it from the journal's kept entry, not with "no longer kept".
+        again = tc._submit("forward", messages.encode_loss_request(batch, "cross_entropy", None),
+                           messages.decode_forward_backward_output, argsrepr="", seq_id=9).result(timeout=60)
+        np.testing.assert_array_equal(again.loss_fn_outputs[0]["logprobs"].to_numpy(), want)
+    finally:
+        sc.close()
+
+
+def _up(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        return True
+    except OSError:
+        return False
