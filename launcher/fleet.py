@@ -216,9 +216,38 @@ def fleet_status(args: argparse.Namespace) -> int:
             doing = ", ".join(f"{t['name'].split('.')[-1]}({t.get('args', '')})" for t in tasks) or "idle"
             shards = f"  {r['shards']} shards" if r.get("shards", 1) > 1 else ""
             print(f"    {r['worker']}  {r['base_model']}{shards}  loss head {r.get('loss_backend', '?')}  -> {doing}")
+        sessions = session_lines(conn.store)
+        print(f"  {len(sessions)} training session(s):")
+        for line in sessions:
+            print(f"    {line}")
     finally:
         conn.close()
     return 0
+
+
+def session_lines(store: Any, now: float | None = None) -> list[str]:
+    """One line per adoptable training session (its session record in Redis): model id, the worker holding it,
+    the age of its latest automatic snapshot, its journal's length, and the lost worker it was adopted from."""
+    from tinkerq import keys
+
+    now = time.time() if now is None else now
+    lines = []
+    for key in sorted(store.scan(keys.SESSION_HOME_PATTERN)):
+        try:
+            home = json.loads(store.get(key) or b"null")
+            model_id, holder = str(home["model_id"]), str(home["worker"])
+        except (ValueError, TypeError, KeyError):
+            continue
+        try:
+            record = json.loads(store.get(keys.auto_snapshot(model_id)) or b"null")
+            snapshot = f"snapshot {max(0.0, now - float(record['time'])):.0f} s ago"
+        except (ValueError, TypeError, KeyError):
+            snapshot = "no snapshot yet"
+        line = f"{model_id[:12]}  on {holder}  {snapshot}  journal {store.length(keys.journal(model_id))}"
+        if home.get("adopted_from"):
+            line += f"  adopted from {home['adopted_from']}"
+        lines.append(line)
+    return lines
 
 
 def fleet_down(args: argparse.Namespace) -> int:

@@ -54,6 +54,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
         assert names == sorted([str(model_dir), str(other)])
         assert status.stdout.count("sampler ") == 2
         assert "4 registered worker(s)" in status.stdout and "idle" in status.stdout
+        assert "0 training session(s):" in status.stdout  # listed from Redis (tests/test_observability.py)
         assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
 
         # Two models share one Redis without interfering: each session lands on its own model's worker.

@@ -6,9 +6,11 @@ own registry, so several services in one process (the embedded fleet, tests) nev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
@@ -45,6 +47,14 @@ class WorkerMetrics:
         self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
                                        "the fullest shard, at the latest optim_step", registry=r)
 
+    def watch_sessions(self, sessions: Callable[[], list[dict[str, Any]]]) -> None:
+        """Per-session gauges read at scrape time (labelled by model id, so one series per session held here):
+        ``sessions`` returns :meth:`worker.service.WorkerService.session_stats`'s dicts."""
+        self.registry.register(_SessionCollector(sessions))
+
+    def adoptions_count(self) -> int:
+        return int(self.registry.get_sample_value("tinkerq_adoptions_total") or 0)
+
     def watch_sampling(self, rows: Callable[[], int], compute_seconds: Callable[[], dict[str, float]]) -> None:
         """Gauges read at scrape time: the sampling batch's rows, and compute time by kind (worker/turns.py)."""
         Gauge("tinkerq_sampling_rows", "Sampling rows waiting or decoding in this worker's batch",
@@ -75,3 +85,61 @@ class WorkerMetrics:
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         start_http_server(port, addr=address, registry=self.registry)
+
+
+class _SessionCollector:
+    """``tinkerq_session_journal_entries`` and ``tinkerq_session_snapshot_age_seconds`` per training session.
+
+    A session with no automatic snapshot yet has no snapshot-age sample (absent rather than NaN, so
+    ``max(tinkerq_session_snapshot_age_seconds)`` stays meaningful); its journal then holds every request."""
+
+    def __init__(self, sessions: Callable[[], list[dict[str, Any]]]) -> None:
+        self.sessions = sessions
+
+    def describe(self) -> list[Metric]:
+        return []  # not probed at registration: the sessions are read at each scrape only
+
+    def collect(self) -> Iterator[Metric]:
+        journal = GaugeMetricFamily("tinkerq_session_journal_entries", "Requests in the session's journal "
+                                    "(applied since its latest automatic snapshot, plus that snapshot's own)",
+                                    labels=["model_id"])
+        age = GaugeMetricFamily("tinkerq_session_snapshot_age_seconds", "Seconds since the session's latest "
+                                "automatic snapshot (no sample before its first)", labels=["model_id"])
+        for s in self.sessions():
+            journal.add_metric([s["model_id"]], s["journal_entries"])
+            if s["snapshot_age_s"] is not None:
+                age.add_metric([s["model_id"]], s["snapshot_age_s"])
+        yield journal
+        yield age
+
+
+def stats_step(stats: Callable[[], dict[str, Any]]) -> type:
+    """A Celery consumer bootstep adding ``{"tinkerq": stats()}`` to the worker's ``inspect stats`` answer, which
+    Flower's worker page shows under Stats.
+
+    It also replaces the answer's ``broker`` block (Celery's Connection step, before this one) by a copy whose
+    transport options hold plain values only: the intake's dead-letter handle (worker/runtime.py) there would
+    make the whole answer fail to encode."""
+    from celery import bootsteps
+
+    class TinkerqStats(bootsteps.StartStopStep):  # (a plain Step is not kept in the consumer's steps)
+        name = "tinkerq-stats"
+        requires = ("celery.worker.consumer.connection:Connection",)
+
+        def info(self, c: Any) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            try:
+                out["tinkerq"] = stats()
+            except Exception as exc:  # never fail the whole stats answer
+                out["tinkerq"] = {"error": repr(exc)}
+            if getattr(c, "connection", None) is not None:
+                broker = c.connection.info()
+                broker.pop("password", None)
+                broker.pop("alternates", None)
+                broker["transport_options"] = {k: v if isinstance(v, (str, int, float, bool, type(None)))
+                                               else f"<{type(v).__name__}>"
+                                               for k, v in (broker.get("transport_options") or {}).items()}
+                out["broker"] = broker
+            return out
+
+    return TinkerqStats

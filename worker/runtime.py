@@ -23,6 +23,7 @@ from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.settings import Settings
 from worker.intake import DeadLetters, transport_for
+from worker.metrics import stats_step
 from worker.model_loading import load_causal_lm
 from worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
 from worker.sample_intake import SampleIntake
@@ -71,6 +72,7 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     base_model = served_name(model_path, name)
     service = WorkerService(connection, base_model, os.path.abspath(model_path), model, worker_id, shards=shards)
     register_tasks(connection.app, service)
+    connection.app.steps["consumer"].add(stats_step(service.stats))  # `inspect stats` / Flower: sessions, adoptions
     liveness = ConsumerLiveness(settings.heartbeat_s)
     if not settings.is_embedded:
         service.dead_letters = guard_intake(connection, worker_id, liveness)

@@ -87,6 +87,8 @@ class _Slot:
     steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
     journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
     snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
+    snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
+    adopted_from: str | None = None  # the lost worker this session was adopted from
 
 
 class WorkerService:
@@ -141,6 +143,7 @@ class WorkerService:
         self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
         self._moved: dict[str, str] = {}  # sessions adopted by another worker while this one was taken for lost
         self.metrics.journal_entries.set_function(lambda: sum(s.journal_len for s in list(self.slots.values())))
+        self.metrics.watch_sessions(self.session_stats)
         self.sweep_checkpoints()
 
     # -- entry point -----------------------------------------------------------------------------------------
@@ -433,6 +436,21 @@ class WorkerService:
                     store.delete(keys.adopting(model_id))
         return adopted
 
+    def session_stats(self) -> list[dict[str, Any]]:
+        """Per training session held here, for Prometheus, `inspect stats` (Flower) and tests: journal length,
+        seconds since its latest automatic snapshot (None before the first), and whether it was adopted. Reads
+        a copy of the slot list, without the worker's lock (a request may be running)."""
+        now = time.time()
+        return [{"model_id": model_id, "journal_entries": slot.journal_len,
+                 "snapshot_age_s": None if slot.snapshot_at is None else round(max(0.0, now - slot.snapshot_at), 3),
+                 "adopted": slot.adopted_from is not None}
+                for model_id, slot in list(self.slots.items())]
+
+    def stats(self) -> dict[str, Any]:
+        """The ``tinkerq`` block of the Celery worker's ``inspect stats`` (Flower's worker page, Stats)."""
+        return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
+                "sessions": self.session_stats()}
+
     def _adopted_away(self, home: dict[str, Any]) -> None:
         """This worker was taken for lost (paused, cut off) and another adopted one of its sessions: the copy here
         is dropped without touching the session's record, journal or snapshot (the adopter's now), and requests
@@ -492,7 +510,8 @@ class WorkerService:
                 slot.ordering.applied(entry["seq"], reply)  # a repeat of it is answered as the lost worker did
             slot.journal_len = len(journal)
             slot.steps_since_snapshot = sum(1 for e in entries if e["op"] == "optim_step" and e["reply"][0] == "ok")
-            home = {**home, "worker": self.worker_id}
+            slot.snapshot_at, slot.adopted_from = _snapshot_time(store.get(keys.auto_snapshot(model_id))), lost
+            home = {**home, "worker": self.worker_id, "adopted_from": lost}
             store.set(keys.session_home(model_id), json.dumps(home).encode(), self.settings.auto_snapshot_ttl_s)
         except BaseException:
             self.slots.pop(model_id, None)
@@ -731,9 +750,11 @@ class WorkerService:
         try:
             path = session.save_state(s.checkpoint_dir, checkpoints.AUTO_SNAPSHOT, base_model=self.base_model,
                                       seq_id=seq_id, expires_at=time.time() + s.auto_snapshot_ttl_s)
-            record = {"path": path, "seq_id": seq_id, "time": time.time(), "worker": self.worker_id}
+            written = time.time()
+            record = {"path": path, "seq_id": seq_id, "time": written, "worker": self.worker_id}
             self.connection.store.set(keys.auto_snapshot(session.model_id), json.dumps(record).encode(),
                                       s.auto_snapshot_ttl_s)
+            slot.snapshot_at = written
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
             return
@@ -930,6 +951,15 @@ def _home(raw: bytes | None) -> dict[str, Any] | None:
                                                                                      "base_model")):
         return None
     return home
+
+
+def _snapshot_time(raw: bytes | None) -> float | None:
+    """The time of an automatic snapshot record (keys.auto_snapshot), or None when absent or unreadable."""
+    try:
+        when = json.loads(raw)["time"] if raw else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return float(when) if isinstance(when, (int, float)) else None
 
 
 def _flag(body: Any, key: str, default: bool, op: str) -> bool:
