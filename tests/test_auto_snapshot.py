@@ -100,3 +100,41 @@ def test_a_killed_workers_session_resumes_exactly_from_its_automatic_snapshot(mo
 def test_users_cannot_write_over_the_automatic_snapshot(training_client):
     with pytest.raises(errors.ValidationError, match="not starting with"):
         training_client.save_state(".auto").result(timeout=60)
+
+
+def test_a_deterministic_worker_trains_and_samples_with_the_same_numbers(model_dir, redis_url, tmp_path):
+    """TINKERQ_DETERMINISTIC=1 (for bitwise replays of bfloat16 on GPUs) turns torch's deterministic algorithms
+    on; every kernel a worker uses has one on the CPU, and the numbers do not change."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from tinkerq.settings import Settings; from worker.model_loading import configure_torch; "
+            "configure_torch(Settings(deterministic=1), 1); print(torch.are_deterministic_algorithms_enabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+    rng = np.random.default_rng(41)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(2)]
+    probe = make_batch(rng, 2, max_len=16)
+    results = []
+    for deterministic in ("1", "0"):
+        name = f"det-{deterministic}-{uuid.uuid4().hex[:6]}"
+        proc = start_named_worker(model_dir, redis_url, name, tmp_path / f"{name}.log",
+                                  env={"TINKERQ_DETERMINISTIC": deterministic})
+        sc = ServiceClient(broker_url=redis_url)
+        try:
+            tc = sc.create_lora_training_client(name, rank=4, seed=2).result(timeout=120)
+            _pairs(tc, batches)
+            sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)
+            tokens = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2,
+                                    types.SamplingParams(max_tokens=5, seed=9)).result(timeout=120)
+            results.append((_logprobs(tc, probe), [s.tokens for s in tokens.sequences]))
+            tc.close()
+        finally:
+            sc.close()
+            proc.terminate()
+            proc.wait(30)
+    (det_logprobs, det_tokens), (logprobs, tokens_) = results
+    assert det_tokens == tokens_
+    for got, want in zip(det_logprobs, logprobs, strict=True):
+        np.testing.assert_array_equal(got, want)

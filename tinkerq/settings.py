@@ -93,6 +93,10 @@ class Settings:
     # -- sampling (docs/sampling.md) -----------------------------------------------------------------------
     # "trainer" serves training sessions and sampling; "sampler" serves sampling only (no optimizer state).
     role: str = "trainer"
+    # 1: torch.use_deterministic_algorithms (and cuBLAS's fixed workspace) in workers. On a GPU, bfloat16 kernels
+    # may otherwise reduce in a different order from run to run, so an adopted session's replay drifts from
+    # the lost worker's run (docs/reliability.md measures it); float32 and the CPU are bitwise without it.
+    deterministic: int = 0
     # Rows (sequences) one worker decodes together at most; more requests wait their turn between steps.
     sample_max_rows: int = 512
     # Per-request limits, refused with a user error before anything runs.

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tinkerq.errors import UserError
+from tinkerq.settings import Settings
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -52,3 +54,13 @@ def max_seq_len(model: PreTrainedModel) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 1 << 20
+
+
+def configure_torch(settings: Settings, threads: int | None) -> None:
+    """Process-wide torch settings of a worker or shard: CPU threads, and deterministic kernels if asked."""
+    if threads:
+        torch.set_num_threads(threads)
+    if settings.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)

@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from celery import signals
 from celery.worker.consumer import Consumer
 
@@ -24,7 +23,7 @@ from tinkerq.connection import Connection
 from tinkerq.settings import Settings
 from worker.intake import DeadLetters, transport_for
 from worker.metrics import stats_step
-from worker.model_loading import load_causal_lm
+from worker.model_loading import configure_torch, load_causal_lm
 from worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
 from worker.sample_intake import SampleIntake
 from worker.service import WorkerService
@@ -141,8 +140,7 @@ def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiven
 def run_worker(model_path: str, settings: Settings, *, name: str | None = None, loglevel: str = "INFO",
                threads: int | None = None) -> None:
     """Run a Celery worker process serving ``model_path`` until it is stopped (blocks)."""
-    if threads:
-        torch.set_num_threads(threads)
+    configure_torch(settings, threads)
     w = assemble(model_path, settings, name=name)
     app = w.connection.app
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.

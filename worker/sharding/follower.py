@@ -10,12 +10,10 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
 from worker.logprobs import LogprobComputer
-from worker.model_loading import load_causal_lm
+from worker.model_loading import configure_torch, load_causal_lm
 from worker.sharding.group import ShardGroup, ShardSpec
 from worker.sharding.host import ShardHost, from_wire
 
@@ -35,8 +33,7 @@ def build_host(model_path: str, settings: Settings) -> ShardHost:
 
 def run_follower(model_path: str, settings: Settings, *, threads: int | None = None) -> int:
     """Serve as rank ``settings.shard_rank`` (>= 1) until rank 0 says stop; returns the exit status."""
-    if threads:
-        torch.set_num_threads(threads)
+    configure_torch(settings, threads)
     host = build_host(model_path, settings)
     group = host.group
     group.form()  # at start-up a missing rank is an error (ShardGroupError says which)
