@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -323,3 +324,170 @@ def _up(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+# -- a kill during an automatic snapshot's write ---------------------------------------------------------------
+
+WRITE_ATTEMPTS = 4  # kills aimed at a snapshot write before the test gives up (each one is a valid kill anyway)
+
+
+@pytest.fixture(scope="module")
+def big_model_dir(tmp_path_factory) -> Path:
+    """A Llama big enough (~26 M parameters) that a full session's snapshot (weights + AdamW, ~310 MB) takes a
+    while to write, so a SIGKILL can be aimed at the write."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.demo_model import build_tokenizer
+    from tests.helpers import VOCAB
+
+    out = tmp_path_factory.mktemp("models") / "bigger-llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=256)).save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+def _snapshot_seq(state_dir: Path) -> int:
+    """The request the automatic snapshot on disk includes (0: none)."""
+    path = state_dir / ".auto" / "tinkerq_state.json"
+    return int(json.loads(path.read_text())["seq_id"]) if path.is_file() else 0
+
+
+def _temp_dirs(state_dir: Path) -> set[str]:
+    """The automatic snapshot's write_atomically temporaries (``..auto.XXXX``) now in ``state_dir``."""
+    try:
+        return {e.name for e in os.scandir(state_dir) if e.name.startswith("..auto.")}
+    except FileNotFoundError:
+        return set()
+
+
+def _adoption_line(fleet: Fleet, model_id: str, lost: str) -> tuple[int, int]:
+    """(S, N) of the adopter's "adopted session ... snapshot after request S + N journaled request(s)" line."""
+    pattern = re.compile(rf"adopted session {re.escape(model_id)} of lost worker {re.escape(lost)}: snapshot "
+                         rf"after request (\d+) \+ (\d+) journaled request")
+    for log in sorted(fleet.tmp_path.glob("w*.log")):
+        if m := pattern.search(log.read_text(errors="replace")):
+            return int(m[1]), int(m[2])
+    raise AssertionError(f"no worker logged the adoption of {model_id} from {lost}")
+
+
+def test_a_kill_during_a_snapshot_write_resumes_from_the_previous_one(big_model_dir, redis_url, tmp_path):
+    """SIGKILL the holder while its automatic snapshot is being written (its ``..auto.XXXX`` temporary exists,
+    not yet renamed to ``.auto``): the adopter loads the previous snapshot, left as it was, and replays the
+    journal since; the run ends bitwise equal to an uninterrupted one. The kill is aimed by polling the
+    checkpoint directory; a kill that lands after the rename is still a valid kill, and the next snapshot is
+    aimed at again (at most WRITE_ATTEMPTS times)."""
+    fleet = Fleet(big_model_dir, redis_url, tmp_path)
+    rng = np.random.default_rng(2024)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(EVERY * (WRITE_ATTEMPTS + 2))]
+    probe = make_batch(rng, 3, max_len=16)
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        fleet.start()
+        fleet.start()
+        tc = _open(sc, fleet.name, lora=False)
+        state_dir = tmp_path / "checkpoints" / tc.model_id / "state"
+        futures = _submit_pairs(tc, batches[:EVERY])  # a first snapshot, complete: the aimed one replaces it
+        for f in futures:
+            f.result(timeout=120)
+        assert _snapshot_seq(state_dir) == 2 * EVERY
+        used, misses = EVERY, []
+        for _ in range(WRITE_ATTEMPTS):
+            lost = fleet.holder(tc.model_id)
+            pid = int(lost.rsplit("-", 2)[1])
+            seen, before = _temp_dirs(state_dir), _snapshot_seq(state_dir)
+            chunk = _submit_pairs(tc, batches[used:used + EVERY])  # EVERY optimizer steps: a snapshot is due
+            used += EVERY
+            futures += chunk
+            deadline, fresh = time.monotonic() + 120, set()
+            while not (fresh := _temp_dirs(state_dir) - seen) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert fresh, f"no automatic snapshot write began in {state_dir} within 120 s"
+            os.kill(pid, signal.SIGKILL)  # at once: the write (~310 MB) is under way
+            fleet.kill(lost)  # reaps it
+            hit = all((state_dir / name).is_dir() for name in fresh)  # never renamed to .auto
+            if hit and not (state_dir / ".auto").is_dir():
+                pytest.fail(f"the kill fell after write_atomically removed {state_dir / '.auto'} (snapshot after "
+                            f"request {before}) and before it renamed {sorted(fresh)} to it: no snapshot is left, "
+                            f"and the journal no longer holds the requests up to {before}")
+            adopter = fleet.wait_adopted(tc.model_id, lost)
+            fleet.start()  # two stay alive
+            snap, replayed = _adoption_line(fleet, tc.model_id, lost)
+            if hit:
+                # The previous snapshot is untouched and is the one loaded; the interrupted snapshot's request
+                # and those before it back to the previous snapshot are replayed from the journal.
+                assert snap == before == _snapshot_seq(state_dir), (snap, before, _snapshot_seq(state_dir))
+                assert replayed > 0, f"{adopter} replayed nothing after request {snap}"
+                break
+            assert snap == _snapshot_seq(state_dir) > before  # renamed before the kill: the new one is loaded
+            misses.append(f"{sorted(fresh)} renamed before the kill (adopter: snapshot {snap} + {replayed})")
+        else:
+            pytest.fail(f"no kill landed during a snapshot write in {WRITE_ATTEMPTS} attempts: " + "; ".join(misses))
+        futures += _submit_pairs(tc, batches[used:])
+        for f in futures:
+            f.result(timeout=180)
+        got = _logprobs(tc, probe)
+        want = _reference(sc, fleet.name, False, batches, probe)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    finally:
+        sc.close()
+        fleet.stop()
+
+
+# -- the HTTP gateway through an adoption ---------------------------------------------------------------------
+
+
+def test_the_gateway_keeps_an_sdk_run_going_through_an_adoption(fleet, redis_url, tmp_path, monkeypatch):
+    """The official SDK through `tinkerq gateway`, pipelined LoRA steps; the worker holding the run is SIGKILLed
+    and replaced: every SDK future succeeds, and the final forward equals a producer-library run of the same
+    steps."""
+    tinker = pytest.importorskip("tinker")
+    from tests.test_gateway import ADAM as SDK_ADAM
+    from tests.test_gateway import sdk_batch, start_gateway
+    from tinkerq.tenants import ApiKeys
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    rng = np.random.default_rng(4242)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(12)]
+    probe = make_batch(rng, 3, max_len=16)
+    fleet.start()
+    fleet.start()
+    gateway, url = start_gateway(redis_url, tmp_path / "gateway.log")
+    api_keys = ApiKeys.open(Settings(broker_url=redis_url))
+    ours = ServiceClient(broker_url=redis_url)
+    try:
+        key = api_keys.create(f"adopt-{uuid.uuid4().hex[:6]}")
+        with tinker.ServiceClient(base_url=url, api_key=key) as sdk:
+            tc = sdk.create_lora_training_client(fleet.name, rank=4, seed=21).result()
+            inner = json.loads(fleet.redis.get(f"tinkerq:gw:run:{tc.model_id}"))["info"]["model_id"]
+            futures = []
+            for b in batches:
+                futures += [tc.forward_backward(sdk_batch(b), "cross_entropy"),
+                            tc.optim_step(tinker.AdamParams(**SDK_ADAM))]
+            for f in futures[:7]:  # past the first automatic snapshot (EVERY steps), with more pending
+                f.result()
+            lost = fleet.holder(inner)
+            fleet.kill(lost)
+            fleet.start()  # two stay alive
+            for f in futures:
+                f.result()
+            assert fleet.holder(inner) != lost
+            got = tc.forward(sdk_batch(probe), "cross_entropy").result()
+
+        mine = ours.create_lora_training_client(fleet.name, rank=4, seed=21).result(timeout=120)
+        for b in batches:
+            mine.forward_backward(b, "cross_entropy")
+            mine.optim_step(types.AdamParams(**SDK_ADAM))
+        want = mine.forward(probe, "cross_entropy").result(timeout=120)
+        mine.close()
+        for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+            np.testing.assert_array_equal(g["logprobs"].to_numpy(), w["logprobs"].to_numpy())
+    finally:
+        ours.close()
+        api_keys.close()
+        gateway.terminate()
+        gateway.wait(30)
