@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import redis
 
+from launcher.processes import wait_for
 from producer import ServiceClient
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
@@ -138,3 +140,41 @@ def test_a_deterministic_worker_trains_and_samples_with_the_same_numbers(model_d
     assert det_tokens == tokens_
     for got, want in zip(det_logprobs, logprobs, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sampling_snapshots_outlive_their_worker_once_snapshotted(model_dir, redis_url, tmp_path, lora):
+    """The automatic snapshot publishes the session's sampling snapshots: after its worker is killed, another
+    worker samples them (the same tokens) without asking the dead owner."""
+    name = f"pub-{uuid.uuid4().hex[:8]}"
+    checkpoint_dir = tmp_path / "checkpoints"
+    rng = np.random.default_rng(42)
+    first = _worker(model_dir, redis_url, name, checkpoint_dir, tmp_path / "w1.log")
+    second = _worker(model_dir, redis_url, name, checkpoint_dir, tmp_path / "w2.log")
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        # start_named_worker returns once the name is served: by the first worker already. Wait for both.
+        wait_for(lambda: len(sc.connection.workers_serving(name)) == 2, 120, "the second worker", second,
+                 tmp_path / "w2.log")
+        tc = (sc.create_lora_training_client(name, rank=4, seed=4) if lora else sc.create_training_client(name))
+        tc = tc.result(timeout=120)
+        _pairs(tc, [make_batch(rng, 2, max_len=16)])
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)
+        prompt, params = types.ModelInput.from_ints([3, 4, 5]), types.SamplingParams(max_tokens=6, seed=11)
+        before = [s.tokens for s in sampler.sample(prompt, 2, params).result(timeout=120).sequences]
+        _pairs(tc, [make_batch(rng, 2, max_len=16)])  # step 2: the automatic snapshot, which publishes it
+        pid = next(r["pid"] for r in sc.connection.workers_serving(name) if r["worker"] == tc.info.worker)
+        holder = first if first.pid == pid else second
+        assert holder.pid == pid
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(30)
+        started = time.monotonic()
+        after = [s.tokens for s in sampler.sample(prompt, 2, params).result(timeout=120).sequences]
+        assert after == before
+        assert time.monotonic() - started < 30  # not the 60 s wait for an owner that cannot answer
+    finally:
+        sc.close()
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)

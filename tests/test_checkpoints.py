@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +279,32 @@ def test_sharded_load_state_with_and_without_the_optimizer(service, sharded):
         assert max_weight_diff(ref, weights("sharded-fresh")) < 1e-5
     finally:
         tc.close()
+
+
+def test_a_crash_while_a_checkpoint_is_replaced_leaves_a_complete_one(tmp_path, monkeypatch):
+    """write_atomically moves the old directory aside before the new one takes its name: a crash between the two
+    renames leaves the old one, complete, at previous_path (an adopter loads the automatic snapshot from there),
+    and the next write cleans it up."""
+    from worker import checkpoints
+
+    final = tmp_path / "m" / "state" / ".auto"
+
+    def fill(text):
+        return lambda d: (d / "tinkerq_state.json").write_text(text)
+
+    checkpoints.write_atomically(final, fill("old"))
+    real_replace = os.replace
+
+    def crash(src, dst):
+        raise OSError("killed here")
+
+    monkeypatch.setattr(checkpoints.os, "replace", crash)
+    with pytest.raises(OSError, match="killed here"):
+        checkpoints.write_atomically(final, fill("new"))
+    assert not final.exists()
+    assert (checkpoints.previous_path(final) / "tinkerq_state.json").read_text() == "old"
+    monkeypatch.setattr(checkpoints.os, "replace", real_replace)
+    checkpoints.write_atomically(final, fill("newer"))
+    assert (final / "tinkerq_state.json").read_text() == "newer"
+    assert not checkpoints.previous_path(final).exists()
+    assert sorted(p.name for p in final.parent.iterdir()) == [".auto"]

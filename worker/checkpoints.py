@@ -61,17 +61,19 @@ _CHECKPOINT_DEPTH = 3
 # A session's automatic snapshot (docs/reliability.md): save_state's layout under a name no user picks
 # (check_name refuses a leading dot for users' names).
 AUTO_SNAPSHOT = ".auto"
+# Dot-names the expiry sweep looks into (it skips the others: saves in progress are built under dot-names).
+_SWEPT_DOT_NAMES = (AUTO_SNAPSHOT, f".{AUTO_SNAPSHOT}.previous")
 
 
 def remove_auto_snapshot(checkpoint_dir: str, model_id: str) -> None:
     """Delete a closed session's automatic snapshot, if any (never following a link)."""
     try:
         directory = path_below(checkpoint_dir, _check_model_id(model_id), "state", AUTO_SNAPSHOT)
-    except ValidationError:
-        return
-    st = _refuse_link(directory) if directory.exists() or directory.is_symlink() else None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(directory, ignore_errors=True)
+        # With it go the directory a write was replacing and the temporary ones of writes killed midway.
+        for path in [directory, *directory.parent.glob(f".{AUTO_SNAPSHOT}.*")]:
+            _remove_tree(path)
+    except (ValidationError, OSError) as exc:  # best effort: the expiry sweep removes the snapshot later
+        log.warning("could not remove the automatic snapshot of %s: %s", model_id, exc)
 
 
 def now() -> float:
@@ -190,14 +192,30 @@ def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bo
         if not overwrite:  # saved meanwhile by another worker (a shared checkpoint directory): that one stays
             refuse_existing(final)
         st = _refuse_link(final)
-        if st is not None:  # replacing: the old one goes first; a crash here leaves no directory at all
+        previous = previous_path(final)
+        if st is not None:  # replacing: the old one is moved aside first, and deleted once the new one is in place,
+            # so a crash at any point leaves a complete directory at `final` or at its `previous_path`
             if not stat.S_ISDIR(st.st_mode):
                 raise ValidationError(f"{final} exists and is not a directory; choose another name")
-            shutil.rmtree(final)  # refuses a symlink itself, and never follows links inside the tree
+            _remove_tree(previous)  # a leftover of an earlier crash
+            os.rename(final, previous)  # renames a link itself, never its target
         os.replace(tmp, final)  # rename(2) never follows a link at the destination
+        _remove_tree(previous)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def previous_path(final: Path) -> Path:
+    """Where write_atomically keeps the directory it replaces until the new one is in place (a crash between
+    the two renames leaves only this one: an adopter loads the automatic snapshot from it then)."""
+    return final.with_name(f".{final.name}.previous")
+
+
+def _remove_tree(path: Path) -> None:
+    st = _refuse_link(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # never follows links inside the tree
 
 
 def refuse_existing(final: Path) -> None:
@@ -363,7 +381,7 @@ def remove_expired(checkpoint_dir: str, at: float | None = None) -> list[Path]:
     def walk(directory: Path, depth: int) -> None:
         try:
             with os.scandir(directory) as found:
-                entries = [e for e in found if not e.name.startswith(".") or e.name == AUTO_SNAPSHOT]
+                entries = [e for e in found if not e.name.startswith(".") or e.name in _SWEPT_DOT_NAMES]
         except OSError:
             return
         for entry in entries:

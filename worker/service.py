@@ -488,6 +488,8 @@ class WorkerService:
         try:
             # The snapshot directory's own seq_id is the truth: a kill can fall between its rename and the record.
             directory = checkpoints.state_path(self.settings.checkpoint_dir, model_id, checkpoints.AUTO_SNAPSHOT)
+            if not (directory / checkpoints.STATE_FILE).is_file():  # killed between write_atomically's renames
+                directory = checkpoints.previous_path(directory)
             last = 0
             if (directory / checkpoints.STATE_FILE).is_file():
                 last = int(session.load_state(directory, optimizer=True)["seq_id"])
@@ -766,6 +768,11 @@ class WorkerService:
                 slot.journal_len = 1
             except TinkerqError as exc:
                 log.warning("could not cut the journal of %s: %s", session.model_id, exc)
+        try:  # the sampling snapshots the session still serves go with it: published (once each), so any
+            # worker can load them after this one is gone
+            self.snapshots.publish_session(session.model_id)
+        except (TinkerqError, OSError) as exc:
+            log.warning("could not publish the sampling snapshots of %s: %s", session.model_id, exc)
         slot.steps_since_snapshot, slot.snapshot_due = 0, False
         self.metrics.auto_snapshots.inc()
         self.metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)

@@ -147,6 +147,12 @@ class Snapshots:
         self._publish(snapshot_id, model)
         log.info("published snapshot %s for other workers", snapshot_id)
 
+    def publish_session(self, session_id: str) -> None:
+        """Publish every snapshot of a training session that is still announced (with its automatic snapshot:
+        they must outlive this worker, docs/reliability.md)."""
+        for snapshot_id in list(self._published.get(session_id, ())):
+            self.publish(snapshot_id)
+
     def _publish(self, snapshot_id: str, model: Weights) -> None:
         record: dict[str, Any] = {"base_model": self.base_model, "owner": self.worker_id}
         if isinstance(model, FrozenAdapter):
