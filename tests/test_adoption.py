@@ -191,7 +191,8 @@ def test_an_adopter_killed_while_replaying_is_replaced(fleet, redis_url):
     """A long journal (snapshots far apart) makes the replay last long enough to SIGKILL the adopter while it
     holds its claim: a third worker takes the claim over and adopts the session, exactly."""
     rng = np.random.default_rng(77)
-    batches = [make_batch(rng, 2, max_len=16) for _ in range(PAIRS)]
+    # Longer sequences than the other tests: the replay must last well beyond the time the kill takes.
+    batches = [make_batch(rng, 3, min_len=48, max_len=96) for _ in range(PAIRS)]
     probe = make_batch(rng, 3, max_len=16)
     env = {"TINKERQ_AUTO_SNAPSHOT_STEPS": "1000", "TINKERQ_JOURNAL_MAX_ENTRIES": "1000"}
     for _ in range(3):
