@@ -111,6 +111,15 @@ def _reference(sc: ServiceClient, name: str, lora: bool, batches, probe) -> list
     fresh.close()
     return want
 
+def _assert_uninterrupted(sc: ServiceClient, name: str, tc, futures, batches, probe, *, lora: bool) -> None:
+    """Every future answered (by the lost worker, or the adopter: applied or kept), and the probe's logprobs
+    bitwise those of a run never interrupted."""
+    for f in futures:
+        f.result(timeout=180)
+    for got, want in zip(_logprobs(tc, probe), _reference(sc, name, lora, batches, probe), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 
 def _done(futures) -> int:
     return sum(f.done() for f in futures)
@@ -132,13 +141,8 @@ def test_a_killed_workers_session_is_adopted_exactly(fleet, redis_url, lora):
         lost = fleet.holder(tc.model_id)
         fleet.kill(lost)
         fleet.start()  # two stay alive
-        for f in futures:
-            f.result(timeout=120)  # every one answered: by the lost worker, or the adopter (applied or kept)
+        _assert_uninterrupted(sc, fleet.name, tc, futures, batches, probe, lora=lora)
         assert fleet.holder(tc.model_id) != lost
-        got = _logprobs(tc, probe)
-        want = _reference(sc, fleet.name, lora, batches, probe)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g, w)
         tc.close()
         assert fleet.redis.get(keys.session_home(tc.model_id)) is None
         assert fleet.redis.llen(keys.journal(tc.model_id)) == 0
@@ -177,12 +181,7 @@ def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
             fleet.wait_adopted(tc.model_id, lost)
             fleet.start()
         futures += _submit_pairs(tc, batches[KILLS * CHUNK:])
-        for f in futures:
-            f.result(timeout=180)
-        got = _logprobs(tc, probe)
-        want = _reference(sc, fleet.name, False, batches, probe)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g, w)
+        _assert_uninterrupted(sc, fleet.name, tc, futures, batches, probe, lora=False)
     finally:
         sc.close()
 
@@ -212,12 +211,7 @@ def test_an_adopter_killed_while_replaying_is_replaced(fleet, redis_url):
         fleet.kill(adopter.decode())
         during = fleet.holder(tc.model_id) == lost  # the adopter died before it rewrote the record
         wait_for(lambda: fleet.holder(tc.model_id) not in (lost, adopter.decode()), 60, "a second adoption")
-        for f in futures:
-            f.result(timeout=120)
-        got = _logprobs(tc, probe)
-        want = _reference(sc, fleet.name, False, batches, probe)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g, w)
+        _assert_uninterrupted(sc, fleet.name, tc, futures, batches, probe, lora=False)
         assert during, "the adopter finished its replay before it was killed (the kill came too late)"
     finally:
         sc.close()
@@ -428,12 +422,7 @@ def test_a_kill_during_a_snapshot_write_resumes_from_the_previous_one(big_model_
         else:
             pytest.fail(f"no kill landed during a snapshot write in {WRITE_ATTEMPTS} attempts: " + "; ".join(misses))
         futures += _submit_pairs(tc, batches[used:])
-        for f in futures:
-            f.result(timeout=180)
-        got = _logprobs(tc, probe)
-        want = _reference(sc, fleet.name, False, batches, probe)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g, w)
+        _assert_uninterrupted(sc, fleet.name, tc, futures, batches, probe, lora=False)
     finally:
         sc.close()
         fleet.stop()
