@@ -163,12 +163,9 @@ class SamplingClient:
         return SamplingClient(_shared_service(None), source, base_model)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Pickled (multiprocessing), it carries the broker URL too: the other process joins the same fleet.
-        return _unpickle, (self.service.settings.broker_url, self.source, self.base_model)
-
-
-def _unpickle(broker_url: str | None, source: dict[str, Any], base_model: str) -> SamplingClient:
-    return SamplingClient(_shared_service(broker_url), source, base_model)
+        # Copied or pickled by the user (multiprocessing), it travels as its handle: no credentials in the
+        # bytes (the broker URL may hold Redis's password); the other process joins TINKERQ_BROKER_URL's fleet.
+        return SamplingClient.from_sampler_handle, (self.get_sampler_handle(),)
 
 
 _shared_lock = threading.Lock()
@@ -176,8 +173,8 @@ _shared_services: dict[str | None, ServiceClient] = {}
 
 
 def _shared_service(broker_url: str | None) -> ServiceClient:
-    """One ServiceClient per broker for the clients made from handles and pickles (it lives as long as the
-    process: those clients may be anywhere)."""
+    """One ServiceClient per broker for the clients made from handles (it lives as long as the process: those
+    clients may be anywhere)."""
     from producer.client import ServiceClient  # a cycle at import time otherwise
 
     with _shared_lock:
