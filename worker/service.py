@@ -380,12 +380,14 @@ class WorkerService:
     def _applied(self, slot: _Slot, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> None:
         """A request was applied (its answer is not sent yet): journal it, then take the automatic snapshot if
         one is due, so every answered request is in the snapshot or the journal. A request whose answer is an
-        error changed nothing: its body is not kept, only the answer."""
+        error changed nothing: its body is not kept, only the answer; nor is the body of a request that changes no
+        state (forward, echo: an adopter only answers a repeat of it, it never applies it again)."""
         if op == "close_model":
             return
         entry = None
         if self._journaling:
-            entry = codec.packb({"seq": seq_id, "op": op, "body": raw if outcome[0] == "ok" else None,
+            keep_body = outcome[0] == "ok" and op not in STATELESS_OPS
+            entry = codec.packb({"seq": seq_id, "op": op, "body": raw if keep_body else None,
                                  "reply": list(outcome)})
             try:
                 self.connection.store.push(keys.journal(slot.session.model_id), entry,
@@ -533,7 +535,7 @@ class WorkerService:
             if isinstance(details, dict) and details.get("session_broken"):
                 slot.broken = str(value.get("message") or "the session broke on its lost worker")
             return
-        if op in ("forward", "echo"):  # no state change
+        if op in STATELESS_OPS:  # no state change (and no body journaled)
             return
         answer = codec.unpackb(value)
         if op in ("save_state", "save_weights_for_sampler") and os.path.exists(str(answer.get("path"))):
@@ -939,6 +941,7 @@ class WorkerService:
             log.error("could not answer %s: %s", task_id, exc.message)
 
 
+STATELESS_OPS = frozenset({"forward", "echo"})  # requests that change no session state
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
 
 
