@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -132,6 +133,14 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
                 request.url.path, status, exc.message)
         return JSONResponse({"detail": exc.message}, status_code=status,
                             headers={} if exc.is_user_error else {"retry-after": "2"})
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def _redis_away(request: Request, exc: Exception) -> JSONResponse:
+        # The gateway's own records (gateway/records.py) while Redis restarts: retryable, as the SDK does 5xx.
+        log.warning("%s %s -> 503: Redis unreachable (%s)", request.method, request.url.path, exc)
+        return JSONResponse({"detail": "the fleet's Redis is unreachable; retry shortly"}, status_code=503,
+                            headers={"retry-after": "2"})
 
     @app.exception_handler(KeyError)
     async def _missing_field(_request: Request, exc: KeyError) -> JSONResponse:

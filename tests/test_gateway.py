@@ -524,3 +524,34 @@ def test_a_checkpoint_with_a_ttl_is_gone_after_it(gateway_url, api_keys, raw_mod
     r = post(gateway_url, "load_weights", key, {"session_id": session, "model_seq_id": 7, "path": path,
                                                "optimizer": True})
     assert r.status_code == 404
+
+
+def test_a_redis_outage_is_a_retryable_503_not_a_crash(tmp_path, api_keys):
+    """The gateway's own records live in Redis: while it is away, calls get 503 (the SDK retries those), and the
+    gateway serves again once it is back."""
+    from launcher.processes import start_redis
+
+    port = free_port()
+    server = start_redis(port, tmp_path / "redis")
+    url = f"redis://127.0.0.1:{port}/0"
+    keys = ApiKeys.open(Settings(broker_url=url))
+    key = keys.create("outage")
+    keys.close()
+    gateway, base = start_gateway(url, tmp_path / "gateway.log")
+    try:
+        assert post(base, "create_session", key, {}).status_code == 200
+        server.terminate()
+        server.wait(10)
+        r = post(base, "create_session", key, {})
+        assert r.status_code == 503 and "unreachable" in r.json()["detail"], r.text
+        server = start_redis(port, tmp_path / "redis")
+        keys = ApiKeys.open(Settings(broker_url=url))  # this Redis keeps nothing on disk: a new key
+        key2 = keys.create("outage-2")
+        keys.close()
+        wait_for(lambda: post(base, "create_session", key2, {}).status_code == 200, 30, "the gateway after Redis")
+        assert gateway.poll() is None
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        server.terminate()
+        server.wait(10)
