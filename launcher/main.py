@@ -19,6 +19,7 @@ import logging
 import sys
 
 from tinkerq.errors import TinkerqError
+from tinkerq.security import warn_about_broker
 from tinkerq.settings import Settings
 
 BROKER_HELP = "redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)"
@@ -26,17 +27,6 @@ BROKER_HELP = "redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_U
 
 def _settings(args: argparse.Namespace, **extra: object) -> Settings:
     return Settings.from_env(broker_url=getattr(args, "broker", None), **extra)
-
-
-def _warn_about_broker(args: argparse.Namespace, settings: Settings) -> None:
-    """Log what is unsafe about how this process reaches the broker (tinkerq/security.py)."""
-    from tinkerq.security import broker_warnings, password_in_argv
-
-    if password_in_argv(getattr(args, "broker", None)):
-        logging.warning("--broker holds a password, which every user of this machine can read in the process "
-                        "list; set TINKERQ_BROKER_URL in the environment instead")
-    for warning in broker_warnings(settings.broker_url):
-        logging.warning(warning)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -57,7 +47,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if settings.broker_url is None:
         raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
-    _warn_about_broker(args, settings)
+    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
     return 0
 
@@ -81,44 +71,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    """Run Flower on the fleet's Redis with the fleet's Celery configuration (replaces this process).
+    from launcher.flower import run_flower
 
-    Flower can shut workers down and shows every task's arguments, so it needs a login unless --no-auth
-    says otherwise. The broker URL and the login reach Flower through its environment (FLOWER_BASIC_AUTH),
-    never its command line, where every local user could read them.
-    """
-    import os
-
-    settings = _settings(args)
-    if settings.broker_url is None:
-        raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
-    auth = args.basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
-    if auth and args.no_auth:
-        raise TinkerqError("--no-auth contradicts the login given (--basic-auth or FLOWER_BASIC_AUTH): drop one")
-    if not auth and not args.no_auth:
-        raise TinkerqError("Flower needs a login: set FLOWER_BASIC_AUTH=user:password (or pass --basic-auth "
-                           "user:password, which other local users can see in the process list); pass --no-auth "
-                           "only to run it open on purpose")
-    if auth and ":" not in auth:
-        raise TinkerqError("the Flower login must be user:password")
-    if args.no_auth:
-        logging.warning("Flower runs WITHOUT a login (--no-auth): anyone who reaches %s:%s sees every task's "
-                        "arguments and can shut workers down", args.address, args.port)
-    if args.basic_auth:
-        logging.warning("--basic-auth is visible in the process list until Flower starts; prefer FLOWER_BASIC_AUTH")
-    # Flower 2.2 serves /metrics (Prometheus) and /healthcheck without asking for the login.
-    logging.info("Flower's /metrics and /healthcheck answer without the login (docs/security.md)")
-    _warn_about_broker(args, settings)
-    os.umask(0o077)  # Flower's database (every task's arguments): owner-only
-    env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
-    env["TINKERQ_BROKER_URL"] = settings.broker_url
-    if auth:
-        env["FLOWER_BASIC_AUTH"] = auth  # Flower reads FLOWER_<option> variables (flower/command.py)
-    cmd = [sys.executable, "-m", "celery", "-A", "launcher.flower_app:app", "flower",
-           f"--port={args.port}", f"--address={args.address}", "--persistent=True", f"--db={args.db}",
-           "--state_save_interval=10000"]
-    os.execve(sys.executable, cmd, env)
-    return 0  # not reached
+    return run_flower(args, _settings(args))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -159,7 +114,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _need_broker(settings)
-    _warn_about_broker(args, settings)
+    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
     api_keys = ApiKeys.open(settings)
     try:
         if args.keys_command == "create":
@@ -189,7 +144,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _need_broker(settings)
-    _warn_about_broker(args, settings)
+    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
     from gateway.server import serve
 
     return serve(settings, host=args.host, port=args.port)
@@ -260,12 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fleet)
 
     fl = sub.add_parser("flower", help="the Flower dashboard for a fleet")
-    fl.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
-    fl.add_argument("--port", type=int, default=5555)
-    fl.add_argument("--address", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
-    fl.add_argument("--db", default="flower.db", help="file where Flower keeps its state across restarts")
-    fl.add_argument("--basic-auth", help="user:password; better: FLOWER_BASIC_AUTH, which stays off the process list")
-    fl.add_argument("--no-auth", action="store_true", help="run Flower without a login (only on purpose)")
+    from launcher.flower import add_flower_arguments
+
+    add_flower_arguments(fl)
     fl.set_defaults(func=cmd_flower)
 
     pl = sub.add_parser("plot", help="draw curves from a metrics.jsonl as PNG")

@@ -93,3 +93,15 @@ def password_in_argv(url: str | None) -> bool:
     if not url:
         return False
     return any(urlsplit(u.strip()).password for u in url.split(";") if "://" in u)
+
+
+def warn_about_broker(cli_broker: str | None, url: str | None) -> None:
+    """Log what is unsafe about how this process reaches the broker: a password on the command line
+    (``cli_broker``, what ``--broker`` gave), then :func:`broker_warnings` for the URL in use."""
+    import logging
+
+    if password_in_argv(cli_broker):
+        logging.warning("--broker holds a password, which every user of this machine can read in the process "
+                        "list; set TINKERQ_BROKER_URL in the environment instead")
+    for warning in broker_warnings(url):
+        logging.warning(warning)
