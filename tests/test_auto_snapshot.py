@@ -110,7 +110,8 @@ def test_a_deterministic_worker_trains_and_samples_with_the_same_numbers(model_d
     import subprocess
     import sys
 
-    code = ("import torch; from tinkerq.settings import Settings; from worker.model_loading import configure_torch; "
+    code = ("import torch; from tinkerq.settings import Settings; "
+            "from worker.model_loading import configure_torch; "
             "configure_torch(Settings(deterministic=1), 1); print(torch.are_deterministic_algorithms_enabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

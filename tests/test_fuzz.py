@@ -101,8 +101,8 @@ def test_worker_survives_thousands_of_hostile_messages(training_client, worker, 
     assert 0 < dead <= 1000
     newest = codec.unpackb(r.lindex(keys.DEAD_LETTERS, 0))
     assert newest["reason"] and isinstance(newest["raw"], bytes) and newest["worker"] == tc.info.worker
-    cli = subprocess.run([sys.executable, "-m", "launcher.main", "dead", "--broker", redis_url, "list", "--limit",
-                          "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    cli = subprocess.run([sys.executable, "-m", "launcher.main", "dead", "--broker", redis_url,
+                          "list", "--limit", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and f"{dead} dead letter(s)" in cli.stdout, cli.stderr
     log = worker.log_path.read_text()
     assert "Unrecoverable error" not in log
