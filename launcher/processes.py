@@ -12,6 +12,7 @@ umask 0o077, so the logs, the AOF and Flower's database they create are owner-on
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -21,6 +22,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tinkerq.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_UMASK = 0o077  # files the fleet's processes create: owner-only
@@ -53,14 +56,48 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, proc: sub
              log: Path | None = None) -> None:
     """Poll ``predicate`` until it holds; raise with the tail of ``log`` if it never does (or ``proc`` exits)."""
     deadline = time.monotonic() + timeout
+    exited = False
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
+            exited = True
             break
         time.sleep(0.1)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise RuntimeError(f"{what} did not come up within {timeout:g} s\n{tail}")
+    raise StartupError(f"{what} did not come up within {timeout:g} s\n{tail}", what, timeout, log, exited)
+
+
+class StartupError(RuntimeError):
+    """A process did not come up in time, or exited first; the message ends with the tail of its log."""
+
+    def __init__(self, message: str, what: str, timeout: float, log: Path | None, exited: bool) -> None:
+        super().__init__(message)
+        self.what, self.timeout, self.log, self.exited = what, timeout, log, exited
+
+
+def last_line(log: Path | None) -> str:
+    """The last non-blank line of ``log`` (a traceback's last line is its error), or '' if there is none."""
+    if log is None or not log.exists():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace")[-4000:].splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on ``host:port`` now ("taken", "Permission denied" ...), or None if it can.
+
+    Binds with SO_REUSEADDR like the servers do, so a port left in TIME_WAIT by a stopped server counts as free.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OverflowError:
+            return "not a port number (1-65535)"
+        except OSError as exc:
+            return "taken" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return None
 
 
 def write_redis_auth(workdir: Path, password: str) -> Path:
@@ -77,12 +114,18 @@ def write_redis_auth(workdir: Path, password: str) -> Path:
     return path
 
 
-def redis_command(port: int, workdir: Path, *, password: str | None = None, durable: bool = False) -> list[str]:
-    """redis-server's command line; with ``password``, the owner-only config file that holds it comes first."""
+def redis_binary() -> str:
+    """The redis-server executable on PATH."""
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
-    cmd = [binary]
+        raise UserError("redis-server is not installed: apt-get install -y redis-server (or give a running Redis "
+                        "with --broker redis://...)")
+    return binary
+
+
+def redis_command(port: int, workdir: Path, *, password: str | None = None, durable: bool = False) -> list[str]:
+    """redis-server's command line; with ``password``, the owner-only config file that holds it comes first."""
+    cmd = [redis_binary()]
     if password:
         cmd.append(str(write_redis_auth(workdir, password)))
     cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes", "--dir", str(workdir),
