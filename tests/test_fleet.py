@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.processes import ROOT, alive, free_port, stop, wait_for
+from launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
 
@@ -26,24 +29,90 @@ def _tinkerq(*args: str, env: dict[str, str], timeout: float = 200) -> subproces
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
+def assert_on_no_command_line(secret: str, pids: list[int]) -> None:
+    """``secret`` is on no process's command line, where every local user reads it (`ps`); ``pids`` are running
+    (so their command lines were among those read)."""
+    for pid in pids:
+        assert alive(pid) and Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # processes that ended meanwhile
+            assert secret.encode() not in cmdline.read_bytes(), f"{cmdline}: {cmdline.read_bytes()!r}"
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert secret not in ps.stdout and str(pids[0]) in subprocess.run(
+        ["ps", "-eo", "pid"], capture_output=True, text=True, check=True).stdout
+
+
+def assert_fleet_files_private(folder: Path, secret: str) -> None:
+    """The fleet's folder, its logs and its state (which holds ``secret``) are the owner's alone; no log holds it."""
+    for path in (folder, folder / "logs"):
+        assert path.stat().st_mode & 0o777 == 0o700, path
+    assert (folder / "state.json").stat().st_mode & 0o777 == 0o600
+    logs = list((folder / "logs").iterdir())
+    assert logs
+    for log in logs:
+        assert log.stat().st_mode & 0o777 == 0o600, log
+        assert secret not in log.read_text(errors="replace"), log
+
+
+def hold_port(port: int) -> socket.socket | None:
+    """Listen on 127.0.0.1:``port`` so a server cannot; None if something already does."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
+def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, capsys):
+    from launcher.fleet import DEFAULT_FLOWER_PORT, DEFAULT_REDIS_PORT, cpu_cores
+    from launcher.main import main as tinkerq_in_process
     from producer import ServiceClient
     from tinkerq.errors import UnknownModelError
 
     other = build_tiny_llama(tmp_path / "other-model", seed=1)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
     gateway_port = free_port()
-    up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other), "--samplers", "1",
-                  "--redis-port", str(free_port()), "--flower-port", str(free_port()), "--threads", "1",
-                  "--gateway-port", str(gateway_port), env=env)
+    # The default ports are taken (by these sockets, or by whatever listens there already): `up` picks free ones.
+    held = [hold_port(DEFAULT_REDIS_PORT), hold_port(DEFAULT_FLOWER_PORT)]
+    try:
+        up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other),
+                      "--samplers", "1", "--gateway-port", str(gateway_port), env=env)
+    finally:
+        for sock in held:
+            if sock is not None:
+                sock.close()
     assert up.returncode == 0, up.stderr[-3000:]
     broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
+    password = broker.split(":")[2].split("@")[0]
+    assert "fleet 't' is up: 2 workers and 2 samplers for 2 models;" in up.stdout
+    assert f"port {DEFAULT_REDIS_PORT} is taken: redis-server listens on " in up.stdout
+    assert f"port {DEFAULT_FLOWER_PORT} is taken: Flower listens on " in up.stdout
     assert "Flower: http://127.0.0.1:" in up.stdout
+    assert f"Flower: http://127.0.0.1:{DEFAULT_FLOWER_PORT}/" not in up.stdout
     assert f"TINKER_BASE_URL=http://127.0.0.1:{gateway_port}" in up.stdout
+    assert "tinkerq fleet status --name t | tinkerq fleet down --name t" in up.stdout
+    # No --threads: the cores are split between the four torch processes (each would otherwise take them all).
+    threads = max(1, cpu_cores() // 4)
+    assert f"torch threads per worker process: {threads} ({cpu_cores()} cores shared by 4 processes;" in up.stdout
+    folder = tmp_path / "home" / "fleet" / "t"
+    state = json.loads((folder / "state.json").read_text())
+    assert [w["threads"] for w in state["workers"]] == [threads] * 4
     try:
         status = _tinkerq("fleet", "status", "--name", "t", env=env)
         assert status.returncode == 0, status.stderr
         assert status.stdout.count("running") == 7  # redis, two workers, two sampling workers, flower, gateway
+        assert status.stdout.count(f"running  {threads} thread") == 4
+
+        # The Redis password is on no command line (`ps` shows them to every local user): Redis reads it from an
+        # owner-only file, the workers, Flower and the gateway from their environment.
+        pids = [state["redis"]["pid"], state["flower"]["pid"], state["gateway"]["pid"],
+                *(w["pid"] for w in state["workers"])]
+        assert_on_no_command_line(password, pids)
+        assert_fleet_files_private(folder, password)
+        assert (folder / "redis" / "redis-auth.conf").stat().st_mode & 0o777 == 0o600
 
         # The gateway serves the official SDK with a key made by the operator's command.
         key = _tinkerq("keys", "create", "fleet-user", "--broker", broker, env=env).stdout.strip().splitlines()[-1]
@@ -75,12 +144,33 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir):
             prompt = types.ModelInput.from_ints([1, 5, 6, 7])
             outs = [sampler.sample(prompt, 2, params).result(timeout=60) for _ in range(4)]
             assert all([s.tokens for s in o.sequences] == [s.tokens for s in outs[0].sequences] for o in outs)
-            state = json.loads((tmp_path / "home" / "fleet" / "t" / "state.json").read_text())
             (sampler_log,) = [w["log"] for w in state["workers"]
                               if w.get("role") == "sampler" and w["model"] == str(model_dir)]
             assert "sample ok in" in Path(sampler_log).read_text()
-            a.close()
             b.close()
+
+            # A running task shows in `fleet status` as Flower shows it (its argsrepr), not as its raw request.
+            monkeypatch.setenv("TINKERQ_HOME", env["TINKERQ_HOME"])
+            rng = np.random.default_rng(45)
+            queued = [a.forward_backward(make_batch(rng, 300, min_len=100, max_len=150)) for _ in range(8)]
+
+            seen: list[str] = []
+
+            def shows_the_running_task() -> bool:
+                assert tinkerq_in_process(["fleet", "status", "--name", "t"]) == 0
+                out = capsys.readouterr().out
+                if "-> forward_backward(" in out:
+                    seen.append(out)
+                return bool(seen)
+
+            wait_for(shows_the_running_task, 120, "a running forward_backward in fleet status")
+            doing = seen[0].split("-> forward_backward(")[1].split(")\n")[0]
+            assert f"model_id={a.model_id[:8]} seq=" in doing, seen[0]
+            assert "loss_fn=cross_entropy datums=300 tokens=" in doing, seen[0]
+            assert "sent_at" not in seen[0] and "blob" not in seen[0], seen[0]
+            for future in queued:
+                future.result(timeout=120)
+            a.close()
     finally:
         down = _tinkerq("fleet", "down", "--name", "t", env=env)
     assert down.returncode == 0, down.stderr
@@ -97,15 +187,28 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
 
     model_dir = build_tiny_llama(tmp_path / "tied-model", seed=3, tied=True)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
-    up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2",
-                  "--redis-port", str(free_port()), "--flower-port", "0", "--threads", "1", env=env)
-    assert up.returncode == 0, up.stderr[-3000:]
-    broker = up.stdout.split("TINKERQ_BROKER_URL='")[1].split("'")[0]
+    # The operator's own Redis, with a password: given to `up` on its command line, it must not reach its children's.
+    password, port = secrets.token_urlsafe(16), free_port()
+    redis_proc = start_redis(port, tmp_path / "redis", password=password)
+    broker = f"redis://:{password}@127.0.0.1:{port}/0"
+    pids: list[int] = []
     try:
+        up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2", "--broker", broker,
+                      "--flower-port", "0", "--threads", "1", env=env)
+        assert up.returncode == 0, up.stderr[-3000:]
+        pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
+        assert "fleet 's' is up: 1 worker (2 shard processes) for 1 model;" in up.stdout  # a worker, not 2
+        assert "torch threads per worker process: 1 (--threads)" in up.stdout
         status = _tinkerq("fleet", "status", "--name", "s", env=env)
-        assert status.stdout.count("running") == 3, status.stdout  # redis and two shards
+        assert status.stdout.count("running") == 2, status.stdout  # the two shards (Redis is not the fleet's)
         assert "(shard 0 of 2)" in status.stdout and "(shard 1 of 2)" in status.stdout
         assert "1 registered worker(s)" in status.stdout and "2 shards" in status.stdout  # one worker, 2 processes
+        assert_on_no_command_line(password, pids)
+        assert_fleet_files_private(tmp_path / "home" / "fleet" / "s", password)
+        # A second `up` under the same name says how to reach the first: its name is in every hint.
+        again = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), env=env)
+        assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+        assert "`tinkerq fleet status --name s`" in again.stderr and "`tinkerq fleet down --name s`" in again.stderr
         with ServiceClient(broker_url=broker) as sc:
             tc = sc.create_training_client(str(model_dir))
             assert tc.info.extra["shards"] == 2
@@ -127,8 +230,8 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
                 np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
             resumed.close()
     finally:
-        pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
         down = _tinkerq("fleet", "down", "--name", "s", env=env)
+        stop(redis_proc.pid, timeout=10)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(alive(pid) for pid in pids)  # rank 1 stopped with rank 0 (or by down itself)
     logs = sorted((tmp_path / "home" / "fleet" / "s" / "logs").glob("worker-*-rank1.log"))
