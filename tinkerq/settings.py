@@ -16,6 +16,7 @@ from tinkerq.errors import UserError
 
 ENV_PREFIX = "TINKERQ_"
 MEMORY_BROKER = "memory://"
+NO_BROKER = "no broker configured: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)"
 
 
 class SettingsError(UserError):
@@ -162,6 +163,13 @@ class Settings:
     @property
     def is_embedded(self) -> bool:
         return self.broker_url is None or self.broker_url.startswith("memory://")
+
+    def require_broker(self) -> str:
+        """The broker URL, for commands that only make sense against a running fleet (a worker, the gateway,
+        keys, healthcheck): without one they would run on an empty in-process fleet and answer nonsense."""
+        if self.broker_url is None:
+            raise SettingsError(NO_BROKER)
+        return self.broker_url
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
