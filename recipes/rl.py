@@ -22,13 +22,12 @@ import dataclasses
 import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from producer import TrainingClient
-from recipes.sft_args import LORA_LR_HELP, add_lora_argument
+from recipes.sft_args import LORA_LR_HELP, add_lora_argument, non_negative_int, positive_float, positive_int
 from tinkerq import types
 
 # Also the default of a LoRA run (see sft_args.LORA_LR_HELP): measured on the demo, `tinkerq rl --lora-rank 8
@@ -40,21 +39,24 @@ DEFAULT_RL_LR = 5e-4
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help="redis:// URL of a running fleet (default: an embedded fleet in this process)")
     p.add_argument("--model", help="model directory a worker serves (default: the demo model, built once)")
-    p.add_argument("--warmup-steps", type=int, default=80, help="SFT steps before RL (default 80)")
-    p.add_argument("--iterations", type=int, default=200, help="RL iterations (default 200)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per iteration (default 16)")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--lr", type=float, default=DEFAULT_RL_LR,
+    p.add_argument("--warmup-steps", type=non_negative_int, default=80, help="SFT steps before RL, 0 for none "
+                                                                             "(default 80)")
+    p.add_argument("--iterations", type=positive_int, default=200, help="RL iterations (default 200)")
+    p.add_argument("--prompts", type=positive_int, default=16, help="prompts per iteration (default 16)")
+    p.add_argument("--group-size", type=positive_int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--lr", type=positive_float, default=DEFAULT_RL_LR,
                    help=f"AdamW learning rate for RL (default {DEFAULT_RL_LR:g}; {LORA_LR_HELP})")
     add_lora_argument(p)
-    p.add_argument("--loss-fn", choices=["importance_sampling", "ppo", "cispo"], default="importance_sampling")
-    p.add_argument("--updates-per-batch", type=int, default=1,
+    p.add_argument("--loss-fn", choices=["importance_sampling", "ppo", "cispo"], default="importance_sampling",
+                   help="the RL loss forward_backward computes (default importance_sampling; ppo and cispo clip "
+                        "the importance ratio)")
+    p.add_argument("--updates-per-batch", type=positive_int, default=1,
                    help="optimizer steps on each sampled batch; after the first the data is off-policy, which "
                         "the importance ratio corrects and ppo/cispo clip (default 1)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the batches, the samples and a LoRA adapter's start (default 0)")
     p.add_argument("--out", help="run directory (default: runs/rl-<time>)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the embedded worker")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads of the embedded worker (default: torch's)")
 
 
 TARGET_LETTERS = 3
@@ -120,25 +122,36 @@ def _decode(tokenizer: Any, seq: types.SampledSequence) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from recipes import demo_model
     from recipes.plotting import plot_metrics
-    from recipes.sft import DATA_DIR, load_pairs, make_datums, open_fleet, open_training_client
+    from recipes.sft import (
+        DATA_DIR,
+        check_sample_size,
+        load_pairs,
+        load_tokenizer,
+        make_datums,
+        model_directory,
+        open_fleet,
+        open_training_client,
+        run_directory,
+    )
+    from tinkerq.settings import Settings
 
-    model_dir = str(Path(args.model).resolve()) if args.model else str(demo_model.ensure_demo_model())
+    # Every mistake in the command line is found here, before the model is built or the fleet started.
+    settings = Settings.from_env(broker_url=args.broker)
     train = load_pairs(DATA_DIR / "train.jsonl")
     heldout = load_pairs(DATA_DIR / "eval.jsonl")[:50]
-    out_dir = Path(args.out or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check_sample_size(args.prompts, "--prompts", train, "the bundled training set")
+    model_dir = model_directory(args.model)
+    out_dir = run_directory(args.out, "rl")
+    tokenizer = load_tokenizer(model_dir)
     rng = random.Random(args.seed)
     sample_params = types.SamplingParams(max_tokens=10, temperature=1.0, stop=[tokenizer.eos_token_id])
     lora_rank = getattr(args, "lora_rank", None)
     rl_lr = args.lr
     warmup_lr = demo_model.DEFAULT_LR  # tinkerq sft's default peak
 
-    with open_fleet(args.broker, model_dir, args.threads) as sc:
+    with open_fleet(settings, model_dir, args.threads) as sc:
         tc = open_training_client(sc, model_dir, lora_rank, args.seed)
         lora_info = tc.get_info().extra.get("lora") if lora_rank is not None else None
         print(f"RL learning rate {rl_lr:g} (SFT warm-up peak {warmup_lr:g})")

@@ -23,24 +23,87 @@ from tqdm import tqdm
 
 from producer import ServiceClient, TrainingClient
 from tinkerq import types
+from tinkerq.errors import UserError
 from tinkerq.settings import Settings
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
-def load_pairs(path: Path) -> list[dict[str, str]]:
+PAIRS_FORMAT = 'one {"prompt": "...", "completion": "..."} object per line'
+
+
+def load_pairs(path: Path, flag: str = "") -> list[dict[str, str]]:
+    """The {prompt, completion} pairs of a JSONL file, or a UserError naming the file (and ``flag``, the option
+    that gave it), the line and what the file must hold."""
+    where = f"{flag} {path}" if flag else str(path)
+    if not Path(path).is_file():
+        raise UserError(f"{where}: no such file; pass a JSONL file with {PAIRS_FORMAT}")
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{where}: cannot read it ({exc}); pass a JSONL file with {PAIRS_FORMAT}") from None
     pairs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
-                raise ValueError(f"{path}:{lineno}: each line needs string fields 'prompt' and 'completion'")
-            pairs.append(row)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}, line {lineno}: not JSON ({exc.msg}); the file needs {PAIRS_FORMAT}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
+                or not isinstance(row.get("completion"), str):
+            found = f"fields {', '.join(map(repr, row))}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+            raise UserError(f"{where}, line {lineno}: needs string fields 'prompt' and 'completion', found {found}; "
+                            f"the file needs {PAIRS_FORMAT}")
+        pairs.append(row)
     if not pairs:
-        raise ValueError(f"{path} holds no examples")
+        raise UserError(f"{where} holds no examples; the file needs {PAIRS_FORMAT}")
     return pairs
+
+
+def model_directory(model: str | None) -> str:
+    """``--model`` as an absolute path, checked before anything starts, or the demo model (built once)."""
+    if model is None:
+        from recipes import demo_model
+
+        return str(demo_model.ensure_demo_model())
+    path = Path(model).expanduser().resolve()
+    fix = "pass a local Hugging Face model directory (what save_pretrained writes), or leave --model out for the demo"
+    if not path.is_dir():
+        raise UserError(f"--model {model}: no such directory; {fix}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {model}: no config.json there; {fix}")
+    return str(path)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model directory's tokenizer (the recipes encode their data with it on this machine)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:400] or type(exc).__name__  # transformers' messages span lines
+        raise UserError(f"--model {model_dir}: cannot load its tokenizer ({reason}); the directory needs the "
+                        f"tokenizer files (tokenizer.json ...) that save_pretrained writes") from None
+
+
+def run_directory(out: str | None, recipe: str) -> Path:
+    """``--out``, or ``runs/<recipe>-<time>``: created now, so a wrong path fails before the fleet starts."""
+    path = Path(out or f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {path} is a file; pass a directory for the run's metrics, curve and summary")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {path}: cannot create it ({exc.strerror or exc}); pass a writable directory") from None
+    return path
+
+
+def check_sample_size(n: int, flag: str, pairs: list[dict[str, str]], source: str) -> None:
+    """Each step draws ``n`` distinct pairs: refuse more than there are before anything runs."""
+    if n > len(pairs):
+        raise UserError(f"{flag} {n} is more than the {len(pairs)} pairs in {source}; pass at most {len(pairs)}")
 
 
 def make_datums(tokenizer: Any, pairs: list[dict[str, str]]) -> list[types.Datum]:
@@ -130,9 +193,8 @@ def _bytes(n: int) -> str:
 
 
 @contextlib.contextmanager
-def open_fleet(broker: str | None, model_dir: str, threads: int | None) -> Iterator[ServiceClient]:
-    """A client on the fleet at ``broker``, or on an embedded fleet started here."""
-    settings = Settings.from_env(broker_url=broker)
+def open_fleet(settings: Settings, model_dir: str, threads: int | None) -> Iterator[ServiceClient]:
+    """A client on the fleet ``settings`` names, or on an embedded fleet started here."""
     if settings.broker_url is not None and not settings.is_embedded:
         from tinkerq.connection import redact_url
 
@@ -144,7 +206,7 @@ def open_fleet(broker: str | None, model_dir: str, threads: int | None) -> Itera
 
     from worker.embedded import EmbeddedFleet
 
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)
     print("no broker configured: starting an embedded fleet in this process (pass --broker redis://... "
           "or set TINKERQ_BROKER_URL to use a running one)")
@@ -153,24 +215,24 @@ def open_fleet(broker: str | None, model_dir: str, threads: int | None) -> Itera
 
 
 def main(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from recipes import demo_model
     from recipes.plotting import plot_metrics
 
-    model_dir = str(Path(args.model).resolve()) if args.model else str(demo_model.ensure_demo_model())
-    steps = args.steps or demo_model.DEFAULT_STEPS
-    batch_size = args.batch_size or demo_model.DEFAULT_BATCH_SIZE
+    # Every mistake in the command line is found here, before the model is built or the fleet started.
+    settings = Settings.from_env(broker_url=args.broker)
+    train_path = Path(args.train) if args.train else DATA_DIR / "train.jsonl"
+    train = load_pairs(train_path, "--train" if args.train else "")
+    heldout = load_pairs(Path(args.eval) if args.eval else DATA_DIR / "eval.jsonl",
+                         "--eval" if args.eval else "")[: args.eval_examples]
+    steps, batch_size, lr = args.steps, args.batch_size, args.lr
+    check_sample_size(batch_size, "--batch-size", train, str(train_path))
     lora_rank = getattr(args, "lora_rank", None)
-    lr = args.lr or demo_model.DEFAULT_LR
-    train = load_pairs(Path(args.train) if args.train else DATA_DIR / "train.jsonl")
-    heldout = load_pairs(Path(args.eval) if args.eval else DATA_DIR / "eval.jsonl")[: args.eval_examples]
-    out_dir = Path(args.out or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_dir = model_directory(args.model)
+    out_dir = run_directory(args.out, "sft")
+    tokenizer = load_tokenizer(model_dir)
     rng = random.Random(args.seed)
 
-    with open_fleet(args.broker, model_dir, args.threads) as sc:
+    with open_fleet(settings, model_dir, args.threads) as sc:
         tc = open_training_client(sc, model_dir, lora_rank, args.seed)
         lora_info = tc.get_info().extra.get("lora") if lora_rank is not None else None
         kind = f"LoRA rank {lora_rank} over" if lora_rank is not None else "full-parameter,"
