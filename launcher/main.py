@@ -16,13 +16,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+from typing import NoReturn
 
-from tinkerq.errors import TinkerqError
+from tinkerq.errors import TinkerqError, UserError
 from tinkerq.security import warn_about_broker
 from tinkerq.settings import Settings
 
 BROKER_HELP = "redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)"
+# Settings.home and Settings.checkpoint_dir: worker/checkpoints.py writes saved weights and save_state below it.
+CHECKPOINT_DIR_HELP = ("where save_weights_for_sampler and save_state write; share it between workers and users "
+                       "(default: TINKERQ_CHECKPOINT_DIR, else $TINKERQ_HOME/checkpoints; TINKERQ_HOME defaults to "
+                       "~/.cache/tinkerq)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line that says what to do, like every other CLI error (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {UserError(message)} (see: {self.prog} --help)\n")
+
+
+def installed_version() -> str:
+    """The installed distribution's version (``pip install -e .`` included)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tinkerq")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _settings(args: argparse.Namespace, **extra: object) -> Settings:
@@ -39,17 +63,45 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
                          rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout,
                          role=args.role)
+    check_device(settings.device)
     if settings.shard_rank > 0:  # a follower shard: no broker, it takes its commands from rank 0
         from worker.sharding.follower import run_follower
 
         return run_follower(args.model, settings, threads=args.threads)
+    warn_about_broker(getattr(args, "broker", None), settings.require_broker())
+    # Before the model loads (minutes for a large one) and before a shard group forms: an unreachable broker
+    # fails the command at once, with the same message the worker itself would give.
+    check_broker(settings)
     from worker.runtime import run_worker
 
-    if settings.broker_url is None:
-        raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
-    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
     return 0
+
+
+def check_broker(settings: Settings) -> None:
+    """Connect once and let go; BrokerUnavailableError ("cannot reach Redis ...") if the broker does not answer."""
+    from tinkerq.connection import Connection
+
+    Connection.open(settings).close()
+
+
+def check_device(device: str) -> None:
+    """A torch device this machine has, or a UserError: otherwise the worker fails only after loading the model,
+    with a traceback."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a torch device: use cpu, cuda, cuda:N, mps ...") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {device}: this machine has no CUDA device torch can use; use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise UserError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: MPS is not available on this machine; use --device cpu")
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -82,9 +134,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from recipes.plotting import plot_metrics
 
     src = Path(args.metrics)
-    if not src.is_file():
-        raise TinkerqError(f"{src} does not exist; pass the metrics.jsonl a run wrote")
     out = Path(args.out) if args.out else src.with_suffix(".png")
+    if out.resolve() == src.resolve():
+        raise UserError(f"--out {out} is the metrics file itself; pass a .png path")
     print(plot_metrics(src, out, keys=args.keys, x=args.x, title=args.title or src.parent.name))
     return 0
 
@@ -93,11 +145,6 @@ def cmd_dead(args: argparse.Namespace) -> int:
     from launcher.dead import main as dead_main
 
     return dead_main(args, _settings(args))
-
-
-def _need_broker(settings: Settings) -> None:
-    if settings.broker_url is None:
-        raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
 
 
 def _when(epoch: float | None) -> str:
@@ -113,8 +160,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from tinkerq.tenants import ApiKeys
 
     settings = _settings(args)
-    _need_broker(settings)
-    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
+    warn_about_broker(getattr(args, "broker", None), settings.require_broker())
     api_keys = ApiKeys.open(settings)
     try:
         if args.keys_command == "create":
@@ -143,8 +189,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    _need_broker(settings)
-    warn_about_broker(getattr(args, "broker", None), settings.broker_url)
+    warn_about_broker(getattr(args, "broker", None), settings.require_broker())
     from gateway.server import serve
 
     return serve(settings, host=args.host, port=args.port)
@@ -156,7 +201,9 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
     from tinkerq.connection import Connection
 
-    conn = Connection.open(_settings(args, connect_timeout_s=3.0))
+    settings = _settings(args, connect_timeout_s=3.0)
+    settings.require_broker()  # without one, an empty in-process fleet would say "no worker registered"
+    conn = Connection.open(settings)
     try:
         mine = [r for r in conn.workers_serving() if r.get("host") == socket.gethostname()]
     finally:
@@ -169,31 +216,40 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tinkerq", description=__doc__.split("\n\n")[0])
+    from recipes.sft_args import non_negative_int, port_or_zero, positive_float, positive_int, tcp_port
+
+    parser = Parser(prog="tinkerq", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}",
+                        help="print the installed tinkerq's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="serve a model: a Celery worker holding it")
     w.add_argument("--model", required=True, help="local Hugging Face model directory (from_pretrained)")
     w.add_argument("--name", help="name producers use for the model (default: the directory's absolute path)")
-    w.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
-    w.add_argument("--device", help="torch device (default: cpu, or TINKERQ_DEVICE)")
+    w.add_argument("--broker", help=BROKER_HELP)
+    w.add_argument("--device", help="torch device: cpu, cuda, cuda:N ... (default: TINKERQ_DEVICE, else cpu)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
-    w.add_argument("--max-sessions", type=int, help="training sessions held at once (default 4)")
+    w.add_argument("--max-sessions", type=positive_int, help="full-parameter training sessions held at once "
+                                                             "(default 4)")
     w.add_argument("--role", choices=["trainer", "sampler"],
                    help="sampler: serve only sampling (snapshots, saved weights, the base model), hold no training "
                         "sessions (default trainer: both)")
-    w.add_argument("--memory-limit-mb", type=int,
-                   help="cap on the worker's RSS; requests that would not fit are refused (default: no cap)")
-    w.add_argument("--checkpoint-dir", help="where save_weights_for_sampler writes (default ~/.cache/tinkerq)")
+    w.add_argument("--memory-limit-mb", type=non_negative_int,
+                   help="cap on the worker's RSS, MiB; requests that would not fit are refused (default 0: no cap)")
+    w.add_argument("--checkpoint-dir", help=CHECKPOINT_DIR_HELP)
     w.add_argument("--loss-backend", choices=["auto", "apex", "torch", "reference"],
                    help="loss head: auto = apex on CUDA when installed, else chunked torch (default)")
-    w.add_argument("--threads", type=int, help="torch CPU threads")
-    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
-    w.add_argument("--shards", type=int, help="serve the model sharded over this many processes (default 1)")
-    w.add_argument("--rank", type=int, help="this process's shard, 0..shards-1; rank 0 takes the requests")
+    w.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
+    w.add_argument("--metrics-port", type=port_or_zero,
+                   help="serve Prometheus metrics on this port (default 0: off)")
+    w.add_argument("--shards", type=positive_int, help="serve the model sharded over this many processes (default 1)")
+    w.add_argument("--rank", type=non_negative_int,
+                   help="this process's shard, 0..shards-1; rank 0 takes the requests (default 0)")
     w.add_argument("--rendezvous", help="tcp://HOST:PORT where the shards meet: rank 0's host, a free port")
-    w.add_argument("--rendezvous-timeout", type=float, help="seconds to wait for the other shards (default 300)")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--rendezvous-timeout", type=positive_float,
+                   help="seconds to wait for the other shards (default 300)")
+    w.add_argument("--loglevel", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="the worker's log level (default INFO)")
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("sft", help="supervised fine-tuning of the demo model on the bundled data set")
@@ -222,10 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="draw curves from a metrics.jsonl as PNG")
     pl.add_argument("metrics", help="a metrics.jsonl written by tinkerq sft / rl")
-    pl.add_argument("--keys", nargs="+", default=["loss"], help="columns to draw (default: loss)")
-    pl.add_argument("--x", default="step", help="x-axis column (default: step)")
-    pl.add_argument("--out", help="PNG path (default: next to the metrics file)")
-    pl.add_argument("--title")
+    pl.add_argument("--keys", nargs="+", default=["loss"], help="columns to draw, one panel each (default: loss)")
+    pl.add_argument("--x", default="step", help="x-axis column (default: step; rl's metrics: iteration)")
+    pl.add_argument("--out", help="PNG path (default: the metrics file's path with .png)")
+    pl.add_argument("--title", help="the figure's title (default: the run directory's name)")
     pl.set_defaults(func=cmd_plot)
 
     dl = sub.add_parser("dead", help="messages workers could not read (the dead-letter queue tinkerq.dead)")
@@ -238,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--broker", help=BROKER_HELP)
     gw.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 in a "
                                                         "container)")
-    gw.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    gw.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default 8000)")
     gw.set_defaults(func=cmd_gateway)
 
     k = sub.add_parser("keys", help="API keys of the gateway's tenants: create, list, revoke")
@@ -248,13 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("name", help="tenant name: 1-64 of letters, digits, '_', '.', '-'")
     kl = ksub.add_parser("list", help="tenants that have a key, when it was created and last used")
     kr = ksub.add_parser("revoke", help="remove a tenant's key (exit 1 if it has none)")
-    kr.add_argument("name")
+    kr.add_argument("name", help="the tenant whose key to remove (see: tinkerq keys list)")
     for leaf in (kc, kl, kr):  # --broker after the subcommand too; SUPPRESS keeps one given before it
         leaf.add_argument("--broker", default=argparse.SUPPRESS, help=BROKER_HELP)
     k.set_defaults(func=cmd_keys)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
-    hc.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
+    hc.add_argument("--broker", help=BROKER_HELP)
     hc.set_defaults(func=cmd_healthcheck)
     return parser
 
@@ -265,11 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except TinkerqError as exc:
-        # One clear line, no traceback: these errors say what to do.
-        print(f"tinkerq {args.command}: {exc}", file=sys.stderr)
+        # One clear line, no traceback: these errors say what to do (a library's message may span lines).
+        print(f"tinkerq {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", text.strip())
 
 
 if __name__ == "__main__":

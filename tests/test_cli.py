@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,9 +16,12 @@ from launcher.processes import ROOT, free_port
 pytestmark = pytest.mark.timeout(180)
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``tinkerq ARGS`` in a subprocess, with no TINKERQ_* setting from the caller's environment unless ``env``
+    gives it (a developer's TINKERQ_BROKER_URL must not change what a test sees)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TINKERQ_")}
     return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env={**clean, **(env or {})})
 
 
 def test_worker_with_bad_model_path_says_so_and_exits(redis_url):
@@ -26,10 +30,18 @@ def test_worker_with_bad_model_path_says_so_and_exits(redis_url):
     assert "is not a directory" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_worker_with_unreachable_broker_says_so_and_exits(model_dir):
-    out = _run("worker", "--model", str(model_dir), "--broker", f"redis://127.0.0.1:{free_port()}/0")
+def test_worker_with_unreachable_broker_says_so_and_exits(tmp_path: Path):
+    """The broker is checked before the model loads: given a model that cannot load, the worker still says only
+    that Redis is unreachable (loading first, it would have named the model)."""
+    unloadable = tmp_path / "unloadable"
+    unloadable.mkdir()
+    (unloadable / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    # The URL (with a password, so no warning) in the environment: --broker would warn about a password in argv.
+    out = _run("worker", "--model", str(unloadable),
+               env={"TINKERQ_BROKER_URL": f"redis://:secret@127.0.0.1:{free_port()}/0"})
     assert out.returncode == 2
-    assert "cannot reach Redis" in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "cannot reach Redis" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "unloadable" not in out.stderr and "secret" not in out.stderr
 
 
 def test_worker_with_wrong_password_says_so(redis_url, model_dir):
@@ -163,7 +175,7 @@ def test_plot_command(tmp_path: Path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     missing = _run("plot", str(tmp_path / "nope.jsonl"))
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert missing.returncode == 2 and "nope.jsonl: no such file" in missing.stderr
 
 
 def test_sft_job_against_a_running_fleet(tmp_path: Path, redis_url, worker, model_dir):

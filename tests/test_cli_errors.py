@@ -1,0 +1,219 @@
+"""Every command-line mistake: one line on stderr that says what to do, category [user error], exit status 2.
+
+Each mistake is caught before a model is built, loaded or a fleet started, so these run in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import _run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def assert_one_line_mistake(out: subprocess.CompletedProcess, command: str, *says: str) -> str:
+    """Exit 2, and stderr is exactly one line: ``tinkerq COMMAND: [user error] ...`` holding every ``says``."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert lines[0].startswith(f"tinkerq {command}: [user error] "), lines[0]
+    for text in says:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """JSONL files a user might pass by mistake, and a directory that is not a Hugging Face model."""
+    root = tmp_path_factory.mktemp("mistakes")
+    files = {
+        "wrong_fields": root / "wrong_fields.jsonl",
+        "not_jsonl": root / "summary.json",
+        "empty": root / "empty.jsonl",
+        "a_file": root / "a_file",
+        "no_config": root / "no_config",
+    }
+    files["wrong_fields"].write_text('{"question": "abc>", "answer": "cba"}\n')
+    files["not_jsonl"].write_text(json.dumps({"steps": 250, "after": {"exact_match": 0.97}}, indent=2))
+    files["empty"].write_text("\n")
+    files["a_file"].write_text("not a directory\n")
+    files["no_config"].mkdir()
+    return files
+
+
+SFT_RL_NUMBERS = [
+    ("sft", "--steps", "0", "positive integer"),
+    ("sft", "--steps", "-5", "positive integer"),
+    ("sft", "--batch-size", "0", "positive integer"),
+    ("sft", "--lr", "0", "positive number"),
+    ("sft", "--lr", "nan", "positive number"),
+    ("sft", "--eval-examples", "0", "positive integer"),
+    ("sft", "--threads", "0", "positive integer"),
+    ("rl", "--iterations", "0", "positive integer"),
+    ("rl", "--prompts", "0", "positive integer"),
+    ("rl", "--group-size", "0", "positive integer"),
+    ("rl", "--updates-per-batch", "0", "positive integer"),
+    ("rl", "--warmup-steps", "-1", "0 or a positive integer"),
+    ("rl", "--lr", "-0.001", "positive number"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "says"), SFT_RL_NUMBERS)
+def test_numbers_out_of_range_are_refused_not_replaced_by_the_default(command, option, value, says):
+    """`--steps 0` once trained the default 250 steps (`args.steps or DEFAULT`): now it is a usage error."""
+    assert_one_line_mistake(_run(command, option, value), command, f"argument {option}", says,
+                            f"see: tinkerq {command} --help")
+
+
+@pytest.mark.parametrize("command", ["sft", "rl"])
+def test_missing_model_directory(command):
+    assert_one_line_mistake(_run(command, "--model", "/no/such/model"), command,
+                            "--model /no/such/model: no such directory", "pass a local Hugging Face model directory")
+
+
+@pytest.mark.parametrize("command", ["sft", "rl"])
+def test_model_directory_without_config(command, data_files):
+    assert_one_line_mistake(_run(command, "--model", str(data_files["no_config"])), command,
+                            "no config.json there", "pass a local Hugging Face model directory")
+
+
+def test_model_directory_without_tokenizer(tmp_path: Path, model_dir: Path):
+    """A model's config but no tokenizer: refused when the tokenizer loads, before the fleet starts."""
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    assert_one_line_mistake(_run("sft", "--model", str(tmp_path)), "sft", "cannot load its tokenizer",
+                            "the directory needs the tokenizer files")
+
+
+def test_missing_train_file():
+    assert_one_line_mistake(_run("sft", "--train", "/no/such.jsonl"), "sft", "--train /no/such.jsonl: no such file",
+                            'pass a JSONL file with one {"prompt": "...", "completion": "..."} object per line')
+
+
+def test_train_file_with_the_wrong_fields(data_files):
+    line = assert_one_line_mistake(_run("sft", "--train", str(data_files["wrong_fields"])), "sft",
+                                   "line 1: needs string fields 'prompt' and 'completion'", "'question', 'answer'")
+    assert "--train" in line
+
+
+@pytest.mark.parametrize("kind", ["not_jsonl", "empty"])
+def test_eval_file_that_is_not_pairs(data_files, kind):
+    assert_one_line_mistake(_run("sft", "--eval", str(data_files[kind])), "sft", "--eval", "the file needs one")
+
+
+def test_batch_larger_than_the_training_set():
+    assert_one_line_mistake(_run("sft", "--batch-size", "100000"), "sft", "--batch-size 100000 is more than the",
+                            "pass at most")
+
+
+def test_rl_prompts_more_than_the_training_set():
+    assert_one_line_mistake(_run("rl", "--prompts", "100000"), "rl", "--prompts 100000 is more than the",
+                            "pass at most")
+
+
+def test_out_is_a_file(data_files, model_dir):
+    assert_one_line_mistake(_run("sft", "--model", str(model_dir), "--out", str(data_files["a_file"])), "sft",
+                            "is a file; pass a directory")
+
+
+def test_plot_refuses_what_is_not_a_metrics_file(data_files):
+    """`tinkerq plot summary.json` once ended in a JSONDecodeError traceback."""
+    assert_one_line_mistake(_run("plot", str(data_files["not_jsonl"])), "plot", "summary.json, line 1: not JSON",
+                            "pass the metrics.jsonl")
+
+
+def test_plot_of_a_missing_file():
+    assert_one_line_mistake(_run("plot", "/no/such/metrics.jsonl"), "plot", "no such file", "pass the metrics.jsonl")
+
+
+@pytest.mark.parametrize("option", ["--keys", "--x"])
+def test_plot_with_unknown_columns_leaves_the_previous_png_alone(tmp_path: Path, option):
+    """Unknown --keys once wrote an empty PNG over the previous one and exited 0."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "loss": 1.0 / i, "grad_norm": 0.5}) + "\n" for i in range(1, 5)))
+    png = tmp_path / "metrics.png"
+    previous = b"\x89PNG\r\n\x1a\n the previous curve"
+    png.write_bytes(previous)
+    line = assert_one_line_mistake(_run("plot", str(metrics), option, "lose"), "plot",
+                                   f"has no column 'lose' ({option})", "its columns: step, loss, grad_norm")
+    assert png.read_bytes() == previous, line
+
+
+@pytest.mark.parametrize("command", [["healthcheck"], ["keys", "list"], ["gateway"], ["worker", "--model", "m"]])
+def test_commands_that_need_a_broker_say_none_is_configured(command):
+    """healthcheck once answered "no worker registered" from an empty in-process fleet."""
+    assert_one_line_mistake(_run(*command), command[0], "no broker configured", "set TINKERQ_BROKER_URL")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--device", "gpu0"], "--device 'gpu0' is not a torch device"),
+    (["--loglevel", "chatty"], "argument --loglevel: invalid choice"),
+    (["--max-sessions", "0"], "argument --max-sessions: must be a positive integer"),
+    (["--metrics-port", "70000"], "argument --metrics-port: must be a port number"),
+    (["--rendezvous-timeout", "0"], "argument --rendezvous-timeout: must be a finite positive number"),
+])
+def test_worker_option_mistakes(args, says):
+    assert_one_line_mistake(_run("worker", "--model", "m", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
+                            "worker", says)
+
+
+def test_worker_model_that_is_not_a_hugging_face_directory(data_files, redis_url):
+    out = _run("worker", "--model", str(data_files["no_config"]), env={"TINKERQ_BROKER_URL": redis_url})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    # The broker's own warning (no password) may come first; the error is the last line.
+    assert out.stderr.splitlines()[-1].startswith("tinkerq worker: [user error] ")
+    assert "has no config.json; is it a Hugging Face model directory?" in out.stderr
+
+
+def test_version_is_the_installed_distribution():
+    from importlib.metadata import version
+
+    out = _run("--version")
+    assert out.returncode == 0 and out.stdout == f"tinkerq {version('tinkerq')}\n", out
+
+
+def _options(parser: argparse.ArgumentParser, prog: str) -> list[tuple[str, argparse.Action]]:
+    """Every argument of ``parser`` and of its subcommands, as (their prog, the action); -h excluded."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += _options(child, f"{prog} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            found.append((prog, action))
+    return found
+
+
+def _subcommands() -> list[str]:
+    from launcher.main import build_parser
+
+    return sorted({prog.split()[1] for prog, _ in _options(build_parser(), "tinkerq") if " " in prog})
+
+
+@pytest.mark.parametrize("command", ["", *_subcommands()])
+def test_every_option_has_help(command):
+    from launcher.main import build_parser
+
+    everything = _options(build_parser(), "tinkerq")
+    mine = [(prog, a) for prog, a in everything if prog.split()[1:2] == command.split()[:1]]
+    assert mine
+    silent = [f"{prog} {'/'.join(a.option_strings) or a.dest}" for prog, a in mine if not a.help]
+    assert silent == [], f"arguments without help: {silent}"
+
+
+def test_checkpoint_dir_help_names_the_real_default():
+    """--checkpoint-dir defaults to Settings.checkpoint_dir, $TINKERQ_HOME/checkpoints (once said ~/.cache/tinkerq)."""
+    from launcher.main import build_parser
+    from tinkerq.settings import Settings
+
+    defaults = Settings()
+    assert Path(defaults.checkpoint_dir) == Path(defaults.home) / "checkpoints"
+    assert defaults.home == str(Path.home() / ".cache" / "tinkerq")
+    [help_text] = [a.help for prog, a in _options(build_parser(), "tinkerq")
+                   if prog == "tinkerq worker" and "--checkpoint-dir" in a.option_strings]
+    assert "$TINKERQ_HOME/checkpoints" in help_text and "TINKERQ_HOME defaults to ~/.cache/tinkerq" in help_text
