@@ -188,8 +188,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from launcher.processes import port_problem
+
     settings = _settings(args)
     warn_about_broker(getattr(args, "broker", None), settings.require_broker())
+    problem = port_problem(args.port, args.host)
+    if problem:  # uvicorn would log it among its start-up lines and exit 3
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({problem}): pass --port with a free port")
     from gateway.server import serve
 
     return serve(settings, host=args.host, port=args.port)

@@ -162,6 +162,17 @@ def test_worker_option_mistakes(args, says):
                             "worker", says)
 
 
+def test_gateway_on_a_taken_port():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run("gateway", "--port", str(port), env={"TINKERQ_BROKER_URL": "redis://:pw@127.0.0.1:1/0"})
+    assert_one_line_mistake(out, "gateway", f"cannot listen on 127.0.0.1:{port} (taken)", "pass --port")
+
+
 def test_worker_model_that_is_not_a_hugging_face_directory(data_files, redis_url):
     out = _run("worker", "--model", str(data_files["no_config"]), env={"TINKERQ_BROKER_URL": redis_url})
     assert out.returncode == 2 and "Traceback" not in out.stderr
