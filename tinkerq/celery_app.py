@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
+from celery.app.control import Control
 
 from tinkerq.redis_client import celery_redis_options
 from tinkerq.settings import Settings
@@ -24,6 +27,22 @@ OPS = (
 )
 TASK_NAMES: dict[str, str] = {op: f"tinkerq.{op}" for op in OPS}
 
+# Remote control (`celery inspect`, `celery status`, Flower's worker pages) carries commands and worker
+# metadata, never tensors: it speaks JSON, the only content the stock `celery` command sends and accepts.
+# Our msgpack is accepted there too (a client from before this change still reaches the workers).
+CONTROL_SERIALIZER = "json"
+CONTROL_ACCEPT = ("application/json", CONTENT_TYPE)
+
+
+class JsonControl(Control):
+    """Celery's remote control with a JSON mailbox; Celery's own would use the task serializer and accept only
+    what tasks accept (our msgpack), so the stock CLI's commands were refused by every worker."""
+
+    def __init__(self, app: Any = None) -> None:
+        super().__init__(app)
+        self.mailbox.accept = list(CONTROL_ACCEPT)  # commands (worker side) and replies (client side)
+        self.mailbox.serializer = CONTROL_SERIALIZER  # commands sent, and replies: the CLI reads only JSON
+
 
 def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
     """A Celery app configured for tinkerq; workers register task bodies on it, producers send by name."""
@@ -32,9 +51,9 @@ def make_celery(settings: Settings, main: str = "tinkerq") -> Celery:
     broker = "memory://" if embedded else settings.broker_url
     # No Celery result backend: workers answer through tinkerq's own reply inboxes (tinkerq.wire.messages),
     # which survive a Redis restart where Celery's pub/sub results would be lost.
-    app = Celery(main, broker=broker, backend=None, set_as_current=False)
+    app = Celery(main, broker=broker, backend=None, set_as_current=False, control=JsonControl)
     app.conf.update(
-        # Only our msgpack: a pickle (or JSON) message is rejected before its body is decoded.
+        # Tasks: only our msgpack; a pickle (or JSON) task is rejected before its body is decoded.
         task_serializer=SERIALIZER_NAME,
         result_serializer=SERIALIZER_NAME,
         event_serializer="json",  # events are metadata for Flower; they never carry tensors

@@ -158,13 +158,18 @@ def _task_body(decoded: bytes) -> tuple[list[Any], dict[str, Any], dict[str, Any
     return args, kwargs, embed
 
 
-@dataclass
+@dataclass(repr=False)
 class DeadLetters:
     """Where refused messages go: a line in the log, an answer to the sender, an entry in tinkerq.dead."""
 
     store: KeyValueStore
     settings: Settings
     worker_id: str
+
+    def __repr__(self) -> str:
+        # It sits in the worker's transport options, which `celery inspect conf` and Flower's Config tab show:
+        # the default repr would print the settings, the broker URL with its password among them.
+        return f"DeadLetters(worker={self.worker_id})"
 
     def refuse(self, reason: str, raw: bytes | str | None, queue: str, task_id: str | None = None,
                inbox: str | None = None, *, answer: bool = True) -> None:

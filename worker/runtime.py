@@ -119,6 +119,17 @@ class PromptConsumer(Consumer):
                                                    interval_max=1.0)
         return super().ensure_connected(conn)
 
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        """A message this worker will not decode (a remote-control command in pickle, say): one line, acked.
+
+        Celery logs it as a CRITICAL with the body and a traceback (16 lines for each refused command). Task
+        messages seldom get here: the intake (worker/intake.py) refuses them first and dead-letters them."""
+        delivery = getattr(message, "delivery_info", None) or {}
+        where = delivery.get("routing_key") or delivery.get("exchange") or "?"
+        log.warning("refused a message on %s: %s (content type %r, %d bytes)", where, str(exc)[:200],
+                    message.content_type, len(message.body or b""))
+        message.ack()
+
 
 def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiveness) -> DeadLetters:
     """Check every message before kombu and Celery see it (worker/intake.py); tick liveness from the loop."""
