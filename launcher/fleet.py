@@ -6,6 +6,10 @@ N workers per model, Flower, and the HTTP gateway if asked; it records what it s
 `status` shows what runs and what each worker is doing; `down` stops exactly what `up` started (workers
 get SIGTERM first: Celery's warm shutdown finishes the running task).
 
+Each worker process (shard ranks and samplers included) gets an equal share of the CPU cores as torch threads
+unless --threads says otherwise. A default port that is taken (another fleet's) is replaced by a free one; a port
+the user gave must be free. Every failure of `up` is one line that says what to do, and stops what it started.
+
 Secrets stay off command lines: Redis reads its password from an owner-only file, workers and Flower get
 the broker URL and Flower's login from their environment. The fleet's folder (state, logs, the AOF) is
 owner-only; `status` never prints a password.
