@@ -1,18 +1,57 @@
 """The Celery app Flower loads (`celery -A launcher.flower_app:app flower`).
 
-Flower must speak the fleet's serializer: its remote-control commands (inspect, revoke) travel in it, and
-workers accept nothing else. Tasks are not registered here; Flower learns them from the workers' events.
+The app is the fleet's (:func:`tinkerq.celery_app.make_celery`): the broker's Sentinel and TLS options, and
+remote control (inspect, revoke, shutdown) in JSON, which workers accept. Tasks are not registered here;
+Flower learns them from the workers' events.
 
-Flower 2.2 serves ``/metrics`` without its login (only ``/healthcheck`` should be open): task names, worker
-names and rates are not for anyone who can reach the port, so it goes behind the same login here.
+Two changes to Flower 2.2 itself:
+
+- ``/metrics`` goes behind Flower's login. Flower serves it open (only ``/healthcheck`` should be): task
+  names, worker names and rates are not for anyone who can reach the port.
+- Workers that start after Flower are inspected as soon as their events reach it. Flower inspects workers
+  (``/api/workers``, the dashboard's worker details) only at its start and on ``?refresh=1``, so a worker
+  started later stayed missing from ``/api/workers`` until somebody asked for a refresh.
 """
 
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from flower.app import Flower
 from flower.views import monitor
 from tornado import web
+from tornado.ioloop import PeriodicCallback
 
 from tinkerq.celery_app import make_celery
 from tinkerq.settings import Settings
 
+NEW_WORKER_CHECK_MS = 2000  # how often Flower's worker list is compared with the workers its events show
+REINSPECT_AFTER_S = 30.0  # a worker that did not answer an inspection is asked again after this long
+
 monitor.Metrics.get = web.authenticated(monitor.Metrics.get)
+
+
+def inspect_new_workers(flower: Flower, asked: dict[str, float]) -> None:
+    """Inspect the workers Flower knows from their events but not from an inspection (runs on Flower's loop)."""
+    now = time.monotonic()
+    new = [name for name, worker in flower.events.state.workers.items()
+           if worker.alive and name not in flower.workers and now - asked.get(name, float("-inf")) >=
+           REINSPECT_AFTER_S]
+    if new:
+        asked.update(dict.fromkeys(new, now))
+        flower.update_workers()  # all workers at once, as Flower does at its start (one inspection in flight)
+
+
+_flower_start = Flower.start
+
+
+def _start_inspecting_new_workers(self: Flower, *args: Any, **kwargs: Any) -> Any:
+    PeriodicCallback(functools.partial(inspect_new_workers, self, {}), NEW_WORKER_CHECK_MS).start()
+    return _flower_start(self, *args, **kwargs)
+
+
+Flower.start = _start_inspecting_new_workers
 
 app = make_celery(Settings.from_env())
