@@ -1,4 +1,4 @@
-"""A real Flower against the real Redis and worker: the worker and its tasks, with readable arguments."""
+"""A real Flower against the real Redis and worker: the worker and its tasks, with readable arguments and results."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import requests
 
-from launcher.processes import flower_command, free_port, start_process, stop, wait_for
+from launcher.processes import ROOT, flower_command, free_port, start_process, stop, wait_for
+from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tinkerq import types
 
 pytestmark = pytest.mark.timeout(180)
 AUTH = ("operator", "s3cret-for-tests")
+MAX_TASKS = 20  # Flower's bound on the tasks it keeps (`tinkerq flower --max-tasks`), small to test it
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def flower(redis_url, worker, tmp_path_factory):
     folder = tmp_path_factory.mktemp("flower")
     port = free_port()
     log = folder / "flower.log"
-    proc = start_process(flower_command(redis_url, port, db=folder / "flower.db", basic_auth=":".join(AUTH)), log)
+    cmd = flower_command(redis_url, port, db=folder / "flower.db", basic_auth=":".join(AUTH))
+    proc = start_process([*cmd, "--max-tasks", str(MAX_TASKS)], log)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -50,7 +53,7 @@ def _poll(fn, timeout=30.0):
 def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
     assert requests.get(f"{flower}/api/workers", timeout=5).status_code == 401  # auth is on
 
-    workers = _poll(lambda: requests.get(f"{flower}/api/workers?refresh=1", auth=AUTH, timeout=10).json())
+    workers = _poll(lambda: requests.get(f"{flower}/api/workers", auth=AUTH, timeout=10).json())
     assert any(training_client.info.worker in name for name in workers), workers
 
     def our_tasks():
@@ -69,11 +72,51 @@ def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
     args = str(tasks[0]["args"])
     assert "seq=" in args and "datums=3" in args and "loss_fn=cross_entropy" in args
     assert "array" not in args and "blob" not in args and len(args) < 300  # never tensor dumps
+    # The result: the reply's metrics and shapes (worker/tasks.py), never its bytes.
+    result = str(tasks[0]["result"])
+    assert result.startswith("'ok loss:sum=") and "datums=3" in result and "logprobs (3, " in result, result
+    assert "\\x" not in result and len(result) < 300, result
 
     # Prometheus, behind the same login as the dashboard (Flower itself leaves it open).
     assert requests.get(f"{flower}/metrics", timeout=10).status_code == 401
     metrics = requests.get(f"{flower}/metrics", auth=AUTH, timeout=10).text
     assert "flower_events_total" in metrics and "tinkerq.forward_backward" in metrics
+
+
+def test_flower_lists_a_worker_started_after_it_without_a_refresh(flower, model_dir, redis_url, tmp_path):
+    # Flower itself inspects workers only at its start and on ?refresh=1 (launcher/flower_app.py).
+    proc = start_named_worker(model_dir, redis_url, "late-for-flower", tmp_path / "late.log")
+    try:
+        workers = _poll(lambda: [n for n in requests.get(f"{flower}/api/workers", auth=AUTH, timeout=10).json()
+                                 if f"-{proc.pid}-" in n], timeout=30)
+        assert workers, "the worker started after Flower is not in /api/workers"
+    finally:
+        stop(proc.pid, timeout=30)
+
+
+def test_flower_keeps_at_most_max_tasks(flower, training_client):
+    data = make_batch(np.random.default_rng(23), 1)
+    for future in [training_client.forward(data) for _ in range(MAX_TASKS + 5)]:
+        future.result(timeout=60)
+
+    def tasks() -> dict:
+        return requests.get(f"{flower}/api/tasks", auth=AUTH, timeout=10).json()
+
+    def ours() -> int:  # this test's forward calls that Flower shows as done
+        return sum(t.get("name") == "tinkerq.forward" and t.get("state") == "SUCCESS"
+                   and training_client.model_id[:8] in str(t.get("args")) for t in tasks().values())
+
+    assert _poll(lambda: ours() >= MAX_TASKS, timeout=30), tasks()
+    assert len(tasks()) == MAX_TASKS  # the oldest went, this test's and the earlier tests'
+
+
+def test_flower_on_a_taken_port_says_so_in_one_line(flower, redis_url):
+    taken = int(flower.rsplit(":", 1)[1])
+    out = subprocess.run(flower_command(redis_url, taken, basic_auth=":".join(AUTH)), cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert f"port {taken}" in lines[0] and "taken" in lines[0] and "--port" in lines[0], lines
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
