@@ -143,8 +143,8 @@ def main(args: argparse.Namespace) -> int:
     heldout = load_pairs(DATA_DIR / "eval.jsonl")[:50]
     check_sample_size(args.prompts, "--prompts", train, "the bundled training set")
     model_dir = model_directory(args.model)
-    out_dir = run_directory(args.out, "rl")
     tokenizer = load_tokenizer(model_dir)
+    out_dir = run_directory(args.out, "rl")  # last: a mistake found above leaves no empty run directory
     rng = random.Random(args.seed)
     sample_params = types.SamplingParams(max_tokens=10, temperature=1.0, stop=[tokenizer.eos_token_id])
     lora_rank = getattr(args, "lora_rank", None)

@@ -228,8 +228,8 @@ def main(args: argparse.Namespace) -> int:
     check_sample_size(batch_size, "--batch-size", train, str(train_path))
     lora_rank = getattr(args, "lora_rank", None)
     model_dir = model_directory(args.model)
-    out_dir = run_directory(args.out, "sft")
     tokenizer = load_tokenizer(model_dir)
+    out_dir = run_directory(args.out, "sft")  # last: a mistake found above leaves no empty run directory
     rng = random.Random(args.seed)
 
     with open_fleet(settings, model_dir, args.threads) as sc:

@@ -85,9 +85,12 @@ def test_model_directory_without_config(command, data_files):
 
 def test_model_directory_without_tokenizer(tmp_path: Path, model_dir: Path):
     """A model's config but no tokenizer: refused when the tokenizer loads, before the fleet starts."""
-    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
-    assert_one_line_mistake(_run("sft", "--model", str(tmp_path)), "sft", "cannot load its tokenizer",
-                            "the directory needs the tokenizer files")
+    model = tmp_path / "config-only"
+    model.mkdir()
+    (model / "config.json").write_text((model_dir / "config.json").read_text())
+    assert_one_line_mistake(_run("sft", "--model", str(model), "--out", str(tmp_path / "run")), "sft",
+                            "cannot load its tokenizer", "the directory needs the tokenizer files")
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
 
 
 def test_missing_train_file():
