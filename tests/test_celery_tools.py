@@ -13,9 +13,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from celery import Celery
 
+from tests.helpers import make_batch
 from tinkerq import keys
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,6 +86,30 @@ def test_tinkerq_reads_the_json_replies(redis_url, worker, worker_id):
     node = next(n for n in stats if worker_id in n)
     assert isinstance(active.get(node), list)
     assert stats[node]["tinkerq"]["worker"] == worker_id
+
+
+def test_a_running_request_is_shown_by_its_summary(redis_url, worker, training_client):
+    """`inspect active` (the stock CLI, `tinkerq fleet status`) describes a request, never sends its body."""
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+
+    conn = Connection.open(Settings(broker_url=redis_url))
+    data = make_batch(np.random.default_rng(30), 8)
+    running: list[dict] = []
+    deadline = time.monotonic() + 60
+    try:  # keep the worker busy until an inspection catches a request running (bounded)
+        while not running and time.monotonic() < deadline:
+            futures = [training_client.forward_backward(data) for _ in range(10)]
+            while not running and not all(f.done() for f in futures):
+                active = conn.app.control.inspect(timeout=0.5).active() or {}
+                running = [t for tasks in active.values() for t in tasks]
+            for f in futures:
+                f.result(timeout=60)
+    finally:
+        conn.close()
+    assert running, "no inspection caught a running request within 60 s"
+    args = running[0]["args"]
+    assert isinstance(args, str) and "seq=" in args and "datums=8" in args and len(args) < 300, args
 
 
 def test_a_json_task_is_refused_in_one_line(redis_url, worker, worker_id, model_dir):

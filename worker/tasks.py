@@ -6,7 +6,8 @@ returns, so Celery acknowledges a message only once its answer is stored; Celery
 
 What a task returns is only what Flower shows as its result (Celery puts ``saferepr`` of it in the
 task-succeeded event; no result backend, and nothing else reads it): a one-line summary of the reply, metrics
-and array shapes, never the tensors themselves.
+and array shapes, never the tensors themselves. Likewise remote control (`celery inspect active`, `tinkerq
+fleet status`) describes a running request by its summary, never by its body (:class:`SummarisedRequest`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 from celery import Celery
 from celery.exceptions import Ignore
+from celery.worker.request import Request
 
 from tinkerq.celery_app import OPS, TASK_NAMES
 from tinkerq.wire import codec
@@ -44,7 +46,17 @@ def _register(app: Celery, service: WorkerService, op: str) -> None:
 
     run.__name__ = op
     run.__qualname__ = op
-    app.task(name=TASK_NAMES[op], bind=True, acks_late=True, ignore_result=True)(run)
+    app.task(name=TASK_NAMES[op], bind=True, acks_late=True, ignore_result=True, Request=SummarisedRequest)(run)
+
+
+class SummarisedRequest(Request):
+    """Celery's request, shown to remote control (inspect active, reserved, query_task) by its summary.
+
+    Celery would send the arguments themselves unless the caller asks for ``safe``: the envelope, whose body is
+    the request's msgpack bytes (up to the claim-check threshold, base64 in the stock CLI's JSON)."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        return dict(super().info(safe=True))
 
 
 def reply_summary(reply: dict[str, Any]) -> str:
