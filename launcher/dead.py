@@ -12,6 +12,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
+from recipes.sft_args import non_negative_int, positive_int
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.errors import TinkerqError, UserError
@@ -23,9 +24,9 @@ def add_dead_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help="redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)")
     sub = p.add_subparsers(dest="dead_command", required=True)
     ls = sub.add_parser("list", help="dead letters, newest first")
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--limit", type=positive_int, default=20, help="how many to list, newest first (default 20)")
     show = sub.add_parser("show", help="one dead letter in full (0 = newest)")
-    show.add_argument("index", type=int)
+    show.add_argument("index", type=non_negative_int, help="which one: 0 = the newest (see: tinkerq dead list)")
     show.add_argument("--out", help="write the message's original bytes to this file")
     sub.add_parser("clear", help="delete every dead letter")
 
@@ -49,8 +50,7 @@ def _when(entry: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, settings: Settings) -> int:
-    if settings.broker_url is None:
-        raise UserError("no broker: pass --broker redis://host:6379/0 or set TINKERQ_BROKER_URL")
+    settings.require_broker()
     conn = Connection.open(settings.replace(redis_retry_s=settings.connect_timeout_s))
     try:
         total = conn.store.length(keys.DEAD_LETTERS)

@@ -147,7 +147,8 @@ def test_plot_with_unknown_columns_leaves_the_previous_png_alone(tmp_path: Path,
     assert png.read_bytes() == previous, line
 
 
-@pytest.mark.parametrize("command", [["healthcheck"], ["keys", "list"], ["gateway"], ["worker", "--model", "m"]])
+@pytest.mark.parametrize("command", [["healthcheck"], ["keys", "list"], ["gateway"], ["worker", "--model", "m"],
+                                     ["dead", "list"]])
 def test_commands_that_need_a_broker_say_none_is_configured(command):
     """healthcheck once answered "no worker registered" from an empty in-process fleet."""
     assert_one_line_mistake(_run(*command), command[0], "no broker configured", "set TINKERQ_BROKER_URL")
@@ -163,6 +164,16 @@ def test_commands_that_need_a_broker_say_none_is_configured(command):
 def test_worker_option_mistakes(args, says):
     assert_one_line_mistake(_run("worker", "--model", "m", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
                             "worker", says)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["list", "--limit", "0"], "argument --limit: must be a positive integer"),
+    (["show", "-1"], "argument index: must be 0 or a positive integer"),
+])
+def test_dead_option_mistakes(args, says):
+    """`--limit 0` once listed everything and `show -1` the oldest entry."""
+    assert_one_line_mistake(_run("dead", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
+                            f"dead {args[0]}", says)
 
 
 def test_gateway_on_a_taken_port():
