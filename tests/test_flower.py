@@ -110,10 +110,10 @@ def test_flower_keeps_at_most_max_tasks(flower, training_client):
     assert len(tasks()) == MAX_TASKS  # the oldest went, this test's and the earlier tests'
 
 
-def test_flower_on_a_taken_port_says_so_in_one_line(flower, redis_url):
+def test_flower_on_a_taken_port_says_so_in_one_line(flower, redis_url, tmp_path):
     taken = int(flower.rsplit(":", 1)[1])
-    out = subprocess.run(flower_command(redis_url, taken, basic_auth=":".join(AUTH)), cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    cmd = flower_command(redis_url, taken, db=tmp_path / "flower.db", basic_auth=":".join(AUTH))
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert f"port {taken}" in lines[0] and "taken" in lines[0] and "--port" in lines[0], lines
