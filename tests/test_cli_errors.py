@@ -242,3 +242,32 @@ def test_checkpoint_dir_help_names_the_real_default():
     [help_text] = [a.help for prog, a in _options(build_parser(), "tinkerq")
                    if prog == "tinkerq worker" and "--checkpoint-dir" in a.option_strings]
     assert "$TINKERQ_HOME/checkpoints" in help_text and "TINKERQ_HOME defaults to ~/.cache/tinkerq" in help_text
+
+
+def test_a_broker_url_that_points_at_something_else_says_so(tmp_path: Path):
+    """An HTTP server where Redis should be (a proxy on that port, say) was a redis-py traceback."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_http() -> None:
+        with server:
+            for _ in range(3):  # redis-py may reconnect once or twice
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    out = _run("healthcheck", "--broker", f"redis://127.0.0.1:{port}/0")
+    server.close()
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"redis://127.0.0.1:{port}/0 answered, but not as Redis" in lines[0], lines[0]
+    assert "check the host and port" in lines[0]

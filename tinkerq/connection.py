@@ -48,6 +48,10 @@ class Connection:
             ) from None
         except redis.ResponseError as exc:
             raise BrokerUnavailableError(f"Redis at {redact_url(settings.broker_url)} answered: {exc}") from None
+        except redis.RedisError as exc:  # e.g. an HTTP server on that port: "Protocol Error: b'HTTP/1.1 400 ...'"
+            raise BrokerUnavailableError(
+                f"{redact_url(settings.broker_url)} answered, but not as Redis ({exc}); check the host and port"
+            ) from None
         store = RedisStore(client, settings.redis_retry_s if retry_s is None else retry_s)
         return cls(settings=settings, app=make_celery(settings), store=store)
 
