@@ -45,7 +45,11 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--shards", type=int, default=1,
                     help="processes per worker, each holding 1/N of the model (default 1; with --device cuda, "
                          "shard r uses cuda:r)")
-    up.add_argument("--broker", help="use this Redis instead of starting one")
+    up.add_argument("--broker", help="use this Redis instead of starting one (a password here shows in `ps` while "
+                                     "`up` runs: prefer --broker-from-env)")
+    up.add_argument("--broker-from-env", action="store_true",
+                    help="use the Redis at TINKERQ_BROKER_URL instead of starting one (keeps its password off every "
+                         "command line)")
     up.add_argument("--redis-port", type=int,
                     help=f"port of the redis-server it starts (default {DEFAULT_REDIS_PORT}, or a free port when "
                          f"{DEFAULT_REDIS_PORT} is taken)")
@@ -181,11 +185,23 @@ def choose_ports(args: argparse.Namespace) -> tuple[dict[str, int], list[str]]:
     return chosen, notes
 
 
+def _broker_from_env(args: argparse.Namespace) -> None:
+    """--broker-from-env: the operator's Redis from TINKERQ_BROKER_URL, so its password is on no command line."""
+    if args.broker_from_env:
+        if args.broker:
+            raise UserError("--broker and --broker-from-env both name a Redis: drop one of them")
+        args.broker = os.environ.get("TINKERQ_BROKER_URL")
+        if not args.broker:
+            raise UserError("--broker-from-env: TINKERQ_BROKER_URL is not set; export it "
+                            "(redis://:PASSWORD@host:6379/0) or drop --broker-from-env to start a Redis")
+
+
 def fleet_up(args: argparse.Namespace) -> int:
     folder = state_dir(args.name)
     if (folder / "state.json").exists():
         raise UserError(f"fleet {args.name!r} is already up (see `{command(args.name, 'status')}`; stop it with "
                         f"`{command(args.name, 'down')}`, or start another with --name OTHER)")
+    _broker_from_env(args)
     _check_arguments(args)
     if not args.broker:
         processes.redis_binary()  # not installed: say so before starting anything
@@ -211,6 +227,10 @@ def fleet_up(args: argparse.Namespace) -> int:
     except BaseException:
         _abandon(state, folder)
         raise
+    if args.broker:  # the operator's Redis: what is unsafe about reaching it (a password in our argv, no TLS)
+        from tinkerq.security import warn_about_broker
+
+        warn_about_broker(None if args.broker_from_env else args.broker, args.broker)
     print(f"fleet {args.name!r} is up: {describe_workers(len(args.model), args.workers, args.samplers, args.shards)}"
           f"; logs in {logs}")
     why = "--threads" if args.threads else (f"{_plural(cpu_cores(), 'core')} shared by "

@@ -187,14 +187,14 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
 
     model_dir = build_tiny_llama(tmp_path / "tied-model", seed=3, tied=True)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
-    # The operator's own Redis, with a password: given to `up` on its command line, it must not reach its children's.
+    # The operator's own Redis, with a password, given in the environment: it must reach no command line.
     password, port = secrets.token_urlsafe(16), free_port()
     redis_proc = start_redis(port, tmp_path / "redis", password=password)
     broker = f"redis://:{password}@127.0.0.1:{port}/0"
     pids: list[int] = []
     try:
-        up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2", "--broker", broker,
-                      "--flower-port", "0", "--threads", "1", env=env)
+        up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2", "--broker-from-env",
+                      "--flower-port", "0", "--threads", "1", env={**env, "TINKERQ_BROKER_URL": broker})
         assert up.returncode == 0, up.stderr[-3000:]
         pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
         assert "fleet 's' is up: 1 worker (2 shard processes) for 1 model;" in up.stdout  # a worker, not 2

@@ -30,6 +30,9 @@ def test_fleet_up_failures_are_one_line_with_what_to_do(tmp_path, model_dir):
     assert "--shards must be at least 1, got 0" in _up_fails(*model, "--shards", "0", env=env)
     assert "drop one of them" in _up_fails(*model, "--broker", "redis://127.0.0.1:1/0", "--redis-port", "7000",
                                            env=env)
+    assert "TINKERQ_BROKER_URL is not set" in _up_fails(*model, "--broker-from-env", env=env)
+    assert "both name a Redis" in _up_fails(*model, "--broker-from-env", "--broker", "redis://127.0.0.1:1/0",
+                                            env={**env, "TINKERQ_BROKER_URL": "redis://127.0.0.1:1/0"})
 
     # A port the user gave that is taken: which one, and what to pass instead.
     taken = free_port()
