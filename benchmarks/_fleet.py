@@ -1,7 +1,7 @@
 """Shared benchmark plumbing: a private Redis, a model directory, one real worker process, and tables.
 
 ``with Fleet(model_dir, threads=2) as fleet:`` starts ``redis-server`` on a free port, starts
-``python -m launcher.main worker`` against it, waits until the worker has registered the model (the same
+``python -m tinkerq.launcher.main worker`` against it, waits until the worker has registered the model (the same
 check producers make), and tears both down on exit. Nothing here asserts on timings.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
-from launcher.processes import free_port, start_process, start_redis, wait_for, worker_command  # noqa: E402
+from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command  # noqa: E402
 
 
 def build_llama(out_dir: Path, seed: int = 0, **config: Any) -> Path:
@@ -96,7 +96,7 @@ class Fleet:
 
     def service(self) -> Any:
         """A ServiceClient on this fleet (the caller closes it)."""
-        from producer import ServiceClient
+        from tinkerq.producer import ServiceClient
 
         return ServiceClient(broker_url=self.url)
 

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import redis
 from _fleet import TINY_LLAMA, build_llama, machine, median, print_table
+from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from train_step import LLAMA_20M
 
-from launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from tinkerq import keys, types
 
 ADAM = types.AdamParams(learning_rate=1e-3)
@@ -221,7 +221,8 @@ def main() -> int:
         port = free_port()
         redis_proc = start_redis(port, tmp / "redis")
         url = f"redis://127.0.0.1:{port}/0"
-        from producer import ServiceClient
+        from tinkerq.producer import ServiceClient
+
         from tinkerq.settings import Settings
 
         for heartbeat in args.periods:

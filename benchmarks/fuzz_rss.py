@@ -23,10 +23,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tinkerq.worker import memory
+
 from tests.fuzz_messages import fuzz_messages
 from tests.helpers import build_tiny_llama, make_batch
-from worker import memory
 
 
 def rss_mb(pid: int) -> float:
@@ -40,8 +41,8 @@ def main() -> int:
     args = p.parse_args()
 
     import redis
+    from tinkerq.producer import ServiceClient
 
-    from producer import ServiceClient
     from tinkerq import keys
     from tinkerq.settings import Settings
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 from _fleet import TINY_LLAMA, Fleet, build_llama, machine, median, percentile, print_table
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 
-from launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq import types
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
@@ -54,7 +54,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class GatewayProcess:
-    """``python -m launcher.main gateway`` on a free port, up (``/healthz``) when entered."""
+    """``python -m tinkerq.launcher.main gateway`` on a free port, up (``/healthz``) when entered."""
 
     def __init__(self, broker_url: str, log: Path) -> None:
         self.port = free_port()
@@ -160,8 +160,8 @@ def conversions(ours: list[types.Datum], sdk: list[Any], out: types.ForwardBackw
     import tinker
     from tinker.proto.request_conv import forward_backward_request_to_proto
     from tinker.proto.response_conv import deserialize_forward_backward_output
+    from tinkerq.gateway import proto  # the package: _fleet put the repo root ahead of benchmarks/ (this file's name)
 
-    from gateway import proto  # the package: _fleet put the repo root ahead of benchmarks/ (this file's name)
     from tinkerq.validation import validate_loss_request
     from tinkerq.wire import codec, messages
 

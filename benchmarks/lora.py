@@ -12,7 +12,7 @@ attention, MLP and output projections (``train_attn``/``train_mlp``/``train_unem
   asks for) for full sessions. Then the same formulas for Llama-3.2-1B and Llama-3.1-8B shapes (built on
   the meta device, bfloat16 base) in an ``--gpu-gib`` GPU minus the base. Activations are left out of both.
 * ``--mixed``: 16 tenants each send one forward_backward of one 128-token datum (cross_entropy): one mixed
-  pass over all 16 (``worker.lora.batch.run_pass`` with 16 ``LossItem``) against the same 16 requests one
+  pass over all 16 (``tinkerq.worker.lora.batch.run_pass`` with 16 ``LossItem``) against the same 16 requests one
   after another (``run_pass`` with one item each, and ``LoraSession.run_loss``), alternating rep by rep,
   median after a warm-up. Also checks that the mixed losses equal the one-at-a-time ones, and measures, as
   the ceiling batching can reach on this machine without any LoRA code, the same tokens through a plain
@@ -38,16 +38,16 @@ from typing import Any
 import numpy as np
 import torch
 from _fleet import build_llama, machine, median, print_table
+from tinkerq.worker import memory
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.session import LoraBase, LoraSession
+from tinkerq.worker.session import TrainingSession
 from train_step import LLAMA_20M
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tinkerq import types
-from worker import memory
-from worker.logprobs import LogprobComputer
-from worker.lora.adapter import find_targets, parameters_per_rank
-from worker.lora.batch import LossItem, run_pass
-from worker.lora.session import LoraBase, LoraSession
-from worker.session import TrainingSession
 
 RANK = 32
 TENANTS, TENANT_TOKENS = 16, 128

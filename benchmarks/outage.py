@@ -32,12 +32,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+
 from tests.helpers import build_tiny_llama, make_batch
 
 
 def run(url: str, model: str, steps: int, window: int, disrupt=None) -> dict:
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
+
     from tinkerq import types
     from tinkerq.settings import Settings
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from _fleet import Fleet, build_llama, machine, median, print_table
 from sampling_engine import LLAMA_5M
+from tinkerq.launcher.processes import start_process, wait_for, worker_command
 
-from launcher.processes import start_process, wait_for, worker_command
 from tinkerq import types
 
 # The ~5M-parameter Llama of benchmarks/sampling_engine.py (5.3M), so the two benchmarks' figures compare.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 import uvicorn
+from tinkerq.gateway.app import BodyLimit, create_app
+from tinkerq.gateway.service import Gateway
 
-from gateway.app import BodyLimit, create_app
-from gateway.service import Gateway
 from tinkerq.errors import TinkerqError
 from tinkerq.settings import Settings
 

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from gateway import proto
-from gateway.futures import Answer, Futures
-from gateway.records import PathError, Records, TinkerPath, check_name, checkpoint_record
-from producer.client import ServiceClient, TrainingClient
-from producer.futures import APIFuture
-from producer.sampling import SamplingClient
+from tinkerq.gateway import proto
+from tinkerq.gateway.futures import Answer, Futures
+from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name, checkpoint_record
+from tinkerq.producer.client import ServiceClient, TrainingClient
+from tinkerq.producer.futures import APIFuture
+from tinkerq.producer.sampling import SamplingClient
+
 from tinkerq import types
 from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.settings import Settings

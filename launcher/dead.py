@@ -12,7 +12,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from recipes.sft_args import non_negative_int, positive_int
+from tinkerq.recipes.sft_args import non_negative_int, positive_int
+
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.errors import TinkerqError, UserError

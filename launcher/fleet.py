@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import processes
+from tinkerq.launcher import processes
+
 from tinkerq.connection import redact_url
 from tinkerq.errors import BrokerUnavailableError, TinkerqError, UserError
 from tinkerq.settings import Settings

@@ -68,7 +68,7 @@ def run_flower(args: argparse.Namespace, settings: Settings) -> int:
     env["TINKERQ_BROKER_URL"] = settings.broker_url
     if auth:
         env["FLOWER_BASIC_AUTH"] = auth  # Flower reads FLOWER_<option> variables (flower/command.py)
-    cmd = [sys.executable, "-m", "celery", "-A", "launcher.flower_app:app", "flower",
+    cmd = [sys.executable, "-m", "celery", "-A", "tinkerq.launcher.flower_app:app", "flower",
            f"--port={args.port}", f"--address={args.address}", "--persistent=True", f"--db={args.db}",
            "--state_save_interval=10000", f"--max_tasks={args.max_tasks}", f"--max_workers={args.max_workers}"]
     os.execve(sys.executable, cmd, env)

@@ -1,4 +1,4 @@
-"""The Celery app Flower loads (`celery -A launcher.flower_app:app flower`).
+"""The Celery app Flower loads (`celery -A tinkerq.launcher.flower_app:app flower`).
 
 The app is the fleet's (:func:`tinkerq.celery_app.make_celery`): the broker's Sentinel and TLS options, and
 remote control (inspect, revoke, shutdown) in JSON, which workers accept. Tasks are not registered here;

@@ -65,14 +65,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          role=args.role)
     check_device(settings.device)
     if settings.shard_rank > 0:  # a follower shard: no broker, it takes its commands from rank 0
-        from worker.sharding.follower import run_follower
+        from tinkerq.worker.sharding.follower import run_follower
 
         return run_follower(args.model, settings, threads=args.threads)
     warn_about_broker(getattr(args, "broker", None), settings.require_broker())
     # Before the model loads (minutes for a large one) and before a shard group forms: an unreachable broker
     # fails the command at once, with the same message the worker itself would give.
     check_broker(settings)
-    from worker.runtime import run_worker
+    from tinkerq.worker.runtime import run_worker
 
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
     return 0
@@ -105,25 +105,25 @@ def check_device(device: str) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from recipes.sft import main as sft_main
+    from tinkerq.recipes.sft import main as sft_main
 
     return sft_main(args)
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
-    from recipes.rl import main as rl_main
+    from tinkerq.recipes.rl import main as rl_main
 
     return rl_main(args)
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from launcher.fleet import main as fleet_main
+    from tinkerq.launcher.fleet import main as fleet_main
 
     return fleet_main(args)
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    from launcher.flower import run_flower
+    from tinkerq.launcher.flower import run_flower
 
     return run_flower(args, _settings(args))
 
@@ -131,7 +131,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from recipes.plotting import plot_metrics
+    from tinkerq.recipes.plotting import plot_metrics
 
     src = Path(args.metrics)
     out = Path(args.out) if args.out else src.with_suffix(".png")
@@ -142,7 +142,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_dead(args: argparse.Namespace) -> int:
-    from launcher.dead import main as dead_main
+    from tinkerq.launcher.dead import main as dead_main
 
     return dead_main(args, _settings(args))
 
@@ -188,14 +188,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from launcher.processes import port_problem
+    from tinkerq.launcher.processes import port_problem
 
     settings = _settings(args)
     warn_about_broker(getattr(args, "broker", None), settings.require_broker())
     problem = port_problem(args.port, args.host)
     if problem:  # uvicorn would log it among its start-up lines and exit 3
         raise UserError(f"cannot listen on {args.host}:{args.port} ({problem}): pass --port with a free port")
-    from gateway.server import serve
+    from tinkerq.gateway.server import serve
 
     return serve(settings, host=args.host, port=args.port)
 
@@ -221,7 +221,7 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from recipes.sft_args import non_negative_int, port_or_zero, positive_float, positive_int, tcp_port
+    from tinkerq.recipes.sft_args import non_negative_int, port_or_zero, positive_float, positive_int, tcp_port
 
     parser = Parser(prog="tinkerq", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}",
@@ -258,25 +258,25 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("sft", help="supervised fine-tuning of the demo model on the bundled data set")
-    from recipes.sft_args import add_sft_arguments
+    from tinkerq.recipes.sft_args import add_sft_arguments
 
     add_sft_arguments(s)
     s.set_defaults(func=cmd_sft)
 
     r = sub.add_parser("rl", help="RL (sampling + importance sampling) on the demo task, after a short SFT warm-up")
-    from recipes.rl import add_rl_arguments
+    from tinkerq.recipes.rl import add_rl_arguments
 
     add_rl_arguments(r)
     r.set_defaults(func=cmd_rl)
 
     f = sub.add_parser("fleet", help="a local fleet without Docker: up, status, down")
-    from launcher.fleet import add_fleet_arguments
+    from tinkerq.launcher.fleet import add_fleet_arguments
 
     add_fleet_arguments(f)
     f.set_defaults(func=cmd_fleet)
 
     fl = sub.add_parser("flower", help="the Flower dashboard for a fleet")
-    from launcher.flower import add_flower_arguments
+    from tinkerq.launcher.flower import add_flower_arguments
 
     add_flower_arguments(fl)
     fl.set_defaults(func=cmd_flower)
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plot)
 
     dl = sub.add_parser("dead", help="messages workers could not read (the dead-letter queue tinkerq.dead)")
-    from launcher.dead import add_dead_arguments
+    from tinkerq.launcher.dead import add_dead_arguments
 
     add_dead_arguments(dl)
     dl.set_defaults(func=cmd_dead)

@@ -163,7 +163,7 @@ def worker_command(model: str, broker: str | None = None, *, threads: int | None
                    extra: list[str] | None = None) -> list[str]:
     """`tinkerq worker`'s command line. Pass ``broker`` only when it holds no password (tests' private Redis);
     otherwise pass None and give the URL through ``secret_env(broker)``."""
-    cmd = [sys.executable, "-m", "launcher.main", "worker", "--model", str(model)]
+    cmd = [sys.executable, "-m", "tinkerq.launcher.main", "worker", "--model", str(model)]
     if broker:
         cmd += ["--broker", broker]
     if threads:
@@ -186,7 +186,7 @@ def start_process(cmd: list[str], log: Path, env: dict[str, str] | None = None) 
 
 def gateway_command(broker: str | None, port: int, *, host: str = "127.0.0.1") -> list[str]:
     """`tinkerq gateway`'s command line (``broker`` as for :func:`worker_command`)."""
-    cmd = [sys.executable, "-m", "launcher.main", "gateway", "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "tinkerq.launcher.main", "gateway", "--host", host, "--port", str(port)]
     return cmd + (["--broker", broker] if broker else [])
 
 
@@ -206,7 +206,7 @@ def flower_command(broker: str | None, port: int, *, db: Path | None = None,
                    basic_auth: str | None = None) -> list[str]:
     """`tinkerq flower`'s command line. Secrets belong in ``secret_env(broker, flower_auth)``: pass ``broker``
     and ``basic_auth`` here only when they are not secret (tests)."""
-    cmd = [sys.executable, "-m", "launcher.main", "flower", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tinkerq.launcher.main", "flower", "--port", str(port)]
     if broker:
         cmd += ["--broker", broker]
     if db is not None:

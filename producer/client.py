@@ -26,9 +26,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from producer.dispatch import Dispatcher
-from producer.futures import APIFuture, ClientFuture, MappedFuture
-from producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
+from tinkerq.producer.dispatch import Dispatcher
+from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
+from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
+
 from tinkerq import keys, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
@@ -55,7 +56,7 @@ class ServiceClient:
     """Entry point: connects to a fleet and opens training clients on the models it serves.
 
     ``broker_url`` (or ``TINKERQ_BROKER_URL``) names the fleet's Redis; ``"memory://"`` talks to an
-    embedded fleet in this process (see ``worker.embedded``). Unlike Tinker's, it takes no API key or
+    embedded fleet in this process (see ``tinkerq.worker.embedded``). Unlike Tinker's, it takes no API key or
     HTTP ``base_url``: a tinkerq producer talks to Redis (use ``tinkerq gateway`` for HTTP clients).
     """
 

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.futures import APIFuture
+from tinkerq.producer.futures import APIFuture
+
 from tinkerq import keys
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection

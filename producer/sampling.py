@@ -17,16 +17,16 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, cast
 
-from producer.futures import APIFuture, ClientFuture, MappedFuture
+from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
+
 from tinkerq import keys, types
 from tinkerq.errors import ServerError, TinkerqError, UnknownModelError, UserError
 from tinkerq.validation import validate_sampling
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
+    from tinkerq.producer.client import ServiceClient
     from transformers import PreTrainedTokenizer
-
-    from producer.client import ServiceClient
 
 MAX_ATTEMPTS = 3  # workers tried for one request before WorkerLostError reaches the caller
 
@@ -175,7 +175,7 @@ _shared_services: dict[str | None, ServiceClient] = {}
 def _shared_service(broker_url: str | None) -> ServiceClient:
     """One ServiceClient per broker for the clients made from handles (it lives as long as the process: those
     clients may be anywhere)."""
-    from producer.client import ServiceClient  # a cycle at import time otherwise
+    from tinkerq.producer.client import ServiceClient  # a cycle at import time otherwise
 
     with _shared_lock:
         if broker_url not in _shared_services:

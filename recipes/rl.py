@@ -24,10 +24,10 @@ import random
 import time
 from typing import Any
 
+from tinkerq.producer import TrainingClient
+from tinkerq.recipes.sft_args import LORA_LR_HELP, add_lora_argument, non_negative_int, positive_float, positive_int
 from tqdm import tqdm
 
-from producer import TrainingClient
-from recipes.sft_args import LORA_LR_HELP, add_lora_argument, non_negative_int, positive_float, positive_int
 from tinkerq import types
 
 # Also the default of a LoRA run (see sft_args.LORA_LR_HELP): measured on the demo, `tinkerq rl --lora-rank 8
@@ -122,9 +122,9 @@ def _decode(tokenizer: Any, seq: types.SampledSequence) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from recipes import demo_model
-    from recipes.plotting import plot_metrics
-    from recipes.sft import (
+    from tinkerq.recipes import demo_model
+    from tinkerq.recipes.plotting import plot_metrics
+    from tinkerq.recipes.sft import (
         DATA_DIR,
         check_sample_size,
         load_pairs,
@@ -135,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
         open_training_client,
         run_directory,
     )
+
     from tinkerq.settings import Settings
 
     # Every mistake in the command line is found here, before the model is built or the fleet started.

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tinkerq.producer import ServiceClient, TrainingClient
 from tqdm import tqdm
 
-from producer import ServiceClient, TrainingClient
 from tinkerq import types
 from tinkerq.errors import UserError
 from tinkerq.settings import Settings
@@ -64,7 +64,7 @@ def load_pairs(path: Path, flag: str = "") -> list[dict[str, str]]:
 def model_directory(model: str | None) -> str:
     """``--model`` as an absolute path, checked before anything starts, or the demo model (built once)."""
     if model is None:
-        from recipes import demo_model
+        from tinkerq.recipes import demo_model
 
         return str(demo_model.ensure_demo_model())
     path = Path(model).expanduser().resolve()
@@ -108,7 +108,7 @@ def check_sample_size(n: int, flag: str, pairs: list[dict[str, str]], source: st
 
 def make_datums(tokenizer: Any, pairs: list[dict[str, str]]) -> list[types.Datum]:
     """SFT datums whose weights average the NLL over the batch's completion tokens (loss:sum = mean NLL)."""
-    from recipes.demo_model import encode_example
+    from tinkerq.recipes.demo_model import encode_example
 
     encoded = [encode_example(tokenizer, p["prompt"], p["completion"]) for p in pairs]
     n_completion = sum(sum(w) for _, _, w in encoded)
@@ -203,8 +203,7 @@ def open_fleet(settings: Settings, model_dir: str, threads: int | None) -> Itera
             yield sc
         return
     import torch
-
-    from worker.embedded import EmbeddedFleet
+    from tinkerq.worker.embedded import EmbeddedFleet
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -215,8 +214,8 @@ def open_fleet(settings: Settings, model_dir: str, threads: int | None) -> Itera
 
 
 def main(args: argparse.Namespace) -> int:
-    from recipes import demo_model
-    from recipes.plotting import plot_metrics
+    from tinkerq.recipes import demo_model
+    from tinkerq.recipes.plotting import plot_metrics
 
     # Every mistake in the command line is found here, before the model is built or the fleet started.
     settings = Settings.from_env(broker_url=args.broker)

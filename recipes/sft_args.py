@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from recipes.demo_model import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
+from tinkerq.recipes.demo_model import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 
 # With --lora-rank the --lr defaults stay the same. LoRA usually wants about 10x a full fine-tune's rate
 # (docs/lora.md), but that rule is about pretrained models' small rates (~1e-5 full, ~1e-4 LoRA); the demo's

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 
-from launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from tests.helpers import build_tiny_llama
 
 # Small micro-batches in the test worker, so batch splitting inside the worker is exercised too.
@@ -92,7 +92,7 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
 
 @pytest.fixture
 def service(redis_url: str, worker) -> Iterator:
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     sc = ServiceClient(broker_url=redis_url)
     yield sc

@@ -22,7 +22,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, *, tied: bool = False) -> Pat
     )
     LlamaForCausalLM(config).save_pretrained(out_dir)
     # The demo's character tokenizer (50 ids, all inside VOCAB), so stop strings can be decoded.
-    from recipes.demo_model import build_tokenizer
+    from tinkerq.recipes.demo_model import build_tokenizer
 
     build_tokenizer().save_pretrained(out_dir)
     return out_dir

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from tinkerq.launcher.processes import wait_for
+from tinkerq.producer import ServiceClient
 
-from launcher.processes import wait_for
-from producer import ServiceClient
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tinkerq import errors, keys, types
@@ -111,7 +111,7 @@ def test_a_deterministic_worker_trains_and_samples_with_the_same_numbers(model_d
     import sys
 
     code = ("import torch; from tinkerq.settings import Settings; "
-            "from worker.model_loading import configure_torch; "
+            "from tinkerq.worker.model_loading import configure_torch; "
             "configure_torch(Settings(deterministic=1), 1); print(torch.are_deterministic_algorithms_enabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

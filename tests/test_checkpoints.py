@@ -82,7 +82,7 @@ def test_bad_checkpoint_paths_and_names_are_user_errors(training_client, checkpo
 
 
 def test_writes_are_atomic(tmp_path):
-    from worker.checkpoints import write_atomically
+    from tinkerq.worker.checkpoints import write_atomically
 
     def crash(directory: Path) -> None:
         (directory / "model.safetensors").write_bytes(b"partial")
@@ -104,9 +104,10 @@ def client_of(tc):
 
 
 def _full_session(model_dir):
+    from tinkerq.worker.logprobs import LogprobComputer
+    from tinkerq.worker.session import TrainingSession
+
     from tests.helpers import load_reference
-    from worker.logprobs import LogprobComputer
-    from worker.session import TrainingSession
 
     model = load_reference(model_dir).requires_grad_(True)
     return TrainingSession("a" * 32, model, base_dir=str(model_dir), microbatch_tokens=96,
@@ -114,9 +115,10 @@ def _full_session(model_dir):
 
 
 def _lora_session(model_dir, name="b" * 32):
+    from tinkerq.worker.logprobs import LogprobComputer
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+
     from tests.helpers import load_reference
-    from worker.logprobs import LogprobComputer
-    from worker.lora.session import LoraBase, LoraSession
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=96)
@@ -154,8 +156,8 @@ def _trained_then_saved(session, tmp_path, rng):
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_load_state_with_and_without_the_optimizer(model_dir, tmp_path, kind):
-    from worker.checkpoints import PEFT_PREFIX
-    from worker.lora.session import LoraSession
+    from tinkerq.worker.checkpoints import PEFT_PREFIX
+    from tinkerq.worker.lora.session import LoraSession
 
     rng = np.random.default_rng(60)
     session = _full_session(model_dir) if kind == "full" else _lora_session(model_dir)
@@ -231,7 +233,8 @@ SHARDED = "tiny-sharded-checkpoints"
 @pytest.fixture(scope="module")
 def sharded(model_dir, redis_url, checkpoint_dir, tmp_path_factory, worker):
     """A model in two shards (tests/test_sharding.py), under a name of its own."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
+
     from tests.test_sharding import _start_group
 
     with ServiceClient(broker_url=redis_url) as sc:
@@ -285,7 +288,7 @@ def test_a_crash_while_a_checkpoint_is_replaced_leaves_a_complete_one(tmp_path, 
     """write_atomically moves the old directory aside before the new one takes its name: a crash between the two
     renames leaves the old one, complete, at previous_path (an adopter loads the automatic snapshot from there),
     and the next write cleans it up."""
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     final = tmp_path / "m" / "state" / ".auto"
 

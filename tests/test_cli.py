@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from launcher.processes import ROOT, free_port
+from tinkerq.launcher.processes import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,7 +19,7 @@ def _run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> 
     """``tinkerq ARGS`` in a subprocess, with no TINKERQ_* setting from the caller's environment unless ``env``
     gives it (a developer's TINKERQ_BROKER_URL must not change what a test sees)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TINKERQ_")}
-    return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**clean, **(env or {})})
 
 
@@ -59,7 +58,8 @@ def test_worker_with_wrong_password_says_so(redis_url, model_dir):
 
 
 def test_producer_fails_fast_without_broker():
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
+
     from tinkerq.errors import BrokerUnavailableError
     from tinkerq.settings import Settings
 
@@ -106,7 +106,7 @@ def test_rl_job_runs_on_the_embedded_fleet(tmp_path: Path):
 def test_sft_job_with_lora_on_the_embedded_fleet(tmp_path: Path):
     """`tinkerq sft --lora-rank 4`: a LoRA session, its size reported at start, the LoRA default lr, and the
     usual curve, evaluation and saved weights (a PEFT adapter, plus the merged model exact match loads)."""
-    from recipes.demo_model import DEFAULT_LR
+    from tinkerq.recipes.demo_model import DEFAULT_LR
 
     out = _run("sft", "--lora-rank", "4", "--steps", "6", "--eval-examples", "5", "--out", str(tmp_path / "run"),
                timeout=170)
@@ -126,8 +126,8 @@ def test_sft_job_with_lora_on_the_embedded_fleet(tmp_path: Path):
 
 def test_rl_job_with_lora_on_the_embedded_fleet(tmp_path: Path):
     """`tinkerq rl --lora-rank 4`: warm-up, snapshots sampled from the adapter, RL steps, all on a LoRA session."""
-    from recipes.demo_model import DEFAULT_LR
-    from recipes.rl import DEFAULT_RL_LR
+    from tinkerq.recipes.demo_model import DEFAULT_LR
+    from tinkerq.recipes.rl import DEFAULT_RL_LR
 
     out = _run("rl", "--lora-rank", "4", "--warmup-steps", "3", "--iterations", "2", "--prompts", "4",
                "--group-size", "4", "--out", str(tmp_path / "run"), timeout=170)
@@ -150,7 +150,8 @@ def test_lora_rank_must_be_positive(command, rank):
 
 
 def test_lora_size_line():
-    from recipes.sft import describe_lora
+    from tinkerq.recipes.sft import describe_lora
+
     from tinkerq.types import ModelInfo
 
     info = ModelInfo(model_id="m", base_model="b", vocab_size=10, max_seq_len=8, num_parameters=3_100_000, worker="w",
@@ -160,7 +161,7 @@ def test_lora_size_line():
 
 
 def test_rl_reward_rule():
-    from recipes.rl import reward, rule_target
+    from tinkerq.recipes.rl import reward, rule_target
 
     assert rule_target("abcdef>") == "fed" and rule_target("abc>") == "cba"
     assert reward("abcdef>", "fed") == 1.0

@@ -215,14 +215,14 @@ def _options(parser: argparse.ArgumentParser, prog: str) -> list[tuple[str, argp
 
 
 def _subcommands() -> list[str]:
-    from launcher.main import build_parser
+    from tinkerq.launcher.main import build_parser
 
     return sorted({prog.split()[1] for prog, _ in _options(build_parser(), "tinkerq") if " " in prog})
 
 
 @pytest.mark.parametrize("command", ["", *_subcommands()])
 def test_every_option_has_help(command):
-    from launcher.main import build_parser
+    from tinkerq.launcher.main import build_parser
 
     everything = _options(build_parser(), "tinkerq")
     mine = [(prog, a) for prog, a in everything if prog.split()[1:2] == command.split()[:1]]
@@ -233,7 +233,8 @@ def test_every_option_has_help(command):
 
 def test_checkpoint_dir_help_names_the_real_default():
     """--checkpoint-dir defaults to Settings.checkpoint_dir, $TINKERQ_HOME/checkpoints (once said ~/.cache/tinkerq)."""
-    from launcher.main import build_parser
+    from tinkerq.launcher.main import build_parser
+
     from tinkerq.settings import Settings
 
     defaults = Settings()

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from launcher import processes
-from launcher.main import build_parser
+from tinkerq.launcher import processes
+from tinkerq.launcher.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 TINKERQ_IMAGES = {"ops/Dockerfile.gpu", "ops/Dockerfile.cpu", "ops/Dockerfile.producer"}

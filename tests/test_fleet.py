@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tinkerq.launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
 
-from launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _tinkerq(*args: str, env: dict[str, str], timeout: float = 200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, env={**os.environ, **env},
+    return subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", *args], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -67,9 +67,10 @@ def hold_port(port: int) -> socket.socket | None:
 
 
 def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, capsys):
-    from launcher.fleet import DEFAULT_FLOWER_PORT, DEFAULT_REDIS_PORT, cpu_cores
-    from launcher.main import main as tinkerq_in_process
-    from producer import ServiceClient
+    from tinkerq.launcher.fleet import DEFAULT_FLOWER_PORT, DEFAULT_REDIS_PORT, cpu_cores
+    from tinkerq.launcher.main import main as tinkerq_in_process
+    from tinkerq.producer import ServiceClient
+
     from tinkerq.errors import UnknownModelError
 
     other = build_tiny_llama(tmp_path / "other-model", seed=1)
@@ -181,7 +182,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
 
 def test_fleet_up_with_a_sharded_worker(tmp_path):
     """Two shards of a model with tied embeddings (stored once): saved weights and states round-trip."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
+
     from tests.helpers import load_reference, reference_logprobs
     from tinkerq import types
 
@@ -240,8 +242,9 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
 
 def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url):
     """SIGTERM while a forward_backward runs: the task completes, its answer arrives, the worker exits 0."""
-    from launcher.processes import start_process, worker_command
-    from producer import ServiceClient
+    from tinkerq.launcher.processes import start_process, worker_command
+    from tinkerq.producer import ServiceClient
+
     from tinkerq.connection import Connection
     from tinkerq.settings import Settings
 
@@ -282,8 +285,9 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
 
 def test_a_killed_worker_fails_waiting_futures_instead_of_hanging(tmp_path, model_dir, redis_url):
     """SIGKILL (no warm shutdown): its registration expires, and the producer stops waiting with a clear error."""
-    from launcher.processes import start_process, worker_command
-    from producer import ServiceClient
+    from tinkerq.launcher.processes import start_process, worker_command
+    from tinkerq.producer import ServiceClient
+
     from tinkerq.connection import Connection
     from tinkerq.errors import WorkerLostError
     from tinkerq.settings import Settings

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from tinkerq.launcher.processes import free_port, port_problem
 
-from launcher.processes import free_port, port_problem
 from tests.test_fleet import _tinkerq, hold_port
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from tinkerq.launcher.processes import ROOT, wait_for
+from tinkerq.worker import memory
 
-from launcher.processes import ROOT, wait_for
 from tests.fuzz_messages import KINDS, base_message, fuzz_messages
 from tests.helpers import make_batch
 from tinkerq import keys
 from tinkerq.wire import codec, messages
-from worker import memory
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,7 +101,7 @@ def test_worker_survives_thousands_of_hostile_messages(training_client, worker, 
     assert 0 < dead <= 1000
     newest = codec.unpackb(r.lindex(keys.DEAD_LETTERS, 0))
     assert newest["reason"] and isinstance(newest["raw"], bytes) and newest["worker"] == tc.info.worker
-    cli = subprocess.run([sys.executable, "-m", "launcher.main", "dead", "--broker", redis_url,
+    cli = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "dead", "--broker", redis_url,
                           "list", "--limit", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and f"{dead} dead letter(s)" in cli.stdout, cli.stderr
     log = worker.log_path.read_text()

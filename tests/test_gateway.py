@@ -19,8 +19,8 @@ import pytest
 import redis
 import requests
 import torch
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 
-from launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_logprobs
 from tinkerq import types
@@ -122,7 +122,7 @@ def result(url: str, key: str, request_id: str, timeout: float = 120) -> request
 def library_loss_after_one_step(redis_url: str, seed: int, chunks: list[list[types.Datum]]) -> float:
     """The producer library's answer: a rank-4 LoRA run that accumulates ``chunks`` once each, takes one step,
     then computes the forward loss of ``chunks[0]``."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     ours = ServiceClient(broker_url=redis_url)
     try:
@@ -142,7 +142,7 @@ def library_loss_after_one_step(redis_url: str, seed: int, chunks: list[list[typ
 
 def test_sdk_lora_training_matches_the_producer_library_and_pytorch(sdk, model_dir, redis_url):
     """The same LoRA run through the SDK + gateway and through the producer library: equal numbers."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     caps = sdk.get_server_capabilities()
     assert NAME in [m.model_name for m in caps.supported_models]
@@ -175,7 +175,7 @@ def test_sdk_lora_training_matches_the_producer_library_and_pytorch(sdk, model_d
 
 def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
     """Everything a cookbook loop does, through the SDK (whose API makes LoRA models only)."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     rng = np.random.default_rng(6)
     batch = make_batch(rng, 4, max_len=16)
@@ -529,7 +529,7 @@ def test_a_checkpoint_with_a_ttl_is_gone_after_it(gateway_url, api_keys, raw_mod
 def test_a_redis_outage_is_a_retryable_503_not_a_crash(tmp_path, api_keys):
     """The gateway's own records live in Redis: while it is away, calls get 503 (the SDK retries those), and the
     gateway serves again once it is back."""
-    from launcher.processes import start_redis
+    from tinkerq.launcher.processes import start_redis
 
     port = free_port()
     server = start_redis(port, tmp_path / "redis")

@@ -16,8 +16,8 @@ from tinker import types as sdk
 from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as pb
+from tinkerq.gateway import proto
 
-from gateway import proto
 from tinkerq import types
 from tinkerq.errors import MalformedMessageError, ServerError, ValidationError
 from tinkerq.validation import Limits, validate_loss_request
@@ -70,7 +70,8 @@ def rng_tokens(rng: np.random.Generator, n: int) -> list[int]:
 
 def test_importing_the_module_leaves_the_sdk_and_torch_out():
     # `import tinker` imports torch when it is installed; the gateway loads only the SDK's generated module.
-    code = "import sys, gateway.proto; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'tinker'}))"
+    code = ("import sys, tinkerq.gateway.proto; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'tinker'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

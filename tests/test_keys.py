@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from tinkerq.launcher.processes import ROOT, free_port
 
-from launcher.processes import ROOT, free_port
 from tinkerq import keys
 from tinkerq.errors import BrokerUnavailableError, UserError, ValidationError
 from tinkerq.settings import Settings

@@ -9,14 +9,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "transformers", "tokenizers", "worker", "recipes", "launcher")
+HEAVY = ("torch", "transformers", "tokenizers", "tinkerq.worker", "tinkerq.recipes", "tinkerq.launcher")
+# Each package's folder in the repository (pyproject.toml's package-dir) and the packages it must not import.
+UPWARD = {"tinkerq": ("tinkerq.producer", "tinkerq.worker", "tinkerq.gateway", "tinkerq.recipes", "tinkerq.launcher"),
+          "producer": ("tinkerq.worker", "tinkerq.gateway", "tinkerq.recipes", "tinkerq.launcher"),
+          "gateway": ("tinkerq.worker", "tinkerq.recipes", "tinkerq.launcher")}
 
 
-@pytest.mark.parametrize("module", ["producer", "tinkerq", "tinkerq.connection", "tinkerq.validation", "gateway"])
+@pytest.mark.parametrize("module", ["tinkerq.producer", "tinkerq", "tinkerq.connection", "tinkerq.validation",
+                                    "tinkerq.gateway"])
 def test_light_packages_do_not_import_heavy_ones(module):
     code = (
         f"import sys, {module}\n"
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith(tuple(p + '.' for p in {HEAVY!r})) or m in {HEAVY!r})\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -25,14 +30,16 @@ def test_light_packages_do_not_import_heavy_ones(module):
 
 def test_nothing_imports_upward():
     """tinkerq imports no other package; producer never imports worker; the gateway (a producer) neither (source)."""
-    rules = {"tinkerq": ("producer", "worker", "gateway", "recipes", "launcher"),
-             "producer": ("worker", "gateway", "recipes", "launcher"),
-             "gateway": ("worker", "recipes", "launcher")}
     offenders = []
-    for package, forbidden in rules.items():
-        for path in (ROOT / package).rglob("*.py"):
+    for folder, forbidden in UPWARD.items():
+        for path in (ROOT / folder).rglob("*.py"):
             for line in path.read_text().splitlines():
                 stripped = line.strip()
-                if stripped.startswith(("import ", "from ")) and stripped.split()[1].split(".")[0] in forbidden:
+                if not stripped.startswith(("import ", "from ")):
+                    continue
+                module = stripped.split()[1]
+                if module == "tinkerq" and stripped.startswith("from "):  # from tinkerq import producer
+                    module += "." + stripped.split()[3].rstrip(",")
+                if module in forbidden or module.startswith(tuple(f + "." for f in forbidden)):
                     offenders.append(f"{path.relative_to(ROOT)}: {stripped}")
     assert not offenders, offenders

@@ -11,16 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import build_tiny_llama, make_batch, reference_logprobs, rl_batch
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import validate_lora
-from worker.logprobs import LogprobComputer
-from worker.lora.adapter import find_targets, parameters_per_rank
-from worker.lora.batch import LossItem, run_pass
-from worker.lora.session import LoraBase, LoraSession, write_merged
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(300)
@@ -337,7 +337,7 @@ def test_states_of_another_kind_or_base_are_refused(base, tmp_path):
         session(base, seed=5, rank=8).load_state(path)
     with pytest.raises(ValidationError, match="saved from base model 'tiny'"):
         LoraSession("y", base, types.LoraConfig(rank=4, seed=5), base_model="other").load_state(path)
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     with pytest.raises(ValidationError, match="cannot load into a full-parameter session"):
         checkpoints.check_state(path, {})
@@ -363,7 +363,7 @@ def test_merged_export_of_a_tied_model_keeps_the_input_embedding(tmp_path):
 def test_rows_of_different_adapters_share_a_decode_batch_and_equal_each_merged_model(base, tmp_path):
     """Three adapters and the base itself in one engine batch (same prompt too): each row's tokens and logprobs
     equal sampling that adapter's merged model alone."""
-    from worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
+    from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
 
     adapters = []
     for seed in (1, 2, 3):
@@ -399,9 +399,10 @@ def test_rows_of_different_adapters_share_a_decode_batch_and_equal_each_merged_m
 
 
 def test_a_full_adapter_capacity_is_refused_with_the_fix(base):
+    from tinkerq.worker import memory
+
     from tinkerq.errors import CapacityError
     from tinkerq.settings import Settings
-    from worker import memory
 
     tight = Settings(memory_limit_mb=1)  # the worker process alone is far above 1 MiB
     with pytest.raises(CapacityError, match=r"a new LoRA adapter .* use a lower rank"):

@@ -9,12 +9,11 @@ import types as pytypes
 
 import pytest
 import torch
-
-from worker.loss_head import target_logprobs_from_hidden
-from worker.loss_head.apex import ApexChunkKernel, load_apex_xentropy
-from worker.loss_head.backends import BackendUnavailable, resolve_backend
-from worker.loss_head.chunked import chunked_target_logprobs
-from worker.loss_head.reference import reference_target_logprobs
+from tinkerq.worker.loss_head import target_logprobs_from_hidden
+from tinkerq.worker.loss_head.apex import ApexChunkKernel, load_apex_xentropy
+from tinkerq.worker.loss_head.backends import BackendUnavailable, resolve_backend
+from tinkerq.worker.loss_head.chunked import chunked_target_logprobs
+from tinkerq.worker.loss_head.reference import reference_target_logprobs
 
 
 def _problem(n=37, h=16, v=53, dtype=torch.float64, seed=0):
@@ -170,9 +169,8 @@ def _tiny(family: str):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "gemma2"])
 def test_model_families_match_their_own_logits(family, tmp_path, caplog):
+    from tinkerq.worker.logprobs import LogprobComputer
     from transformers import AutoModelForCausalLM
-
-    from worker.logprobs import LogprobComputer
 
     _tiny(family).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

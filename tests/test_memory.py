@@ -10,6 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tinkerq.worker import memory
+from tinkerq.worker.batching import pad_batch
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
+from tinkerq.worker.sampling import StopRule, sample
+from tinkerq.worker.session import TrainingSession
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import start_named_worker
@@ -17,12 +23,6 @@ from tests.helpers import make_batch
 from tinkerq import types
 from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
-from worker import memory
-from worker.batching import pad_batch
-from worker.logprobs import LogprobComputer
-from worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
-from worker.sampling import StopRule, sample
-from worker.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -321,8 +321,8 @@ def test_release_memory_returns_freed_heap_to_the_os():
 def capacity_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A worker capped at 1200 MiB serving a 7M-parameter model (a session is estimated at ~170 MB), with
     micro-batches of up to 1 Mi tokens so that a large batch is one large pass."""
-    from launcher.processes import stop
-    from recipes.demo_model import build_tokenizer
+    from tinkerq.launcher.processes import stop
+    from tinkerq.recipes.demo_model import build_tokenizer
 
     root = tmp_path_factory.mktemp("memory")
     model_dir = root / "medium-llama"
@@ -345,7 +345,7 @@ def _refusal(future) -> ServerError:
 
 
 def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capacity_worker, redis_url):
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     with ServiceClient(broker_url=redis_url) as sc:
         tc = sc.create_training_client(capacity_worker)
@@ -395,8 +395,8 @@ def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capac
 
 def test_worker_rss_returns_near_its_baseline_after_large_requests(model_dir, redis_url, tmp_path):
     """Large forward / forward_backward requests (10 MB each) leave RSS near where it started."""
-    from launcher.processes import stop
-    from producer import ServiceClient
+    from tinkerq.launcher.processes import stop
+    from tinkerq.producer import ServiceClient
 
     proc = start_named_worker(model_dir, redis_url, "memory-rss-model", tmp_path / "worker.log",
                               {"TINKERQ_MAX_MESSAGE_BYTES": str(32 << 20)}, extra=["--max-sessions", "64"])

@@ -9,10 +9,10 @@ import uuid
 
 import numpy as np
 import pytest
+from tinkerq.launcher.fleet import session_lines
+from tinkerq.launcher.processes import free_port, wait_for
+from tinkerq.producer import ServiceClient
 
-from launcher.fleet import session_lines
-from launcher.processes import free_port, wait_for
-from producer import ServiceClient
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tests.test_adoption import EVERY as ADOPTION_EVERY

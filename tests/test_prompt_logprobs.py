@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+from tinkerq.worker.sampling import TorchEngine, run_jobs
 
 from tests.helpers import VOCAB, load_reference
 from tests.test_sampling_engine import NO_STOP, PausingGate, make_job, prompt_of
 from tinkerq import errors, types
 from tinkerq.wire import codec, messages
-from worker.sampling import TorchEngine, run_jobs
 
 pytestmark = pytest.mark.timeout(120)
 ATOL = 1e-5
@@ -113,9 +113,9 @@ def test_model_whose_head_cannot_be_fused_uses_its_own_logits(model):
 def test_lora_adapter_rows_including_the_output_projection(model_dir):
     """Rows of different adapters over one base (one adapting the output projection) each get their adapter's
     numbers: those of the base forward routed to that adapter alone."""
-    from worker.logprobs import LogprobComputer
-    from worker.lora import routing
-    from worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.logprobs import LogprobComputer
+    from tinkerq.worker.lora import routing
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=64)
@@ -141,7 +141,7 @@ def test_lora_adapter_rows_including_the_output_projection(model_dir):
 
 
 def test_nothing_is_computed_unless_asked_and_no_hook_stays(model, monkeypatch):
-    from worker.sampling import prompt_logprobs
+    from tinkerq.worker.sampling import prompt_logprobs
 
     calls = []
     monkeypatch.setattr(prompt_logprobs, "from_hidden", lambda *a, **k: calls.append(a))

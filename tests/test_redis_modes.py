@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tinkerq.launcher.processes import wait_for
+from tinkerq.worker.intake import GuardedSentinelChannel
 
-from launcher.processes import wait_for
 from tests.conftest import start_worker_process
 from tests.helpers import load_reference, make_batch, max_weight_diff, reference_loss, reference_step
 from tests.redis_servers import SentinelSetup, TlsRedis, start_sentinel_setup, start_tls_redis
@@ -31,7 +32,6 @@ from tinkerq.connection import Connection
 from tinkerq.errors import BrokerUnavailableError
 from tinkerq.redis_client import SentinelMasterConnection, celery_redis_options, parse_sentinel_url, redis_client
 from tinkerq.settings import Settings, SettingsError
-from worker.intake import GuardedSentinelChannel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -186,7 +186,7 @@ def _explained(sentinels: SentinelSetup, worker: SentinelWorker) -> Iterator[Non
 
 
 def test_training_over_tls(tls_worker, tls_settings, model_dir):
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     rng = np.random.default_rng(60)
     data = make_batch(rng, 4)
@@ -275,7 +275,7 @@ def test_training_through_sentinel(sentinel_worker, sentinels, model_dir):
 
 
 def _train_through(sentinels: SentinelSetup, model_dir: Path) -> None:
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     rng = np.random.default_rng(61)
     batches = [make_batch(rng, 2, max_len=20) for _ in range(3)]
@@ -305,7 +305,7 @@ def test_idle_worker_survives_the_demotion_of_its_primary(sentinel_worker, senti
 def _train_across(disruption: Callable[[], int], sentinels: SentinelSetup, model_dir: Path, seed: int) -> None:
     """Pipelined steps posted before, during and after ``disruption`` (which returns the new primary's port)
     all succeed, in order, exactly once: the final weights equal an uninterrupted run's."""
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     rng = np.random.default_rng(seed)
     adam = types.AdamParams(learning_rate=5e-3)

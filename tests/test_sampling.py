@@ -57,7 +57,7 @@ def test_stop_tokens_strings_and_greedy(training_client):
     assert seq.stop_reason == "stop" and seq.tokens[-1] == stop_token
     assert stop_token not in seq.tokens[:-1] and len(seq.tokens) <= 3
 
-    from recipes.demo_model import build_tokenizer
+    from tinkerq.recipes.demo_model import build_tokenizer
 
     text = build_tokenizer().decode(greedy.sequences[0].tokens[:3])
     out = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=text[-1]))

@@ -11,10 +11,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from tinkerq.worker.sampling import EngineClosed, SampleJob, StopRule, TorchEngine, run_jobs, sample
 
 from tests.helpers import VOCAB, load_reference
 from tinkerq import types
-from worker.sampling import EngineClosed, SampleJob, StopRule, TorchEngine, run_jobs, sample
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,7 +212,7 @@ def test_a_job_joins_a_running_batch(model):
 def test_staggered_arrivals_with_rows_finishing_in_between(model, monkeypatch):
     """Jobs arrive while rows finish at different steps (merges that drop finished rows, compactions);
     every token still carries its full-forward logprob."""
-    from worker.sampling import torch_engine
+    from tinkerq.worker.sampling import torch_engine
 
     selects = []
     select = torch_engine._Rows.select

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tinkerq.launcher.processes import wait_for
 
-from launcher.processes import wait_for
 from tests.conftest import start_worker_process
 from tests.helpers import make_batch
 from tests.test_sampling import NEVER, PROMPT, post_sample

@@ -1,4 +1,4 @@
-"""The producer library is the official SDK's API: `from producer import ServiceClient` stands in for
+"""The producer library is the official SDK's API: `from tinkerq.producer import ServiceClient` stands in for
 `tinker.ServiceClient`. The public surfaces are compared with the installed `tinker==0.38.0`; behaviour that
 the SDK defines (futures usable as clients, weights-only `load_state`, prompt logprobs) is checked on a fleet.
 
@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import producer
 from tests.helpers import make_batch
-from tinkerq import errors, types
+from tinkerq import errors, producer, types
 
 tinker = pytest.importorskip("tinker")
 
@@ -207,7 +206,7 @@ ADAM = types.AdamParams(learning_rate=5e-3)
 
 
 def test_create_calls_return_futures_usable_as_clients(service, model_dir):
-    from producer import SamplingClient, SamplingClientFuture, TrainingClient, TrainingClientFuture
+    from tinkerq.producer import SamplingClient, SamplingClientFuture, TrainingClient, TrainingClientFuture
 
     future = service.create_lora_training_client(str(model_dir), rank=4, seed=0)
     assert isinstance(future, TrainingClientFuture)
@@ -237,7 +236,7 @@ def test_create_calls_return_futures_usable_as_clients(service, model_dir):
 
 
 def test_async_forms_give_clients_and_responses(service, model_dir):
-    from producer import SamplingClient, TrainingClient
+    from tinkerq.producer import SamplingClient, TrainingClient
 
     async def main() -> None:
         tc = await service.create_lora_training_client_async(str(model_dir), rank=4)
@@ -348,7 +347,7 @@ def test_compute_logprobs_match_forward(service, model_dir, training_client):
 
 
 def test_sampler_handles_and_pickles_name_the_same_weights(service, model_dir, monkeypatch):
-    from producer import SamplingClient
+    from tinkerq.producer import SamplingClient
 
     monkeypatch.setenv("TINKERQ_BROKER_URL", service.settings.broker_url)
     sampler = service.create_sampling_client(base_model=str(model_dir)).result()

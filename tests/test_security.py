@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tinkerq.launcher.processes import ROOT, free_port
 
-from launcher.processes import ROOT, free_port
 from tinkerq import errors
 from tinkerq.errors import ValidationError
 
@@ -123,7 +123,7 @@ def test_symlinks_in_a_saved_state_are_refused_on_load(training_client, checkpoi
 
 
 def test_path_helper_refuses_dot_dot_absolute_and_separators(tmp_path):
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     root = tmp_path / "root"
     for model_id in ("../../x", "..", ".", "/etc", "a/b", "", "x\0y", None, 7):
@@ -141,7 +141,7 @@ def test_path_helper_refuses_dot_dot_absolute_and_separators(tmp_path):
 
 
 def test_path_helper_creates_owner_only_directories_inside_the_root(tmp_path):
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     root = tmp_path / "root"
     final = checkpoints.state_path(str(root), MODEL_ID, "s1")
@@ -153,7 +153,7 @@ def test_path_helper_creates_owner_only_directories_inside_the_root(tmp_path):
 
 
 def test_path_helper_refuses_symlinks_at_every_level(tmp_path):
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -175,7 +175,7 @@ def test_path_helper_refuses_symlinks_at_every_level(tmp_path):
 
 def test_the_root_itself_may_be_a_link(tmp_path):
     """Operators may point TINKERQ_CHECKPOINT_DIR at a link (e.g. to a bigger disk); only below it is refused."""
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     real = tmp_path / "disk" / "checkpoints"
     real.mkdir(parents=True)
@@ -189,7 +189,7 @@ def test_the_root_itself_may_be_a_link(tmp_path):
 
 
 def test_state_paths_to_load_are_checked(tmp_path):
-    from worker import checkpoints
+    from tinkerq.worker import checkpoints
 
     root = tmp_path / "root"
     final = checkpoints.state_path(str(root), MODEL_ID, "s")
@@ -250,12 +250,12 @@ def test_password_in_argv():
 
 
 def test_worker_warns_about_a_password_on_its_command_line(monkeypatch, caplog):
-    import launcher.main
-    import worker.runtime
-    from launcher.main import main
+    from tinkerq.launcher import main as launcher_main
+    from tinkerq.launcher.main import main
+    from tinkerq.worker import runtime as worker_runtime
 
-    monkeypatch.setattr(launcher.main, "check_broker", lambda settings: None)  # no Redis at that address
-    monkeypatch.setattr(worker.runtime, "run_worker", lambda *a, **k: None)
+    monkeypatch.setattr(launcher_main, "check_broker", lambda settings: None)  # no Redis at that address
+    monkeypatch.setattr(worker_runtime, "run_worker", lambda *a, **k: None)
     old = os.umask(0o022)
     try:
         with caplog.at_level(logging.WARNING):
@@ -272,13 +272,13 @@ def test_worker_warns_about_a_password_on_its_command_line(monkeypatch, caplog):
 
 def test_flower_without_a_login_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
-    out = subprocess.run([sys.executable, "-m", "launcher.main", "flower", "--broker", "redis://127.0.0.1:1/0"],
+    out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "flower", "--broker", "redis://127.0.0.1:1/0"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Flower needs a login" in out.stderr and "--no-auth" in out.stderr
 
 
 def test_flower_gets_its_secrets_through_the_environment(monkeypatch, caplog):
-    from launcher import main as cli
+    from tinkerq.launcher import main as cli
 
     calls = []
     monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((argv, env)))
@@ -320,7 +320,7 @@ def test_fleet_keeps_secrets_off_command_lines_and_its_files_private(tmp_path, m
     env.pop("TINKERQ_BROKER_URL", None)
 
     def tinkerq(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "launcher.main", *args], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=200)
 
     up = tinkerq("fleet", "up", "--name", "sec", "--model", str(model_dir), "--redis-port", str(free_port()),
@@ -333,7 +333,7 @@ def test_fleet_keeps_secrets_off_command_lines_and_its_files_private(tmp_path, m
         flower_password = state["flower"]["auth"].split(":", 1)[1]
         assert len(redis_password) >= 16 and len(flower_password) >= 12
         cmdlines = _all_cmdlines()
-        assert any("launcher.main worker" in c for c in cmdlines)  # the scan sees the fleet's processes
+        assert any("tinkerq.launcher.main worker" in c for c in cmdlines)  # the scan sees the fleet's processes
         for secret in (redis_password, flower_password):
             assert not [c for c in cmdlines if secret in c]
         status = tinkerq("fleet", "status", "--name", "sec")

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 
-from launcher.processes import free_port, start_process, wait_for, worker_command
 from tests.conftest import WORKER_MICROBATCH_TOKENS
 from tests.helpers import RL_CONFIGS, load_reference, make_batch, max_weight_diff, rl_batch
 from tinkerq import errors, types
@@ -90,7 +90,7 @@ def _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, service
 
 @pytest.fixture(scope="module")
 def shard_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, worker):
-    from producer import ServiceClient
+    from tinkerq.producer import ServiceClient
 
     with ServiceClient(broker_url=redis_url) as sc:
         group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, sc, SHARDED)

@@ -6,8 +6,7 @@ import threading
 import time
 
 import pytest
-
-from worker.turns import ComputeTurns
+from tinkerq.worker.turns import ComputeTurns
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ from tinkerq.wire.claimcheck import ClaimCheck
 
 
 def test_ordering_runs_buffers_and_repeats():
-    from worker.ordering import Ordering
+    from tinkerq.worker.ordering import Ordering
 
     o = Ordering()
     assert o.classify(1) == "run" and o.classify(3) == "buffer"
@@ -69,8 +69,7 @@ def test_errors_cross_the_wire_with_their_category():
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, ranks):
     import numpy as np
-
-    from worker.batching import rank_plans
+    from tinkerq.worker.batching import rank_plans
 
     lengths = np.random.default_rng(n_datums * 10 + ranks).integers(1, 60, n_datums).tolist()
     plans = rank_plans(lengths, ranks, budget_tokens=96)
@@ -89,8 +88,7 @@ def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, rank
 
 def test_metric_totals_merged_across_ranks_equal_one_pass():
     import torch
-
-    from worker.losses import Metric, MetricTotals
+    from tinkerq.worker.losses import Metric, MetricTotals
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 5, generator=g)
@@ -113,9 +111,10 @@ def test_a_worker_that_stops_consuming_stops_beating():
     """Liveness means consuming: with the consumer loop silent and no task running, no heartbeat is sent."""
     import time
 
+    from tinkerq.worker.registry import ConsumerLiveness, Registration
+
     from tinkerq import keys
     from tinkerq.store import MemoryStore
-    from worker.registry import ConsumerLiveness, Registration
 
     store = MemoryStore()
     liveness = ConsumerLiveness(period_s=0.4)  # beats every 0.2 s; silent loop after 0.8 s

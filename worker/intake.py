@@ -318,5 +318,5 @@ class GuardedSentinelTransport(kombu_redis.SentinelTransport):
 def transport_for(broker_url: str) -> str:
     """The guarded transport class for a broker URL (kombu resolves ``module:Class``)."""
     if broker_url.startswith("sentinel://"):
-        return "worker.intake:GuardedSentinelTransport"
-    return "worker.intake:GuardedTransport"
+        return "tinkerq.worker.intake:GuardedSentinelTransport"
+    return "tinkerq.worker.intake:GuardedTransport"

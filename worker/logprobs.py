@@ -1,6 +1,6 @@
 """Per-token target logprobs of a causal LM over a right-padded batch.
 
-The model's backbone gives the final hidden states; the loss head (:mod:`worker.loss_head`) turns them
+The model's backbone gives the final hidden states; the loss head (:mod:`tinkerq.worker.loss_head`) turns them
 into target logprobs with the output embedding weight, chunk by chunk, so the (B, T, V) logits tensor
 never exists. Models whose logits are not exactly ``hidden @ W.T`` (soft-capping, scaling, a bias) use the
 model's own forward instead, with a warning.
@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 
 import torch
+from tinkerq.worker.lora import routing as lora_routing
+from tinkerq.worker.loss_head import resolve_backend, target_logprobs_from_hidden
 from transformers import PreTrainedModel
-
-from worker.lora import routing as lora_routing
-from worker.loss_head import resolve_backend, target_logprobs_from_hidden
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -216,7 +216,7 @@ class ScoredBatch:
 
 
 def score(logprobs: torch.Tensor, batch: dict[str, Any], loss_fn: LossFn, config: dict[str, Any]) -> ScoredBatch:
-    """Apply ``loss_fn`` to target logprobs (B, T) of a padded batch (:func:`worker.batching.pad_batch`)."""
+    """Apply ``loss_fn`` to target logprobs (B, T) of a padded batch (:func:`tinkerq.worker.batching.pad_batch`)."""
     real = batch["mask"] > 0
     logprobs = torch.where(real, logprobs, 0.0)  # padding positions carry exact zeros
     elementwise, metrics = loss_fn(logprobs, batch, batch["mask"], config)

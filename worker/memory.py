@@ -21,7 +21,7 @@ costs the worker.
 
 Giving memory back (:func:`release_memory`): Python's and glibc's allocators keep freed memory for reuse,
 so after one large request the worker's RSS stays at its peak. ``gc.collect()`` + glibc's
-``malloc_trim(0)`` return it; :mod:`worker.service` calls it after requests whose payload or reply was
+``malloc_trim(0)`` return it; :mod:`tinkerq.worker.service` calls it after requests whose payload or reply was
 larger than :data:`LARGE_BYTES`.
 """
 
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tinkerq.worker.batching import microbatch_ranges
 
 from tinkerq.errors import CapacityError
-from worker.batching import microbatch_ranges
 
 log = logging.getLogger("tinkerq.worker")
 

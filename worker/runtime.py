@@ -1,7 +1,7 @@
 """Assembling a worker: load the model, connect, register tasks, announce the model; then run it.
 
 The same assembly serves the ``tinkerq worker`` process (:func:`run_worker`) and the embedded fleet
-(:mod:`worker.embedded`), so both run identical serialisation and request-handling code.
+(:mod:`tinkerq.worker.embedded`), so both run identical serialisation and request-handling code.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from typing import Any
 
 from celery import signals
 from celery.worker.consumer import Consumer
+from tinkerq.worker.intake import DeadLetters, transport_for
+from tinkerq.worker.metrics import stats_step
+from tinkerq.worker.model_loading import configure_torch, load_causal_lm
+from tinkerq.worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
+from tinkerq.worker.sample_intake import SampleIntake
+from tinkerq.worker.service import WorkerService
+from tinkerq.worker.sharding.follower import build_host
+from tinkerq.worker.sharding.group import ShardSpec
+from tinkerq.worker.tasks import register_tasks
 
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.settings import Settings
-from worker.intake import DeadLetters, transport_for
-from worker.metrics import stats_step
-from worker.model_loading import configure_torch, load_causal_lm
-from worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
-from worker.sample_intake import SampleIntake
-from worker.service import WorkerService
-from worker.sharding.follower import build_host
-from worker.sharding.group import ShardSpec
-from worker.tasks import register_tasks
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -143,7 +143,7 @@ def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiven
     }
     # Through an outage the consumer reconnects for as long as it takes (Celery's default gives up).
     app.conf.broker_connection_max_retries = None
-    app.conf.worker_consumer = "worker.runtime:PromptConsumer"
+    app.conf.worker_consumer = "tinkerq.worker.runtime:PromptConsumer"
     app.steps["consumer"].add(consumer_liveness_step(liveness))
     return dead_letters
 

@@ -1,6 +1,6 @@
 """The Celery tasks: one per operation, each a thin shell around :class:`worker.service.WorkerService`.
 
-Every message reaching a task has passed :mod:`worker.intake`. The task answers through the service (the
+Every message reaching a task has passed :mod:`tinkerq.worker.intake`. The task answers through the service (the
 reply goes to the request's reply key and the sender's inbox, retried through Redis outages) before it
 returns, so Celery acknowledges a message only once its answer is stored; Celery stores no result.
 
@@ -18,11 +18,11 @@ import numpy as np
 from celery import Celery
 from celery.exceptions import Ignore
 from celery.worker.request import Request
+from tinkerq.worker.service import WorkerService
 
 from tinkerq.celery_app import OPS, TASK_NAMES
 from tinkerq.wire import codec
 from tinkerq.wire.messages import REPLY_HEADER
-from worker.service import WorkerService
 
 SUMMARY_CHARS = 300  # Flower's result column; Celery cuts the repr at 1024 characters anyway
 _METRICS_SHOWN = 8

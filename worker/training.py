@@ -6,7 +6,7 @@ The same engine serves every session kind and shard count:
 * a full session sharded over N ranks: every rank runs an engine over its FSDP2 shards (DTensors), in
   lock step, with the shard group as collectives (worker/sharding/);
 * a LoRA session: the adapter's parameters over a frozen base (worker/lora/), possibly sharing one
-  forward/backward pass with other LoRA sessions (:func:`worker.lora.batch.run_mixed`).
+  forward/backward pass with other LoRA sessions (:func:`tinkerq.worker.lora.batch.run_mixed`).
 
 Every operation either completes or leaves the engine exactly as it was: a forward_backward sets the
 pending gradients aside, computes its own, has every rank agree they are finite, and only then adds
@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from tinkerq.worker.batching import pad_batch, rank_plans
+from tinkerq.worker.checkpoints import SavedState, optimizer_entries
+from tinkerq.worker.losses import LOSSES, MetricTotals, ScoredBatch, score
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.wire import codec
-from worker.batching import pad_batch, rank_plans
-from worker.checkpoints import SavedState, optimizer_entries
-from worker.losses import LOSSES, MetricTotals, ScoredBatch, score
 
 _NOTHING_APPLIED = ("nothing was applied. The weights may have diverged (lower the learning rate) or the inputs "
                     "are extreme")

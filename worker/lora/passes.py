@@ -16,9 +16,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.session import LoraBase
+
 from tinkerq.errors import TinkerqError, WorkerError
-from worker.lora.batch import LossItem, run_pass
-from worker.lora.session import LoraBase
 
 log = logging.getLogger("tinkerq.lora")
 

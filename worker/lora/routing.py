@@ -20,8 +20,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-
-from worker.lora.adapter import ATTN, MLP
+from tinkerq.worker.lora.adapter import ATTN, MLP
 
 _local = threading.local()
 

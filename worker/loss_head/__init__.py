@@ -9,6 +9,6 @@ Layers, each in its own module (kernel / autograd Function / selection):
 * :mod:`.backends`: choosing one (``auto`` = apex when importable on CUDA, else torch) by name.
 """
 
-from worker.loss_head.backends import BACKENDS, resolve_backend, target_logprobs_from_hidden
+from tinkerq.worker.loss_head.backends import BACKENDS, resolve_backend, target_logprobs_from_hidden
 
 __all__ = ["BACKENDS", "resolve_backend", "target_logprobs_from_hidden"]

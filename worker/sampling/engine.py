@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from tinkerq.worker.sampling.rules import StopRule
 
 from tinkerq import types
-from worker.sampling.rules import StopRule
 
 if TYPE_CHECKING:  # a backend need not import transformers
     from transformers import PreTrainedModel
@@ -73,7 +73,7 @@ def run_jobs(engine: SamplingEngine | None, jobs: list[SampleJob],
     """
     owned = engine is None
     if engine is None:
-        from worker.sampling.torch_engine import TorchEngine
+        from tinkerq.worker.sampling.torch_engine import TorchEngine
 
         engine = TorchEngine()
     results: list[list[types.SampledSequence] | None] = [None] * len(jobs)

@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from tinkerq.worker.logprobs import fused_head_support
+from tinkerq.worker.lora import routing
+from tinkerq.worker.sampling import prompt_logprobs
+from tinkerq.worker.sampling.engine import EngineClosed, SampleJob
+from tinkerq.worker.sampling.rules import StopRule, filter_logits
 from transformers.cache_utils import DynamicLayer
 
 from tinkerq import types
-from worker.logprobs import fused_head_support
-from worker.lora import routing
-from worker.sampling import prompt_logprobs
-from worker.sampling.engine import EngineClosed, SampleJob
-from worker.sampling.rules import StopRule, filter_logits
 
 log = logging.getLogger(__name__)
 

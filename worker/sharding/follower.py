@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.model_loading import configure_torch, load_causal_lm
+from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
+from tinkerq.worker.sharding.host import ShardHost, from_wire
+
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
-from worker.logprobs import LogprobComputer
-from worker.model_loading import configure_torch, load_causal_lm
-from worker.sharding.group import ShardGroup, ShardSpec
-from worker.sharding.host import ShardHost, from_wire
 
 log = logging.getLogger("tinkerq.shards")
 

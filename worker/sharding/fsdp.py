@@ -1,19 +1,18 @@
 """FSDP2 (``fully_shard``) over a model, so a :class:`worker.training.TrainingEngine` trains one shard per rank.
 
 Each parameter, its gradient and its AdamW moments become DTensors sharded along dim 0, so a rank holds
-about 1/N of each. A request's datums are split across the ranks (:func:`worker.batching.rank_plans`);
+about 1/N of each. A request's datums are split across the ranks (:func:`tinkerq.worker.batching.rank_plans`);
 FSDP gathers each layer's weights for the forward and reduce-scatters its gradients on the way back.
 """
 
 from __future__ import annotations
 
 import torch
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.sharding.group import ShardGroup
+from tinkerq.worker.training import TrainingEngine
 from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
-
-from worker.logprobs import LogprobComputer
-from worker.sharding.group import ShardGroup
-from worker.training import TrainingEngine
 
 
 class LogprobModule(torch.nn.Module):

@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.session import FullSession, execute
+from tinkerq.worker.sharding.fsdp import sharded_engine
+from tinkerq.worker.sharding.group import ShardGroup, describe_failure
+from tinkerq.worker.training import TrainingEngine, tied_names
 from transformers import PreTrainedModel
 
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
-from worker.logprobs import LogprobComputer
-from worker.session import FullSession, execute
-from worker.sharding.fsdp import sharded_engine
-from worker.sharding.group import ShardGroup, describe_failure
-from worker.training import TrainingEngine, tied_names
 
 log = logging.getLogger("tinkerq.shards")
 
