@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import redis
 from _fleet import TINY_LLAMA, build_llama, machine, median, print_table
-from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from train_step import LLAMA_20M
 
 from tinkerq import keys, types
+from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 
 ADAM = types.AdamParams(learning_rate=1e-3)
 GRACE_S = 0.3  # answers this soon after the kill were sent by the lost worker before it died
@@ -222,7 +222,6 @@ def main() -> int:
         redis_proc = start_redis(port, tmp / "redis")
         url = f"redis://127.0.0.1:{port}/0"
         from tinkerq.producer import ServiceClient
-
         from tinkerq.settings import Settings
 
         for heartbeat in args.periods:

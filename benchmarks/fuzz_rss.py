@@ -23,11 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
-from tinkerq.worker import memory
-
 from tests.fuzz_messages import fuzz_messages
 from tests.helpers import build_tiny_llama, make_batch
+from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
+from tinkerq.worker import memory
 
 
 def rss_mb(pid: int) -> float:
@@ -41,9 +40,9 @@ def main() -> int:
     args = p.parse_args()
 
     import redis
-    from tinkerq.producer import ServiceClient
 
     from tinkerq import keys
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     work = Path(tempfile.mkdtemp(prefix="tinkerq-fuzz-"))

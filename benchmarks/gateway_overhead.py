@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 from _fleet import TINY_LLAMA, Fleet, build_llama, machine, median, percentile, print_table
-from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 
 from tinkerq import types
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
 
@@ -160,8 +160,8 @@ def conversions(ours: list[types.Datum], sdk: list[Any], out: types.ForwardBackw
     import tinker
     from tinker.proto.request_conv import forward_backward_request_to_proto
     from tinker.proto.response_conv import deserialize_forward_backward_output
-    from tinkerq.gateway import proto  # the package: _fleet put the repo root ahead of benchmarks/ (this file's name)
 
+    from tinkerq.gateway import proto  # the package: _fleet put the repo root ahead of benchmarks/ (this file's name)
     from tinkerq.validation import validate_loss_request
     from tinkerq.wire import codec, messages
 

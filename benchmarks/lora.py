@@ -38,16 +38,16 @@ from typing import Any
 import numpy as np
 import torch
 from _fleet import build_llama, machine, median, print_table
+from train_step import LLAMA_20M
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from tinkerq import types
 from tinkerq.worker import memory
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.session import TrainingSession
-from train_step import LLAMA_20M
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-from tinkerq import types
 
 RANK = 32
 TENANTS, TENANT_TOKENS = 16, 128

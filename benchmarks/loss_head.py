@@ -39,6 +39,7 @@ def run_one(t: int, h: int, v: int, backend: str, device: str, dtype: str, reps:
     """Runs inside the child process."""
     sys.path.insert(0, str(ROOT))
     import torch
+
     from tinkerq.worker.loss_head import target_logprobs_from_hidden
 
     torch.manual_seed(0)

@@ -32,15 +32,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
-
 from tests.helpers import build_tiny_llama, make_batch
+from tinkerq.launcher.processes import free_port, start_process, start_redis, stop, wait_for, worker_command
 
 
 def run(url: str, model: str, steps: int, window: int, disrupt=None) -> dict:
-    from tinkerq.producer import ServiceClient
-
     from tinkerq import types
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     rng = np.random.default_rng(0)

@@ -27,9 +27,9 @@ from typing import Any
 
 from _fleet import Fleet, build_llama, machine, median, print_table
 from sampling_engine import LLAMA_5M
-from tinkerq.launcher.processes import start_process, wait_for, worker_command
 
 from tinkerq import types
+from tinkerq.launcher.processes import start_process, wait_for, worker_command
 
 # The ~5M-parameter Llama of benchmarks/sampling_engine.py (5.3M), so the two benchmarks' figures compare.
 MODEL: dict[str, Any] = {**LLAMA_5M, "eos_token_id": 2}

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 from _fleet import build_llama, machine, median, print_table
-from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
 from transformers import AutoModelForCausalLM
 
 from tinkerq import types
+from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
 
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 32
 LLAMA_5M: dict[str, Any] = dict(

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 from _fleet import Fleet, build_llama, machine, median, print_table
-from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 from train_step import LLAMA_20M
 
 from tinkerq import types
+from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 
 DATUMS, SEQ = 4, 512
 

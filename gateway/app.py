@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from tinkerq.gateway.service import Gateway, HTTPError
 
 from tinkerq.errors import TinkerqError
+from tinkerq.gateway.service import Gateway, HTTPError
 from tinkerq.tenants import ApiKeys
 
 log = logging.getLogger("tinkerq.gateway")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import uvicorn
-from tinkerq.gateway.app import BodyLimit, create_app
-from tinkerq.gateway.service import Gateway
 
 from tinkerq.errors import TinkerqError
+from tinkerq.gateway.app import BodyLimit, create_app
+from tinkerq.gateway.service import Gateway
 from tinkerq.settings import Settings
 
 log = logging.getLogger("tinkerq.gateway")

@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from tinkerq import types
+from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.gateway import proto
 from tinkerq.gateway.futures import Answer, Futures
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name, checkpoint_record
 from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.futures import APIFuture
 from tinkerq.producer.sampling import SamplingClient
-
-from tinkerq import types
-from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.settings import Settings
 from tinkerq.validation import validate_adam, validate_lora, validate_loss_request
 from tinkerq.wire import messages

@@ -12,11 +12,10 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from tinkerq.recipes.sft_args import non_negative_int, positive_int
-
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.errors import TinkerqError, UserError
+from tinkerq.recipes.sft_args import non_negative_int, positive_int
 from tinkerq.settings import Settings
 from tinkerq.wire import codec
 

@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tinkerq.launcher import processes
-
 from tinkerq.connection import redact_url
 from tinkerq.errors import BrokerUnavailableError, TinkerqError, UserError
+from tinkerq.launcher import processes
 from tinkerq.settings import Settings
 
 DEFAULT_REDIS_PORT = 6380

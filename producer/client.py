@@ -26,13 +26,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from tinkerq.producer.dispatch import Dispatcher
-from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
-from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
-
 from tinkerq import keys, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
+from tinkerq.producer.dispatch import Dispatcher
+from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
+from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
 from tinkerq.settings import Settings
 from tinkerq.validation import Limits, validate_adam, validate_lora, validate_loss_request, validate_ttl_seconds
 from tinkerq.wire import codec, messages

@@ -30,12 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinkerq.producer.futures import APIFuture
-
 from tinkerq import keys
 from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
 from tinkerq.errors import BrokerUnavailableError, ServerError, TinkerqError, WorkerLostError, error_from_wire
+from tinkerq.producer.futures import APIFuture
 from tinkerq.retry import is_transient
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck

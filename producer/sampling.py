@@ -17,16 +17,16 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, cast
 
-from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
-
 from tinkerq import keys, types
 from tinkerq.errors import ServerError, TinkerqError, UnknownModelError, UserError
+from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
 from tinkerq.validation import validate_sampling
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
-    from tinkerq.producer.client import ServiceClient
     from transformers import PreTrainedTokenizer
+
+    from tinkerq.producer.client import ServiceClient
 
 MAX_ATTEMPTS = 3  # workers tried for one request before WorkerLostError reaches the caller
 

@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from tinkerq.errors import UserError
+from tinkerq.recipes.jsonl import read_objects
 
 METRICS_FORMAT = "the metrics.jsonl a tinkerq sft / rl run wrote (one JSON object per line)"
 
 
 def read_metrics(jsonl: Path) -> list[dict[str, Any]]:
     """The rows of a metrics JSONL file, or a UserError naming the file, the line and what it must hold."""
-    if not Path(jsonl).is_file():
-        raise UserError(f"{jsonl}: no such file; pass {METRICS_FORMAT}")
-    try:
-        lines = Path(jsonl).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{jsonl}: cannot read it ({exc}); pass {METRICS_FORMAT}") from None
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{jsonl}, line {lineno}: not JSON ({exc.msg}); pass {METRICS_FORMAT}") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{jsonl}, line {lineno}: a JSON {type(row).__name__}, not an object; pass "
-                            f"{METRICS_FORMAT}")
-        rows.append(row)
-    if not rows:
-        raise UserError(f"{jsonl} holds no rows; pass {METRICS_FORMAT}")
-    return rows
+    return [row for _, row in read_objects(jsonl, where=str(jsonl), needs=METRICS_FORMAT)]
 
 
 def numeric_columns(rows: list[dict[str, Any]]) -> list[str]:

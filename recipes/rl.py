@@ -24,11 +24,11 @@ import random
 import time
 from typing import Any
 
-from tinkerq.producer import TrainingClient
-from tinkerq.recipes.sft_args import LORA_LR_HELP, add_lora_argument, non_negative_int, positive_float, positive_int
 from tqdm import tqdm
 
 from tinkerq import types
+from tinkerq.producer import TrainingClient
+from tinkerq.recipes.sft_args import LORA_LR_HELP, add_lora_argument, non_negative_int, positive_float, positive_int
 
 # Also the default of a LoRA run (see sft_args.LORA_LR_HELP): measured on the demo, `tinkerq rl --lora-rank 8
 # --lr X`, mean sampled reward of the first -> last 10 iterations: 2e-4 0.08 -> 0.19, 5e-4 0.08 -> 0.27,
@@ -135,7 +135,6 @@ def main(args: argparse.Namespace) -> int:
         open_training_client,
         run_directory,
     )
-
     from tinkerq.settings import Settings
 
     # Every mistake in the command line is found here, before the model is built or the fleet started.

@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tinkerq.producer import ServiceClient, TrainingClient
 from tqdm import tqdm
 
 from tinkerq import types
 from tinkerq.errors import UserError
+from tinkerq.producer import ServiceClient, TrainingClient
+from tinkerq.recipes.jsonl import read_objects
 from tinkerq.settings import Settings
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -36,28 +37,12 @@ def load_pairs(path: Path, flag: str = "") -> list[dict[str, str]]:
     """The {prompt, completion} pairs of a JSONL file, or a UserError naming the file (and ``flag``, the option
     that gave it), the line and what the file must hold."""
     where = f"{flag} {path}" if flag else str(path)
-    if not Path(path).is_file():
-        raise UserError(f"{where}: no such file; pass a JSONL file with {PAIRS_FORMAT}")
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{where}: cannot read it ({exc}); pass a JSONL file with {PAIRS_FORMAT}") from None
     pairs = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}, line {lineno}: not JSON ({exc.msg}); the file needs {PAIRS_FORMAT}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
-                or not isinstance(row.get("completion"), str):
-            found = f"fields {', '.join(map(repr, row))}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
-            raise UserError(f"{where}, line {lineno}: needs string fields 'prompt' and 'completion', found {found}; "
-                            f"the file needs {PAIRS_FORMAT}")
+    for lineno, row in read_objects(path, where=where, needs=f"a JSONL file with {PAIRS_FORMAT}"):
+        if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
+            raise UserError(f"{where}, line {lineno}: needs string fields 'prompt' and 'completion', found fields "
+                            f"{', '.join(map(repr, row))}; the file needs {PAIRS_FORMAT}")
         pairs.append(row)
-    if not pairs:
-        raise UserError(f"{where} holds no examples; the file needs {PAIRS_FORMAT}")
     return pairs
 
 
@@ -203,6 +188,7 @@ def open_fleet(settings: Settings, model_dir: str, threads: int | None) -> Itera
             yield sc
         return
     import torch
+
     from tinkerq.worker.embedded import EmbeddedFleet
 
     if threads is not None:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 
 from tests.helpers import build_tiny_llama
+from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 
 # Small micro-batches in the test worker, so batch splitting inside the worker is exercised too.
 WORKER_MICROBATCH_TOKENS = 96

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
 from tinkerq.launcher.processes import free_port, redis_command, wait_for
 
 MASTER_NAME = "mymaster"

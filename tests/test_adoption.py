@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from tinkerq.launcher.processes import free_port, wait_for
-from tinkerq.producer import ServiceClient
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tests.test_sampling import PROMPT
 from tinkerq import errors, keys, types
+from tinkerq.launcher.processes import free_port, wait_for
+from tinkerq.producer import ServiceClient
 from tinkerq.settings import Settings
 from tinkerq.wire import messages
 
@@ -331,10 +331,10 @@ def big_model_dir(tmp_path_factory) -> Path:
     """A Llama big enough (~26 M parameters) that a full session's snapshot (weights + AdamW, ~310 MB) takes a
     while to write, so a SIGKILL can be aimed at the write."""
     import torch
-    from tinkerq.recipes.demo_model import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.helpers import VOCAB
+    from tinkerq.recipes.demo_model import build_tokenizer
 
     out = tmp_path_factory.mktemp("models") / "bigger-llama"
     torch.manual_seed(0)

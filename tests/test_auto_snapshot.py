@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from tinkerq.launcher.processes import wait_for
-from tinkerq.producer import ServiceClient
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tinkerq import errors, keys, types
+from tinkerq.launcher.processes import wait_for
+from tinkerq.producer import ServiceClient
 
 pytestmark = pytest.mark.timeout(300)
 ADAM = types.AdamParams(learning_rate=1e-2)

@@ -11,11 +11,11 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from tinkerq.producer.futures import APIFuture
 
 from tests.conftest import WORKER_MAX_MESSAGE_BYTES
 from tests.helpers import VOCAB, load_reference, make_batch, max_weight_diff, reference_step, send_raw
 from tinkerq import errors, types
+from tinkerq.producer.futures import APIFuture
 from tinkerq.wire import codec, messages
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinkerq.worker import checkpoints
 
 from tinkerq import errors, types
 from tinkerq.validation import MAX_CHECKPOINT_TTL_S, validate_ttl_seconds
+from tinkerq.worker import checkpoints
 
 pytestmark = pytest.mark.timeout(120)
 MODEL_ID = "c" * 32

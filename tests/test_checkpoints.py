@@ -104,10 +104,9 @@ def client_of(tc):
 
 
 def _full_session(model_dir):
+    from tests.helpers import load_reference
     from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.session import TrainingSession
-
-    from tests.helpers import load_reference
 
     model = load_reference(model_dir).requires_grad_(True)
     return TrainingSession("a" * 32, model, base_dir=str(model_dir), microbatch_tokens=96,
@@ -115,10 +114,9 @@ def _full_session(model_dir):
 
 
 def _lora_session(model_dir, name="b" * 32):
+    from tests.helpers import load_reference
     from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.lora.session import LoraBase, LoraSession
-
-    from tests.helpers import load_reference
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=96)
@@ -233,9 +231,8 @@ SHARDED = "tiny-sharded-checkpoints"
 @pytest.fixture(scope="module")
 def sharded(model_dir, redis_url, checkpoint_dir, tmp_path_factory, worker):
     """A model in two shards (tests/test_sharding.py), under a name of its own."""
-    from tinkerq.producer import ServiceClient
-
     from tests.test_sharding import _start_group
+    from tinkerq.producer import ServiceClient
 
     with ServiceClient(broker_url=redis_url) as sc:
         group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, sc, SHARDED)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tinkerq.launcher.processes import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,9 +59,8 @@ def test_worker_with_wrong_password_says_so(redis_url, model_dir):
 
 
 def test_producer_fails_fast_without_broker():
-    from tinkerq.producer import ServiceClient
-
     from tinkerq.errors import BrokerUnavailableError
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     with pytest.raises(BrokerUnavailableError, match="cannot reach Redis"):
@@ -151,7 +151,6 @@ def test_lora_rank_must_be_positive(command, rank):
 
 def test_lora_size_line():
     from tinkerq.recipes.sft import describe_lora
-
     from tinkerq.types import ModelInfo
 
     info = ModelInfo(model_id="m", base_model="b", vocab_size=10, max_seq_len=8, num_parameters=3_100_000, worker="w",

@@ -106,7 +106,8 @@ def test_train_file_with_the_wrong_fields(data_files):
 
 @pytest.mark.parametrize("kind", ["not_jsonl", "empty"])
 def test_eval_file_that_is_not_pairs(data_files, kind):
-    assert_one_line_mistake(_run("sft", "--eval", str(data_files[kind])), "sft", "--eval", "the file needs one")
+    assert_one_line_mistake(_run("sft", "--eval", str(data_files[kind])), "sft", "--eval",
+                            'one {"prompt": "...", "completion": "..."} object per line')
 
 
 def test_batch_larger_than_the_training_set():
@@ -234,7 +235,6 @@ def test_every_option_has_help(command):
 def test_checkpoint_dir_help_names_the_real_default():
     """--checkpoint-dir defaults to Settings.checkpoint_dir, $TINKERQ_HOME/checkpoints (once said ~/.cache/tinkerq)."""
     from tinkerq.launcher.main import build_parser
-
     from tinkerq.settings import Settings
 
     defaults = Settings()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tinkerq.launcher import processes
 from tinkerq.launcher.main import build_parser
 

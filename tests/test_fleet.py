@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinkerq.launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
 
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
+from tinkerq.launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,11 +67,10 @@ def hold_port(port: int) -> socket.socket | None:
 
 
 def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, capsys):
+    from tinkerq.errors import UnknownModelError
     from tinkerq.launcher.fleet import DEFAULT_FLOWER_PORT, DEFAULT_REDIS_PORT, cpu_cores
     from tinkerq.launcher.main import main as tinkerq_in_process
     from tinkerq.producer import ServiceClient
-
-    from tinkerq.errors import UnknownModelError
 
     other = build_tiny_llama(tmp_path / "other-model", seed=1)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
@@ -182,10 +181,9 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
 
 def test_fleet_up_with_a_sharded_worker(tmp_path):
     """Two shards of a model with tied embeddings (stored once): saved weights and states round-trip."""
-    from tinkerq.producer import ServiceClient
-
     from tests.helpers import load_reference, reference_logprobs
     from tinkerq import types
+    from tinkerq.producer import ServiceClient
 
     model_dir = build_tiny_llama(tmp_path / "tied-model", seed=3, tied=True)
     env = {"TINKERQ_HOME": str(tmp_path / "home"), "TINKERQ_HEARTBEAT_S": "1"}
@@ -242,10 +240,9 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
 
 def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url):
     """SIGTERM while a forward_backward runs: the task completes, its answer arrives, the worker exits 0."""
+    from tinkerq.connection import Connection
     from tinkerq.launcher.processes import start_process, worker_command
     from tinkerq.producer import ServiceClient
-
-    from tinkerq.connection import Connection
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
@@ -285,11 +282,10 @@ def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url)
 
 def test_a_killed_worker_fails_waiting_futures_instead_of_hanging(tmp_path, model_dir, redis_url):
     """SIGKILL (no warm shutdown): its registration expires, and the producer stops waiting with a clear error."""
-    from tinkerq.launcher.processes import start_process, worker_command
-    from tinkerq.producer import ServiceClient
-
     from tinkerq.connection import Connection
     from tinkerq.errors import WorkerLostError
+    from tinkerq.launcher.processes import start_process, worker_command
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"

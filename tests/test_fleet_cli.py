@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tinkerq.launcher.processes import free_port, port_problem
 
 from tests.test_fleet import _tinkerq, hold_port
+from tinkerq.launcher.processes import free_port, port_problem
 
 pytestmark = pytest.mark.timeout(240)
 

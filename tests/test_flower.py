@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from tinkerq.launcher.processes import ROOT, flower_command, free_port, start_process, stop, wait_for
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
 from tinkerq import types
+from tinkerq.launcher.processes import ROOT, flower_command, free_port, start_process, stop, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 AUTH = ("operator", "s3cret-for-tests")

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from tinkerq.launcher.processes import ROOT, wait_for
-from tinkerq.worker import memory
 
 from tests.fuzz_messages import KINDS, base_message, fuzz_messages
 from tests.helpers import make_batch
 from tinkerq import keys
+from tinkerq.launcher.processes import ROOT, wait_for
 from tinkerq.wire import codec, messages
+from tinkerq.worker import memory
 
 pytestmark = pytest.mark.timeout(240)
 

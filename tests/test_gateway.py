@@ -19,11 +19,11 @@ import pytest
 import redis
 import requests
 import torch
-from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_logprobs
 from tinkerq import types
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
 

@@ -16,10 +16,10 @@ from tinker import types as sdk
 from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as pb
-from tinkerq.gateway import proto
 
 from tinkerq import types
 from tinkerq.errors import MalformedMessageError, ServerError, ValidationError
+from tinkerq.gateway import proto
 from tinkerq.validation import Limits, validate_loss_request
 from tinkerq.wire import codec, messages
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from tinkerq.launcher.processes import ROOT, free_port
 
 from tinkerq import keys
 from tinkerq.errors import BrokerUnavailableError, UserError, ValidationError
+from tinkerq.launcher.processes import ROOT, free_port
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys, check_tenant_name
 

@@ -11,16 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
-from tinkerq.worker.lora.batch import LossItem, run_pass
-from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import build_tiny_llama, make_batch, reference_logprobs, rl_batch
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import validate_lora
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(300)
@@ -399,10 +399,9 @@ def test_rows_of_different_adapters_share_a_decode_batch_and_equal_each_merged_m
 
 
 def test_a_full_adapter_capacity_is_refused_with_the_fix(base):
-    from tinkerq.worker import memory
-
     from tinkerq.errors import CapacityError
     from tinkerq.settings import Settings
+    from tinkerq.worker import memory
 
     tight = Settings(memory_limit_mb=1)  # the worker process alone is far above 1 MiB
     with pytest.raises(CapacityError, match=r"a new LoRA adapter .* use a lower rank"):

@@ -9,6 +9,7 @@ import types as pytypes
 
 import pytest
 import torch
+
 from tinkerq.worker.loss_head import target_logprobs_from_hidden
 from tinkerq.worker.loss_head.apex import ApexChunkKernel, load_apex_xentropy
 from tinkerq.worker.loss_head.backends import BackendUnavailable, resolve_backend
@@ -169,8 +170,9 @@ def _tiny(family: str):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "gemma2"])
 def test_model_families_match_their_own_logits(family, tmp_path, caplog):
-    from tinkerq.worker.logprobs import LogprobComputer
     from transformers import AutoModelForCausalLM
+
+    from tinkerq.worker.logprobs import LogprobComputer
 
     _tiny(family).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinkerq.worker.losses import LOSSES, MetricTotals
 
 from tinkerq.errors import ValidationError
 from tinkerq.validation import resolve_loss_config
+from tinkerq.worker.losses import LOSSES, MetricTotals
 
 
 def _datums(n: int = 5, *, spread: float = 0.6, seed: int = 0):

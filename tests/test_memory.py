@@ -10,12 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinkerq.worker import memory
-from tinkerq.worker.batching import pad_batch
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
-from tinkerq.worker.sampling import StopRule, sample
-from tinkerq.worker.session import TrainingSession
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import start_named_worker
@@ -23,6 +17,12 @@ from tests.helpers import make_batch
 from tinkerq import types
 from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
+from tinkerq.worker import memory
+from tinkerq.worker.batching import pad_batch
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
+from tinkerq.worker.sampling import StopRule, sample
+from tinkerq.worker.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,9 +9,6 @@ import uuid
 
 import numpy as np
 import pytest
-from tinkerq.launcher.fleet import session_lines
-from tinkerq.launcher.processes import free_port, wait_for
-from tinkerq.producer import ServiceClient
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
@@ -19,6 +16,9 @@ from tests.test_adoption import EVERY as ADOPTION_EVERY
 from tests.test_adoption import Fleet
 from tinkerq import keys, types
 from tinkerq.connection import Connection
+from tinkerq.launcher.fleet import session_lines
+from tinkerq.launcher.processes import free_port, wait_for
+from tinkerq.producer import ServiceClient
 from tinkerq.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinkerq.launcher.processes import free_port, start_redis, stop, wait_for
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, max_weight_diff, reference_step
 from tinkerq import types
+from tinkerq.launcher.processes import free_port, start_redis, stop, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +53,6 @@ class DurableRedis:
 
 def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, model_dir):
     from tinkerq.producer import ServiceClient
-
     from tinkerq.settings import Settings
 
     redis = DurableRedis(tmp_path / "redis")
@@ -114,9 +113,8 @@ def test_redis_restart_and_pause_mid_run_cost_time_not_the_session(tmp_path, mod
 
 
 def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model_dir, redis_url, worker):
-    from tinkerq.producer import ServiceClient
-
     from tinkerq.errors import WorkerLostError
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
@@ -167,9 +165,8 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
 def test_a_frozen_worker_is_lost_too(tmp_path, model_dir, redis_url):
     """SIGSTOP: the process exists but does nothing; its heartbeat stops and its futures fail (then SIGCONT:
     it beats again and serves new sessions)."""
-    from tinkerq.producer import ServiceClient
-
     from tinkerq.errors import WorkerLostError
+    from tinkerq.producer import ServiceClient
     from tinkerq.settings import Settings
 
     log = tmp_path / "worker.log"
@@ -203,10 +200,10 @@ def test_answered_requests_leave_kombus_unacked_record(redis_url):
     import json
 
     import redis as redis_py
-    from tinkerq.worker.registry import drop_answered_unacked
 
     from tinkerq import keys
     from tinkerq.store import RedisStore
+    from tinkerq.worker.registry import drop_answered_unacked
 
     client = redis_py.Redis.from_url(redis_url)
     store = RedisStore(client, retry_s=5)

@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 import torch
-from tinkerq.worker.sampling import TorchEngine, run_jobs
 
 from tests.helpers import VOCAB, load_reference
 from tests.test_sampling_engine import NO_STOP, PausingGate, make_job, prompt_of
 from tinkerq import errors, types
 from tinkerq.wire import codec, messages
+from tinkerq.worker.sampling import TorchEngine, run_jobs
 
 pytestmark = pytest.mark.timeout(120)
 ATOL = 1e-5

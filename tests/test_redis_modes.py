@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinkerq.launcher.processes import wait_for
-from tinkerq.worker.intake import GuardedSentinelChannel
 
 from tests.conftest import start_worker_process
 from tests.helpers import load_reference, make_batch, max_weight_diff, reference_loss, reference_step
@@ -30,8 +28,10 @@ from tinkerq import types
 from tinkerq.celery_app import make_celery
 from tinkerq.connection import Connection
 from tinkerq.errors import BrokerUnavailableError
+from tinkerq.launcher.processes import wait_for
 from tinkerq.redis_client import SentinelMasterConnection, celery_redis_options, parse_sentinel_url, redis_client
 from tinkerq.settings import Settings, SettingsError
+from tinkerq.worker.intake import GuardedSentinelChannel
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,10 +11,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-from tinkerq.worker.sampling import EngineClosed, SampleJob, StopRule, TorchEngine, run_jobs, sample
 
 from tests.helpers import VOCAB, load_reference
 from tinkerq import types
+from tinkerq.worker.sampling import EngineClosed, SampleJob, StopRule, TorchEngine, run_jobs, sample
 
 pytestmark = pytest.mark.timeout(60)
 

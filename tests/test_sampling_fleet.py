@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinkerq.launcher.processes import wait_for
 
 from tests.conftest import start_worker_process
 from tests.helpers import make_batch
 from tests.test_sampling import NEVER, PROMPT, post_sample
 from tinkerq import errors, keys, types
+from tinkerq.launcher.processes import wait_for
 from tinkerq.wire import messages
 
 pytestmark = pytest.mark.timeout(240)

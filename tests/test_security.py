@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tinkerq.launcher.processes import ROOT, free_port
 
 from tinkerq import errors
 from tinkerq.errors import ValidationError
+from tinkerq.launcher.processes import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(240)
 MODEL_ID = "0123456789abcdef0123456789abcdef"

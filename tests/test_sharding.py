@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 
 from tests.conftest import WORKER_MICROBATCH_TOKENS
 from tests.helpers import RL_CONFIGS, load_reference, make_batch, max_weight_diff, rl_batch
 from tinkerq import errors, types
+from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 from tinkerq.wire import messages
 
 pytestmark = pytest.mark.timeout(240)

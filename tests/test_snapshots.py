@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinkerq.worker.snapshots import Snapshots
 
 from tests.helpers import build_tiny_llama, load_reference
 from tinkerq import errors, keys
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
 from tinkerq.wire import messages
+from tinkerq.worker.snapshots import Snapshots
 
 pytestmark = pytest.mark.timeout(120)
 

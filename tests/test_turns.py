@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from tinkerq.worker.turns import ComputeTurns
 
 pytestmark = pytest.mark.timeout(60)

@@ -69,6 +69,7 @@ def test_errors_cross_the_wire_with_their_category():
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, ranks):
     import numpy as np
+
     from tinkerq.worker.batching import rank_plans
 
     lengths = np.random.default_rng(n_datums * 10 + ranks).integers(1, 60, n_datums).tolist()
@@ -88,6 +89,7 @@ def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, rank
 
 def test_metric_totals_merged_across_ranks_equal_one_pass():
     import torch
+
     from tinkerq.worker.losses import Metric, MetricTotals
 
     g = torch.Generator().manual_seed(0)
@@ -111,10 +113,9 @@ def test_a_worker_that_stops_consuming_stops_beating():
     """Liveness means consuming: with the consumer loop silent and no task running, no heartbeat is sent."""
     import time
 
-    from tinkerq.worker.registry import ConsumerLiveness, Registration
-
     from tinkerq import keys
     from tinkerq.store import MemoryStore
+    from tinkerq.worker.registry import ConsumerLiveness, Registration
 
     store = MemoryStore()
     liveness = ConsumerLiveness(period_s=0.4)  # beats every 0.2 s; silent loop after 0.8 s

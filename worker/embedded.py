@@ -14,9 +14,9 @@ import logging
 from typing import Any
 
 from celery.contrib.testing.worker import start_worker
-from tinkerq.worker.runtime import AssembledWorker, assemble
 
 from tinkerq.settings import Settings
+from tinkerq.worker.runtime import AssembledWorker, assemble
 
 
 class EmbeddedFleet:

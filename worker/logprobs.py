@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import torch
+from transformers import PreTrainedModel
+
 from tinkerq.worker.lora import routing as lora_routing
 from tinkerq.worker.loss_head import resolve_backend, target_logprobs_from_hidden
-from transformers import PreTrainedModel
 
 log = logging.getLogger("tinkerq.worker")
 

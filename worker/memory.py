@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tinkerq.worker.batching import microbatch_ranges
 
 from tinkerq.errors import CapacityError
+from tinkerq.worker.batching import microbatch_ranges
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -23,13 +23,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from tinkerq.worker.intake import store_reply
-
 from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerLostError
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec, messages
+from tinkerq.worker.intake import store_reply
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -17,6 +17,10 @@ from typing import Any
 
 from celery import signals
 from celery.worker.consumer import Consumer
+
+from tinkerq import keys
+from tinkerq.connection import Connection
+from tinkerq.settings import Settings
 from tinkerq.worker.intake import DeadLetters, transport_for
 from tinkerq.worker.metrics import stats_step
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
@@ -26,10 +30,6 @@ from tinkerq.worker.service import WorkerService
 from tinkerq.worker.sharding.follower import build_host
 from tinkerq.worker.sharding.group import ShardSpec
 from tinkerq.worker.tasks import register_tasks
-
-from tinkerq import keys
-from tinkerq.connection import Connection
-from tinkerq.settings import Settings
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from tinkerq.worker.intake import DeadLetters
-from tinkerq.worker.service import WorkerService
-
 from tinkerq import keys
 from tinkerq.errors import MalformedMessageError
 from tinkerq.wire import messages
+from tinkerq.worker.intake import DeadLetters
+from tinkerq.worker.service import WorkerService
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -20,23 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tinkerq.worker import checkpoints, memory
-from tinkerq.worker.intake import DeadLetters, store_reply
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.lora.batch import LossItem
-from tinkerq.worker.lora.passes import LoraPasses
-from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
-from tinkerq.worker.metrics import WorkerMetrics
-from tinkerq.worker.model_loading import max_seq_len, vocab_size
-from tinkerq.worker.ordering import Ordering
-from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
-from tinkerq.worker.sampling.engine import SampleJob
-from tinkerq.worker.sampling.rules import StopRule
-from tinkerq.worker.sampling.torch_engine import TorchEngine
-from tinkerq.worker.session import Session, TrainingSession
-from tinkerq.worker.sharding.host import LeaderSession, ShardHost
-from tinkerq.worker.snapshots import Snapshots
-from tinkerq.worker.turns import ComputeTurns
 from transformers import PreTrainedModel
 
 from tinkerq import keys, types
@@ -62,6 +45,23 @@ from tinkerq.validation import (
     validate_ttl_seconds,
 )
 from tinkerq.wire import codec, messages
+from tinkerq.worker import checkpoints, memory
+from tinkerq.worker.intake import DeadLetters, store_reply
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.batch import LossItem
+from tinkerq.worker.lora.passes import LoraPasses
+from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
+from tinkerq.worker.metrics import WorkerMetrics
+from tinkerq.worker.model_loading import max_seq_len, vocab_size
+from tinkerq.worker.ordering import Ordering
+from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
+from tinkerq.worker.sampling.engine import SampleJob
+from tinkerq.worker.sampling.rules import StopRule
+from tinkerq.worker.sampling.torch_engine import TorchEngine
+from tinkerq.worker.session import Session, TrainingSession
+from tinkerq.worker.sharding.host import LeaderSession, ShardHost
+from tinkerq.worker.snapshots import Snapshots
+from tinkerq.worker.turns import ComputeTurns
 
 log = logging.getLogger("tinkerq.worker")
 

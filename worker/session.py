@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tinkerq.worker import checkpoints
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.training import SingleProcess, TrainingEngine, tied_names
 from transformers import PreTrainedModel
 
 from tinkerq import types
 from tinkerq.errors import ServerError, TinkerqError
+from tinkerq.worker import checkpoints
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.training import SingleProcess, TrainingEngine, tied_names
 
 # (op, **args) -> the command's result on rank 0
 Runner = Callable[..., Any]

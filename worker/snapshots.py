@@ -38,10 +38,6 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from tinkerq.worker import checkpoints, memory
-from tinkerq.worker.lora import routing
-from tinkerq.worker.lora.adapter import FrozenAdapter
-from tinkerq.worker.model_loading import load_causal_lm
 from transformers import PreTrainedModel
 
 from tinkerq import keys
@@ -49,6 +45,10 @@ from tinkerq.errors import CapacityError, UnknownModelError, ValidationError, Wo
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec, messages
+from tinkerq.worker import checkpoints, memory
+from tinkerq.worker.lora import routing
+from tinkerq.worker.lora.adapter import FrozenAdapter
+from tinkerq.worker.model_loading import load_causal_lm
 
 log = logging.getLogger("tinkerq.worker")
 

@@ -18,11 +18,11 @@ import numpy as np
 from celery import Celery
 from celery.exceptions import Ignore
 from celery.worker.request import Request
-from tinkerq.worker.service import WorkerService
 
 from tinkerq.celery_app import OPS, TASK_NAMES
 from tinkerq.wire import codec
 from tinkerq.wire.messages import REPLY_HEADER
+from tinkerq.worker.service import WorkerService
 
 SUMMARY_CHARS = 300  # Flower's result column; Celery cuts the repr at 1024 characters anyway
 _METRICS_SHOWN = 8

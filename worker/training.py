@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-from tinkerq.worker.batching import pad_batch, rank_plans
-from tinkerq.worker.checkpoints import SavedState, optimizer_entries
-from tinkerq.worker.losses import LOSSES, MetricTotals, ScoredBatch, score
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.wire import codec
+from tinkerq.worker.batching import pad_batch, rank_plans
+from tinkerq.worker.checkpoints import SavedState, optimizer_entries
+from tinkerq.worker.losses import LOSSES, MetricTotals, ScoredBatch, score
 
 _NOTHING_APPLIED = ("nothing was applied. The weights may have diverged (lower the learning rate) or the inputs "
                     "are extreme")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tinkerq.worker.memory import LORA_BYTES_PER_PARAMETER
 
 from tinkerq import types
 from tinkerq.errors import ValidationError
+from tinkerq.worker.memory import LORA_BYTES_PER_PARAMETER
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

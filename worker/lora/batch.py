@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from tinkerq import types
+from tinkerq.errors import NonFiniteError, TinkerqError
+from tinkerq.validation import resolve_loss_config
 from tinkerq.worker.batching import microbatch_ranges, pad_batch
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.routing import routed
 from tinkerq.worker.losses import LOSSES, score
 from tinkerq.worker.training import RequestPart, SingleProcess, TrainingEngine
-
-from tinkerq import types
-from tinkerq.errors import NonFiniteError, TinkerqError
-from tinkerq.validation import resolve_loss_config
 
 
 class LoraTarget(Protocol):

@@ -16,10 +16,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+from tinkerq.errors import TinkerqError, WorkerError
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase
-
-from tinkerq.errors import TinkerqError, WorkerError
 
 log = logging.getLogger("tinkerq.lora")
 

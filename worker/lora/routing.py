@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
 from tinkerq.worker.lora.adapter import ATTN, MLP
 
 _local = threading.local()

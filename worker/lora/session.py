@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from tinkerq import types
 from tinkerq.worker import checkpoints
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, find_targets
 from tinkerq.worker.training import SingleProcess, TrainingEngine
-from transformers import PreTrainedModel
-
-from tinkerq import types
 
 
 class LoraBase:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+
+from tinkerq.errors import UserError
 from tinkerq.worker.loss_head.apex import ApexChunkKernel, load_apex_xentropy
 from tinkerq.worker.loss_head.chunked import chunked_target_logprobs
 from tinkerq.worker.loss_head.reference import reference_target_logprobs
-
-from tinkerq.errors import UserError
 
 BACKENDS = ("auto", "apex", "torch", "reference")
 

@@ -3,12 +3,12 @@ batching torch engine (``torch_engine``). ``sample`` is the one-request call old
 
 from __future__ import annotations
 
-from tinkerq.worker.sampling.engine import EngineClosed, SampleJob, SamplingEngine, run_jobs
-from tinkerq.worker.sampling.rules import StopRule, filter_logits
-from tinkerq.worker.sampling.torch_engine import TorchEngine
 from transformers import PreTrainedModel
 
 from tinkerq import types
+from tinkerq.worker.sampling.engine import EngineClosed, SampleJob, SamplingEngine, run_jobs
+from tinkerq.worker.sampling.rules import StopRule, filter_logits
+from tinkerq.worker.sampling.torch_engine import TorchEngine
 
 __all__ = ["EngineClosed", "SampleJob", "SamplingEngine", "StopRule", "TorchEngine", "filter_logits", "run_jobs",
            "sample"]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from tinkerq.worker.sampling.rules import StopRule
 
 from tinkerq import types
+from tinkerq.worker.sampling.rules import StopRule
 
 if TYPE_CHECKING:  # a backend need not import transformers
     from transformers import PreTrainedModel

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from tinkerq.worker.logprobs import chunk_tokens
 from tinkerq.worker.loss_head import target_logprobs_from_hidden
 

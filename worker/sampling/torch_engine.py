@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicLayer
+
+from tinkerq import types
 from tinkerq.worker.logprobs import fused_head_support
 from tinkerq.worker.lora import routing
 from tinkerq.worker.sampling import prompt_logprobs
 from tinkerq.worker.sampling.engine import EngineClosed, SampleJob
 from tinkerq.worker.sampling.rules import StopRule, filter_logits
-from transformers.cache_utils import DynamicLayer
-
-from tinkerq import types
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 
+from tinkerq.errors import ShardGroupError, TinkerqError
+from tinkerq.settings import Settings
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
 from tinkerq.worker.sharding.host import ShardHost, from_wire
-
-from tinkerq.errors import ShardGroupError, TinkerqError
-from tinkerq.settings import Settings
 
 log = logging.getLogger("tinkerq.shards")
 

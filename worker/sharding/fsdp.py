@@ -8,11 +8,12 @@ FSDP gathers each layer's weights for the forward and reduce-scatters its gradie
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from transformers import PreTrainedModel
+
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.sharding.group import ShardGroup
 from tinkerq.worker.training import TrainingEngine
-from torch.distributed.fsdp import fully_shard
-from transformers import PreTrainedModel
 
 
 class LogprobModule(torch.nn.Module):

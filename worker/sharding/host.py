@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from transformers import PreTrainedModel
+
+from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
+from tinkerq.wire import messages
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.session import FullSession, execute
 from tinkerq.worker.sharding.fsdp import sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
 from tinkerq.worker.training import TrainingEngine, tied_names
-from transformers import PreTrainedModel
-
-from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
-from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.shards")
 
