@@ -229,7 +229,7 @@ class WorkerService:
         base = self._lora()
         targets = base.targets(config)
         self._make_room(lora=True)
-        parameters = config.rank * sum(t.in_features + t.out_features for t in targets)
+        parameters = config.rank * sum(t.parameters_per_rank() for t in targets)
         memory.admit_lora_session(parameters, self.settings, [slot.session for slot in self.slots.values()])
         return LoraSession(model_id, base, config, base_model=self.base_model)
 

@@ -1,17 +1,23 @@
-"""A LoRA adapter: which modules of a base model it adapts, and its A/B matrices.
+"""A LoRA adapter: which parts of a base model it adapts, and its A/B matrices.
 
-Tinker's layout (../shared/reference/lora-notes.md): ``train_attn`` adapts q/k/v/o_proj, ``train_mlp``
-gate/up/down_proj, ``train_unembed`` the output projection (lm_head; on a tied-embedding model the
-input embedding stays as it is). For a module ``y = x W^T`` (W: (out, in)) the adapter adds
-``scaling * (x A^T) B^T`` with A: (rank, in), B: (out, rank), scaling = 32 / rank. A starts as PEFT
-initialises it (kaiming-uniform, a = sqrt(5): U(+-1/sqrt(in))) from the session's seed, B at zero, so a
-new adapter leaves the model's outputs exactly unchanged. Masters are float32 whatever the base's dtype.
+Targets are found from the model's structure (:func:`adaptable`), not from a list of leaf names: every
+``nn.Linear`` inside a token-mixing module (attention, MLA, gated-delta-net linear attention, Mamba) is ``attn``;
+every ``nn.Linear`` inside a channel-mixing module (a dense MLP, a shared expert) and every fused-experts module's
+projections (worker/lora/experts.py) are ``mlp``; the output projection is ``unembed`` (on a tied-embedding
+model the input embedding stays as it is). A MoE block's router is never adapted (Tinker: routers are not).
+
+For a Linear ``y = x W^T`` (W: (out, in)) the adapter adds ``scaling * (x A^T) B^T`` with A: (rank, in),
+B: (out, rank), scaling = 32 / rank; an expert projection has Tinker's shared-outer 3-D factors
+(worker/lora/experts.py). A starts as PEFT initialises it (kaiming-uniform, a = sqrt(5): U(+-1/sqrt(in)), each
+expert's slice alike) from the session's seed, B at zero, so a new adapter leaves the model's outputs exactly
+unchanged. Masters are float32 whatever the base's dtype.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,45 +26,120 @@ from safetensors.torch import load_file
 
 from tinkerq import types
 from tinkerq.errors import ValidationError
+from tinkerq.worker.lora import experts as fused
 from tinkerq.worker.memory import LORA_BYTES_PER_PARAMETER
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+# What a decoder layer's sub-modules are, from their classes: token mixing (attention of every kind, linear
+# attention, state-space mixers) or channel mixing (MLPs, MoE blocks, experts).
+_TOKEN_MIXING = re.compile(r"attention|attn|mamba|deltanet|ssm|mixer", re.IGNORECASE)
+_CHANNEL_MIXING = re.compile(r"mlp|moe|expert|feedforward|ffn", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class Target:
-    name: str  # the module's name in the base model, as PEFT keys it (e.g. model.layers.0.self_attn.q_proj)
+    name: str  # a Linear's module name (PEFT's key, e.g. model.layers.0.self_attn.q_proj), or an experts
+    # module's name + "." + Tinker's projection (w1 gate, w3 up, w2 down), e.g. model.layers.1.mlp.experts.w1
     component: str  # "attn" | "mlp" | "unembed"
     in_features: int
     out_features: int
+    experts: int = 0  # 0 for a Linear; else E: the factors are 3-D (worker/lora/experts.py)
+
+    @property
+    def shared_a(self) -> bool:
+        """Experts: A (on the hidden size) is shared by all experts (w1, w3); else B is (w2)."""
+        return not self.name.endswith("." + fused.DOWN)
+
+    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of A and B."""
+        if not self.experts:
+            return (rank, self.in_features), (self.out_features, rank)
+        e_a, e_b = (1, self.experts) if self.shared_a else (self.experts, 1)
+        return (e_a, rank, self.in_features), (e_b, self.out_features, rank)
+
+    def parameters_per_rank(self) -> int:
+        a, b = self.shapes(1)
+        return math.prod(a) + math.prod(b)
+
+
+def adaptable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module, str]], torch.nn.Module]:
+    """Every module an adapter may target, in module order: (name, module, component), and the output projection.
+
+    A Linear's component is that of its nearest ancestor whose class is token- or channel-mixing (a Linear in
+    neither is left alone); a fused-experts module is ``mlp``. A Linear that sits directly in a MoE block (next
+    to its ``experts``) is a router or a shared-expert gate: not adapted.
+    """
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    modules = dict(model.named_modules())
+    found: list[tuple[str, torch.nn.Module, str]] = []
+    for name, module in modules.items():
+        if module is head:
+            if isinstance(module, torch.nn.Linear):
+                found.append((name, module, "unembed"))
+            continue
+        if fused.is_fused_experts(module):
+            found.append((name, module, "mlp"))
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        parent = name.rpartition(".")[0]
+        if isinstance(getattr(modules.get(parent), "experts", None), torch.nn.Module):
+            continue  # a router / shared-expert gate beside the experts
+        component, path = None, name
+        while path and component is None:
+            path = path.rpartition(".")[0]
+            kind = type(modules[path]).__name__ if path else ""
+            # Token mixing first: class names carry the family's name ("Qwen3_5MoeGatedDeltaNet").
+            component = "attn" if _TOKEN_MIXING.search(kind) else "mlp" if _CHANNEL_MIXING.search(kind) else None
+        if component is not None:
+            found.append((name, module, component))
+    return found, head
 
 
 def find_targets(model: torch.nn.Module, config: types.LoraConfig) -> list[Target]:
-    """The modules ``config`` adapts, in the model's module order (which fixes the initialisation order)."""
-    head = model.get_output_embeddings()  # type: ignore[operator]
+    """The modules ``config`` adapts, in the model's module order (which fixes the initialisation order).
+
+    A user error names what was found when a flag asks for something the model does not have, when nothing
+    at all is adapted, or when the rank exceeds a target's smaller dimension."""
+    candidates, _ = adaptable(model)
     found: list[Target] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
+    for name, module, component in candidates:
+        if not getattr(config, f"train_{component}"):
             continue
-        leaf = name.rsplit(".", 1)[-1]
-        component = "unembed" if module is head else "attn" if leaf in ATTN else "mlp" if leaf in MLP else None
-        if component is None or not getattr(config, f"train_{component}"):
+        if isinstance(module, torch.nn.Linear):
+            found.append(Target(name, component, module.in_features, module.out_features))
             continue
-        found.append(Target(name, component, module.in_features, module.out_features))
-    wanted = {"attn": ", ".join(ATTN), "mlp": ", ".join(MLP), "unembed": "a Linear output projection"}
-    for component, modules in wanted.items():
-        if getattr(config, f"train_{component}") and not any(t.component == component for t in found):
-            raise ValidationError(f"train_{component}=True, but this model has no {component} modules tinkerq "
-                                  f"adapts ({modules}); set train_{component}=False")
+        lay = fused.layout(module, name)  # a user error for experts tinkerq cannot adapt
+        for proj, (n_in, n_out) in lay.projections().items():
+            found.append(Target(f"{name}.{proj}", component, n_in, n_out, lay.num_experts))
+    seen = {c for _, _, c in candidates}
+    wanted = {"attn": "attention, linear-attention or Mamba projections", "mlp": "MLP or expert projections",
+              "unembed": "a Linear output projection"}
+    for component, what in wanted.items():
+        if getattr(config, f"train_{component}") and component not in seen:
+            raise ValidationError(f"train_{component}=True, but this model has no {what} tinkerq can adapt "
+                                  f"(found: {_summary(candidates)}); set train_{component}=False")
+    if not found:
+        raise ValidationError(f"this LoRA config adapts nothing in this model (found: {_summary(candidates)}): "
+                              f"set at least one of train_attn, train_mlp, train_unembed to True")
+    for t in found:
+        if config.rank > min(t.in_features, t.out_features):
+            raise ValidationError(f"LoRA rank {config.rank} is larger than {t.name} ({t.in_features} -> "
+                                  f"{t.out_features}) allows: use rank <= {min(t.in_features, t.out_features)}")
     return found
 
 
+def _summary(candidates: list[tuple[str, torch.nn.Module, str]]) -> str:
+    counts: dict[str, int] = {}
+    for _, _, component in candidates:
+        counts[component] = counts.get(component, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in counts.items()) or "no Linear or expert modules"
+
+
 def parameters_per_rank(targets: list[Target]) -> dict[str, int]:
-    """LoRA parameters per unit of rank, by component (sum of in + out over the adapted modules)."""
+    """LoRA parameters per unit of rank, by component."""
     counts = {"attn": 0, "mlp": 0, "unembed": 0}
     for t in targets:
-        counts[t.component] += t.in_features + t.out_features
+        counts[t.component] += t.parameters_per_rank()
     return counts
 
 
@@ -74,11 +155,13 @@ class Adapter(torch.nn.Module):
         self.b = torch.nn.ParameterDict()
         generator = torch.Generator().manual_seed(int(config.seed or 0))
         for t in targets:
-            a = torch.empty(config.rank, t.in_features)
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            a_shape, b_shape = t.shapes(config.rank)
+            a = torch.empty(a_shape)
+            for piece in a.view(-1, config.rank, t.in_features):  # each expert's (r, in) drawn as a dense A
+                torch.nn.init.kaiming_uniform_(piece, a=math.sqrt(5), generator=generator)
             key = _key(t.name)
             self.a[key] = torch.nn.Parameter(a.to(device))
-            self.b[key] = torch.nn.Parameter(torch.zeros(t.out_features, config.rank, device=device))
+            self.b[key] = torch.nn.Parameter(torch.zeros(b_shape, device=device))
 
     def pair(self, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         key = _key(target)

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from tinkerq.worker.lora.adapter import ATTN, MLP
+from tinkerq.worker.lora import experts
+from tinkerq.worker.lora.adapter import adaptable
 
 _local = threading.local()
 
@@ -36,9 +37,12 @@ Rows = slice | torch.Tensor  # a contiguous range, or row indices (B',)
 
 
 class Routing:
-    def __init__(self, groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None) -> None:
+    def __init__(self, groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
+                 batch: int | None = None) -> None:
         self.groups = groups
         self.head = head  # the output projection's name: the fused loss head asks for its pairs
+        self.batch = batch  # rows in the forward (row-index groups need it; contiguous groups cover the batch)
+        self._token_groups: tuple[int, tuple[list[AdapterWeights | None], torch.Tensor]] | None = None
         self.contiguous = all(isinstance(rows, slice) for _, rows in groups)
         if self.contiguous:  # then the groups must cover the batch, in order
             starts = [rows.start or 0 for _, rows in groups]  # type: ignore[union-attr]
@@ -57,22 +61,56 @@ class Routing:
         return out if any(pair is not None for _, pair in out) else None
 
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-        """``out`` (B, ..., out) of module ``name`` on input ``x`` (B, ..., in), with each group's delta."""
+        """``out`` (B, ..., out) of module ``name`` on input ``x`` (B, ..., in), with each group's delta.
+
+        Some modules see the batch flattened to tokens (N = B * T, in) (a MoE block's shared expert): their rows are
+        then tokens, row-major over (B, T)."""
         pairs = [adapter.pair(name) if adapter is not None else None for adapter, _ in self.groups]
         if all(pair is None for pair in pairs):
             return None
         if not self.contiguous:  # sampling: no gradients needed
             result = out.clone()
-            for (adapter, rows), pair in zip(self.groups, pairs, strict=True):
+            index = [rows for _, rows in self.groups]
+            if self.batch is not None and x.shape[0] != self.batch:  # flattened tokens
+                _, token_group = self.token_groups(x.shape[0], x.device)
+                index = [(token_group == g).nonzero().squeeze(1) for g in range(len(self.groups))]
+            for (adapter, _), rows, pair in zip(self.groups, index, pairs, strict=True):
                 if pair is not None:
                     result.index_add_(0, rows, _delta(x.index_select(0, rows), pair, adapter.scaling))
             return result
+        sizes = self.sizes
+        if x.shape[0] != sum(sizes):  # flattened tokens: each row's T tokens are contiguous
+            per_row = x.shape[0] // sum(sizes)
+            sizes = [n * per_row for n in sizes]
         # Contiguous groups covering the batch in order: split into views. torch.split's backward concatenates
         # the pieces' gradients once; indexing each slice would fill a whole-batch zero gradient per group.
         pieces = [oi if pair is None else oi + _delta(xi, pair, adapter.scaling)
-                  for (adapter, _), pair, xi, oi in zip(self.groups, pairs, torch.split(x, self.sizes),
-                                                        torch.split(out, self.sizes), strict=True)]
+                  for (adapter, _), pair, xi, oi in zip(self.groups, pairs, torch.split(x, sizes),
+                                                        torch.split(out, sizes), strict=True)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def token_groups(self, n_tokens: int, device: torch.device) -> tuple[list[AdapterWeights | None], torch.Tensor]:
+        """For modules that see the batch flattened to (N, H) tokens, row-major over (B, T) (MoE experts): the
+        groups' adapters (a last None group for rows no group holds) and each token's group (N,)."""
+        if self._token_groups is not None and self._token_groups[0] == n_tokens:
+            return self._token_groups[1]
+        adapters: list[AdapterWeights | None] = [adapter for adapter, _ in self.groups]
+        if self.contiguous:
+            rows = sum(self.sizes)
+            row_group = torch.repeat_interleave(torch.arange(len(self.sizes)), torch.tensor(self.sizes))
+        else:
+            if self.batch is None:
+                raise ValueError("row-index routing groups need the batch size (routed(..., batch=B))")
+            rows = self.batch
+            row_group = torch.full((rows,), len(adapters), dtype=torch.long)
+            for g, (_, index) in enumerate(self.groups):
+                row_group[index.cpu()] = g  # type: ignore[union-attr]
+            adapters.append(None)
+        if rows == 0 or n_tokens % rows:
+            raise ValueError(f"{n_tokens} tokens do not split into {rows} rows")
+        token_group = row_group.repeat_interleave(n_tokens // rows).to(device)
+        self._token_groups = (n_tokens, (adapters, token_group))
+        return adapters, token_group
 
     def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``t`` (B, ...) cut into the groups' rows (contiguous routings only)."""
@@ -90,10 +128,12 @@ def current() -> Routing | None:
 
 
 @contextlib.contextmanager
-def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None) -> Iterator[Routing]:
-    """Route this thread's forwards through ``groups`` (adapter, rows) until the block ends."""
+def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
+           batch: int | None = None) -> Iterator[Routing]:
+    """Route this thread's forwards through ``groups`` (adapter, rows) until the block ends; ``batch``: the rows
+    in the forward, needed when groups are row indices."""
     previous = current()
-    _local.routing = routing = Routing(groups, head)
+    _local.routing = routing = Routing(groups, head, batch)
     try:
         yield routing
     finally:
@@ -101,14 +141,19 @@ def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = 
 
 
 def install(model: torch.nn.Module) -> str:
-    """Hook every module of ``model`` an adapter may target (once); returns the output projection's name."""
-    head = model.get_output_embeddings()  # type: ignore[operator]
+    """Hook every module an adapter may target (once); returns the output projection's name.
+
+    Linear modules get a forward hook; fused-experts modules are registered with worker/lora/experts.py, whose
+    forward adds the deltas inside the experts' own dispatch."""
+    candidates, head = adaptable(model)
     head_name = next(name for name, module in model.named_modules() if module is head)
     if getattr(model, "_tinkerq_lora_hooks", False):
         return head_name
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and (module is head or name.rsplit(".", 1)[-1] in ATTN + MLP):
+    for name, module, _ in candidates:
+        if isinstance(module, torch.nn.Linear):
             module.register_forward_hook(_hook(name, module))
+        elif experts.is_fused_experts(module):
+            experts.register(module, name)
     model._tinkerq_lora_hooks = True  # type: ignore[assignment]
     return head_name
 

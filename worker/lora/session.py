@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from tinkerq import types
 from tinkerq.worker import checkpoints
 from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.lora import routing
+from tinkerq.worker.lora import experts, routing
 from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, find_targets
 from tinkerq.worker.training import SingleProcess, TrainingEngine
 
@@ -177,10 +177,21 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
     """
     state = {n: t.detach() for n, t in model.state_dict().items()}
     modules = dict(model.named_modules())
+    merged_experts: dict[str, dict[str, torch.Tensor]] = {}  # experts module -> {parameter: float32 merged}
     for name, (a, b) in adapter.pairs.items():
+        if a.dim() == 3:  # an expert projection: <experts module>.<w1|w2|w3>
+            module_name, proj = name.rsplit(".", 1)
+            module = modules[module_name]
+            lay = experts.layout(module, module_name)
+            experts.merge(module, proj, experts.delta_weight(a, b, adapter.scaling), lay,
+                          merged_experts.setdefault(module_name, {}))
+            continue
         weight = modules[name].weight
         merged = weight.detach().float() + adapter.scaling * (b.float() @ a.float())
         state[f"{name}.weight"] = merged.to(weight.dtype)
+    for module_name, params in merged_experts.items():
+        for param, value in params.items():
+            state[f"{module_name}.{param}"] = value.to(state[f"{module_name}.{param}"].dtype)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in modules.items() if m is head)
     untie = head_name in adapter.pairs and model.config.tie_word_embeddings

@@ -1,0 +1,138 @@
+"""Tiny random models of every family Tinker users train, built offline from a transformers config.
+
+Each is a real Hugging Face causal LM (``save_pretrained`` / ``from_pretrained``) with the family's own
+structure kept at toy width: MoE families keep several routed experts (and shared experts, dense-then-MoE
+layers, grouped routing where the family has them), hybrid families keep at least one layer of each kind
+(full attention, sliding window, gated-delta-net linear attention, Mamba-2), DeepSeek-V3 keeps MLA's
+compressed q/kv projections. Nothing is downloaded: the weights come from a fixed seed, the tokenizer is
+the demo's character tokenizer (its 50 ids fit every vocabulary here).
+
+``tinkerq families build DIR`` writes them all (``--family NAME`` for one); ``benchmarks/families.py`` and
+``tests/test_families*.py`` use :func:`build_family`. ``REAL_SMALL`` holds reduced-depth, real-width shapes
+for the GPU benchmark.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+VOCAB = 101
+
+# One config per family: (transformers model class name, config class name, fields).
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, head_dim=8,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the demo tokenizer's ids
+
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(_COMMON, num_hidden_layers=2, intermediate_size=64)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(_COMMON, num_hidden_layers=2, intermediate_size=64,
+                                                      tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        _COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),  # layer 0 dense, layer 1 MoE
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        _COMMON, num_hidden_layers=2, intermediate_size=64, layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4)),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
+        _COMMON, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        _COMMON, num_hidden_layers=2, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        _COMMON, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=8, routed_scaling_factor=2.5)),
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        _COMMON, num_hidden_layers=4, layers_block_type=["mamba", "moe", "attention", "mlp"],
+        intermediate_size=64, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
+        conv_kernel=4, expand=1, chunk_size=8, use_mamba_kernels=False)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        _COMMON, num_hidden_layers=2, intermediate_size=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(_COMMON, num_hidden_layers=2, intermediate_size=64,
+                                                            sliding_window=4)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(_COMMON, num_hidden_layers=2, intermediate_size=64)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(_COMMON, num_hidden_layers=2, intermediate_size=64)),
+}
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "nemotron_h")
+
+# Reduced-depth, real-width shapes for the GPU benchmark (benchmarks/families.py --shape real-small): the
+# widths, heads and expert counts of the named checkpoints, with 4 layers (DeepSeek-V3: 1 dense + 3 MoE).
+REAL_SMALL: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3-30B-A3B", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=4,
+                                        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        intermediate_size=6144)),
+    "gpt_oss": ("gpt-oss-20b", dict(vocab_size=201088, hidden_size=2880, num_hidden_layers=4, num_attention_heads=64,
+                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)),
+    "llama": ("Llama-3.1-8B", dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336)),
+}
+
+# Full-size configs (meta device only: parameter counts per rank, docs/families.md).
+REAL_FULL: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "Qwen3-30B-A3B": ("qwen3_moe", "Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, intermediate_size=6144)),
+    "gpt-oss-20b": ("gpt_oss", "GptOssConfig", dict(
+        vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)),
+    "DeepSeek-V3": ("deepseek_v3", "DeepseekV3Config", {}),  # the config class's defaults are DeepSeek-V3's
+}
+
+
+def family_config(family: str, **overrides: Any) -> Any:
+    """The transformers config of ``family``'s tiny model (``overrides`` replace fields)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    _, config_cls, fields = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**fields, **overrides})
+    config.architectures = [FAMILIES[family][0]]
+    return config
+
+
+def build_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+    """``family``'s tiny model in memory (float32, eval mode), its weights drawn from ``seed``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family][0])(family_config(family, **overrides))
+    _nonzero_biases(model, seed)
+    return model.eval()
+
+
+def _nonzero_biases(model: Any, seed: int) -> None:
+    """transformers initialises some parameters to zeros or ones (expert biases, gpt-oss sinks, the routers'
+    correction bias): draw them, so tests see what a trained checkpoint has."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("_bias") or leaf == "sinks":
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+            elif p.dim() >= 2 and float(p.abs().max()) == 0.0:  # an all-zero matrix (a router's weight)
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+
+def build_family(family: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """``family``'s tiny model and the demo tokenizer, saved with ``save_pretrained`` in ``out_dir``."""
+    from tinkerq.recipes.demo_model import build_tokenizer
+
+    out_dir = Path(out_dir)
+    build_model(family, seed, **overrides).save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir

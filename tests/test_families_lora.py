@@ -1,0 +1,232 @@
+"""Every model family Tinker users train, in process: full sessions against plain PyTorch, LoRA (dense and
+shared-outer expert adapters) against a reference written plainly here, mixed-tenant passes against each tenant
+alone, and the user errors of configs a family cannot take.
+
+The models are tiny random ones built from each family's transformers config (tinkerq/recipes/families.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call
+
+from tests.helpers import make_batch, reference_logprobs, reference_step
+from tinkerq import types
+from tinkerq.errors import ValidationError
+from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, build_family, build_model
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.session import LoraBase, LoraSession
+from tinkerq.worker.session import TrainingSession
+
+pytestmark = pytest.mark.timeout(120)
+ADAM = types.AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0, eps=1e-3)
+
+
+def lora_base(family: str, seed: int = 0) -> LoraBase:
+    model = build_model(family, seed)
+    return LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=64)
+
+
+def lora_session(base: LoraBase, seed: int, rank: int = 4, **flags) -> LoraSession:
+    s = LoraSession(f"s{seed}", base, types.LoraConfig(rank=rank, seed=seed, **flags), base_model="tiny")
+    for p in s.engine.params:  # nonzero B, so every adapter changes its rows from the start
+        p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)), alpha=0.05)
+    return s
+
+
+# -- the reference: the adapter merged into the base weights, written out plainly ------------------------------
+
+def merged_weights(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   scaling: float) -> dict[str, torch.Tensor]:
+    """Parameter overrides W + scaling * B @ A, differentiable in A and B.
+
+    A Linear's pair is (A (r, in), B (out, r)). An expert projection's (model.layers.N.mlp.experts.w1|w3|w2) is
+    Tinker's shared-outer pair: A (1|E, r, in), B (E|1, out, r), so B @ A broadcasts to (E, out, in). w1 (gate)
+    and w3 (up) are the two halves of gate_up_proj, [gate | up] or interleaved g0, u0, g1, u1, ...; an ungated
+    expert (up_proj only) has w1 alone. Transposed experts store (E, in, out)."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))  # lm_head.weight of a tied model too
+    out: dict[str, torch.Tensor] = {}
+    per_experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (a, b) in pairs.items():
+        if a.dim() == 2:
+            out[f"{name}.weight"] = params[f"{name}.weight"] + scaling * (b @ a)
+        else:
+            module, proj = name.rsplit(".", 1)
+            per_experts.setdefault(module, {})[proj] = scaling * torch.matmul(b, a)  # (E, out, in)
+    for module_name, deltas in per_experts.items():
+        m = modules[module_name]
+        t = (lambda w: w.transpose(1, 2)) if m.is_transposed else (lambda w: w)
+        if "w2" in deltas:
+            out[f"{module_name}.down_proj"] = m.down_proj + t(deltas["w2"])
+        if not m.has_gate:
+            if "w1" in deltas:
+                out[f"{module_name}.up_proj"] = m.up_proj + t(deltas["w1"])
+            continue
+        gate = deltas.get("w1", torch.zeros_like(deltas.get("w3", torch.zeros(0))))
+        up = deltas.get("w3", torch.zeros_like(gate))
+        if gate.numel() == 0:
+            continue
+        both = torch.cat([gate, up], 1) if m.is_concatenated else torch.stack([gate, up], 2).flatten(1, 2)
+        out[f"{module_name}.gate_up_proj"] = m.gate_up_proj + t(both)
+    return out
+
+
+def reference_loss(model, overrides, data) -> torch.Tensor:
+    """Tinker's cross_entropy, -sum(weights * logprobs), one unpadded full forward per datum."""
+    total = torch.zeros(())
+    for d in data:
+        tokens = torch.tensor(d.model_input.to_ints())[None]
+        targets = torch.tensor(np.asarray(d.loss_fn_inputs["target_tokens"].to_numpy()))
+        weights = torch.from_numpy(np.asarray(d.loss_fn_inputs["weights"].to_numpy()))
+        # tie_weights=False: an adapted tied output projection leaves the input embedding as it is
+        logits = functional_call(model, overrides, (tokens,), tie_weights=False).logits[0].float()  # (N, V)
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+        total = total - (weights * lp).sum()
+    return total
+
+
+# -- full sessions --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_session_steps_equal_plain_pytorch(family):
+    """Two fb + optim_step rounds of a full-parameter session equal the same loop in plain PyTorch + AdamW."""
+    model = build_model(family).requires_grad_(True)
+    reference = build_model(family).requires_grad_(True)
+    session = TrainingSession("m", model, base_dir="/nonexistent", microbatch_tokens=64,
+                              logprobs=LogprobComputer(model, "torch"), blank_model=lambda: build_model(family))
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.0)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        data = make_batch(rng, 3, max_len=14)
+        out = session.run_loss(data, "cross_entropy", None, backward=True)
+        for d, o in zip(data, out.loss_fn_outputs, strict=True):
+            with torch.no_grad():
+                np.testing.assert_allclose(o["logprobs"].to_numpy(), reference_logprobs(reference, d).numpy(),
+                                           atol=2e-5)
+        norm = reference_step(reference, opt, [data], ADAM)
+        assert session.optim_step(ADAM).metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -- LoRA -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_steps_equal_a_plain_shared_outer_reference(family):
+    """fb (logprobs, loss, gradients of every A and B) and optim_step of a rank-4 adapter over every target the
+    family has equal the merged-weights reference above trained with torch.optim.AdamW."""
+    base = lora_base(family)
+    s = lora_session(base, seed=7)
+    ours = dict(s.adapter.named_pairs())
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in ours.items()}
+    opt = torch.optim.AdamW(leaves.values(), lr=0.0)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        data = make_batch(rng, 3, max_len=14)
+        out = s.run_loss(data, "cross_entropy", None, backward=True)
+        pairs = {n.removesuffix(".lora_A.weight"): (leaves[n], leaves[n.replace("lora_A", "lora_B")])
+                 for n in leaves if n.endswith("lora_A.weight")}
+        loss = reference_loss(base.model, merged_weights(base.model, pairs, s.config.scaling), data)
+        assert out.metrics["loss:sum"] == pytest.approx(float(loss.detach()), rel=1e-5)
+        loss.backward()
+        for name, p in ours.items():  # float32 sums in another order (x W'^T against x W^T + s (x A^T) B^T)
+            scale = max(1e-6, float(leaves[name].grad.abs().max()))
+            torch.testing.assert_close(p.grad, leaves[name].grad, atol=2e-4 * scale, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        norm = torch.nn.utils.clip_grad_norm_(list(leaves.values()), ADAM.grad_clip_norm)
+        for group in opt.param_groups:
+            group.update(lr=ADAM.learning_rate, weight_decay=ADAM.weight_decay, betas=(ADAM.beta1, ADAM.beta2),
+                         eps=ADAM.eps)
+        opt.step()
+        opt.zero_grad()
+        assert s.optim_step(ADAM).metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-4)
+        for name, p in ours.items():
+            # Adam divides by sqrt(v) + eps: gradient rounding moves a weight by up to ~1e-3 of the step size
+            torch.testing.assert_close(p.detach(), leaves[name].detach(), atol=2e-3 * ADAM.learning_rate, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    assert not any(p.requires_grad for p in base.model.parameters())  # the base stays frozen
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_train_mlp_adapts_routed_experts_shared_experts_and_dense_mlps_never_routers(family):
+    model = build_model(family)
+    targets = find_targets(model, types.LoraConfig(rank=2, train_attn=False, train_unembed=False))
+    names = [t.name for t in targets]
+    experts = [t for t in targets if t.experts]
+    assert experts, names
+    for t in experts:  # Tinker's shared-outer shapes
+        a, b = t.shapes(2)
+        if t.name.endswith(".w2"):
+            assert a == (t.experts, 2, t.in_features) and b == (1, t.out_features, 2)
+        else:
+            assert a == (1, 2, t.in_features) and b == (t.experts, t.out_features, 2)
+    routed_layers = {n.rsplit(".experts.", 1)[0] for n in names if ".experts." in n}
+    moe_blocks = {n.rsplit(".", 1)[0] for n, m in model.named_modules() if n.endswith(".experts")}
+    assert routed_layers == moe_blocks  # every MoE layer's routed experts
+    assert not any("router" in n or n.endswith(".gate") or n.endswith("shared_expert_gate") for n in names)
+    if family in ("qwen3_moe", "deepseek_v3", "nemotron_h"):  # dense MLP layers beside the MoE ones
+        assert any(".experts." not in n and "shared" not in n for n in names), names
+    if family in ("qwen3_5_moe", "deepseek_v3", "nemotron_h"):
+        assert any("shared_expert" in n for n in names), names
+
+
+def test_sixteen_tenants_over_two_families_in_mixed_passes_equal_each_alone():
+    """Two MoE/hybrid bases, 8 tenants each (ranks and flags mixed): one pass per base gives each tenant the
+    outputs and gradients it gets alone, though other tenants' tokens reach the same experts."""
+    rng = np.random.default_rng(3)
+    flags = [dict(), dict(train_attn=False), dict(train_mlp=False), dict(rank=2)]
+    for family in ("qwen3_moe", "nemotron_h"):
+        base = lora_base(family)
+        tenants = [lora_session(base, seed=50 + i, **{"rank": 4, **flags[i % 4]}) for i in range(8)]
+        requests = [make_batch(rng, int(rng.integers(1, 4)), max_len=14) for _ in tenants]
+        solo = []
+        for t, data in zip(tenants, requests, strict=True):
+            out = t.run_loss(data, "cross_entropy", None, backward=True)
+            solo.append((out, [p.grad.clone() for p in t.engine.params]))
+            for p in t.engine.params:
+                p.grad.zero_()
+        items = [LossItem(t, data, "cross_entropy", None) for t, data in zip(tenants, requests, strict=True)]
+        run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=64, device=base.device,
+                 backward=True)
+        for item, t, (out, grads) in zip(items, tenants, solo, strict=True):
+            assert item.error is None
+            assert item.output.metrics["loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=1e-5)
+            for a, b in zip(out.loss_fn_outputs, item.output.loss_fn_outputs, strict=True):
+                np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+            for g, p in zip(grads, t.engine.params, strict=True):
+                assert float((g - p.grad).abs().max()) <= 1e-5 * max(1.0, float(g.abs().max())), family
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+def test_a_config_that_adapts_nothing_is_one_user_error():
+    model = build_model("qwen3")  # tied output projection
+    with pytest.raises(ValidationError, match="adapts nothing in this model"):
+        find_targets(model, types.LoraConfig(rank=2, train_attn=False, train_mlp=False, train_unembed=False))
+
+
+def test_a_rank_larger_than_a_target_allows_names_the_target():
+    with pytest.raises(ValidationError, match=r"rank 20 is larger than .*experts.w1 \(32 -> 16\).*use rank <= 16"):
+        find_targets(build_model("qwen3_moe"), types.LoraConfig(rank=20, train_attn=False))
+
+
+def test_unknown_architecture_is_one_user_error(tmp_path):
+    from tinkerq.worker.model_loading import ModelLoadError, load_causal_lm
+
+    build_family("llama", tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"llama"', '"no_such_family"')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_causal_lm(str(tmp_path))
+
+
+def test_parameter_counts_per_rank_cover_every_family():
+    """Counts per unit of rank by component: every family has attention and MLP parameters to adapt."""
+    for family in FAMILIES:
+        counts = parameters_per_rank(find_targets(build_model(family), types.LoraConfig(rank=1)))
+        assert counts["attn"] > 0 and counts["mlp"] > 0 and counts["unembed"] > 0, (family, counts)

@@ -1,0 +1,249 @@
+"""LoRA on fused MoE experts: Tinker's "shared-outer" adapters, riding the experts' own grouped dispatch.
+
+transformers 5 keeps a MoE layer's routed experts as 3-D parameters in one module (``gate_up_proj`` (E, 2I, H) or,
+transposed, (E, H, 2I); ``down_proj`` (E, H, I); gpt-oss adds biases and interleaves gate/up; Nemotron-H has an
+ungated ``up_proj``), marked by ``use_experts_implementation`` (attributes ``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``). :func:`layout` reads that structure; nothing here names a model family.
+
+Tinker's layout (../shared/reference/model-families.md): one adapter per projection, ``w1`` (gate), ``w3`` (up),
+``w2`` (down). The factor that touches the hidden size is shared by all experts, the inner one is per expert:
+
+    w1, w3: A (1, r, H)   B (E, I, r)          delta_e(x) = s * (x A^T) B_e^T
+    w2:     A (E, r, I)   B (1, H, r)          delta_e(h) = s * (h A_e^T) B^T
+
+with s = 32 / r. An ungated expert's single input projection is ``w1``.
+
+The forward (:func:`lora_experts_forward`) sorts the (token, expert) slots by expert and, within an expert, by
+adapter group, so the base weights run as one grouped matmul per projection (each expert's slots contiguous) and
+each adapter's per-expert factor as one more over (expert, group) segments; the shared factors are one dense
+matmul per group (x A^T before the dispatch; for w2, B after the routing weights are applied, since
+sum_k w_k (h_k A_k^T) B^T = (sum_k w_k h_k A_k^T) B^T). No capacity limit, no auxiliary loss: a token's output
+depends on its own routing only, so tenants sharing a pass never change each other's numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tinkerq.errors import ValidationError
+
+# Tinker's archive names for an expert module's projections.
+GATE, UP, DOWN = "w1", "w3", "w2"
+
+_lock = threading.Lock()
+_registered: dict[int, tuple[torch.nn.Module, str]] = {}  # id(experts module) -> (module, its name)
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """The structure of one fused-experts module (shapes are the math view: W_e is (out, in))."""
+
+    num_experts: int
+    hidden: int  # H
+    intermediate: int  # I
+    gated: bool  # gate_up_proj (gate and up) or up_proj alone
+    concatenated: bool  # [gate | up] rather than interleaved [g0, u0, g1, u1, ...]
+    transposed: bool  # weights stored (E, in, out)
+    has_bias: bool
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Tinker name -> (in_features, out_features) of each projection an adapter may target."""
+        inner = {GATE: (self.hidden, self.intermediate), UP: (self.hidden, self.intermediate)} if self.gated else \
+            {GATE: (self.hidden, self.intermediate)}
+        return {**inner, DOWN: (self.intermediate, self.hidden)}
+
+
+def is_fused_experts(module: torch.nn.Module) -> bool:
+    """A module holding experts as 3-D parameters (whatever its family; a convolution's 3-D kernel is not)."""
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return False
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def layout(module: torch.nn.Module, name: str) -> ExpertsLayout:
+    """``module``'s layout, or a user error saying what was found when tinkerq cannot adapt it."""
+    found = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters(recurse=False))
+    marked = all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+    up = getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not marked or not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 \
+            or getattr(module, "has_post_expert_norm", False):
+        raise ValidationError(f"{name} ({type(module).__name__}) holds fused expert parameters tinkerq cannot adapt "
+                              f"({found}): set train_mlp=False, or serve a model whose experts use transformers' "
+                              f"standard expert layouts")
+    transposed = bool(module.is_transposed)
+    num_experts, up_in, up_out = up.shape[0], *(up.shape[1:] if transposed else up.shape[:0:-1])
+    inter = up_out // 2 if module.has_gate else up_out
+    return ExpertsLayout(num_experts, up_in, inter, bool(module.has_gate), bool(module.is_concatenated), transposed,
+                         bool(module.has_bias))
+
+
+def register(module: torch.nn.Module, name: str) -> None:
+    """Route ``module``'s forwards through adapters (once per module; its class's forward is wrapped once).
+
+    Copies of the module (a full session's deep copy of the base) are not registered: they run the original."""
+    cls = type(module)
+    with _lock:
+        _registered[id(module)] = (module, name)
+        if not getattr(cls, "_tinkerq_lora", False):
+            original = cls.forward
+
+            def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+                entry = _registered.get(id(self))
+                if entry is not None and entry[0] is self:
+                    out = lora_experts_forward(self, entry[1], hidden_states, top_k_index, top_k_weights)
+                    if out is not None:
+                        return out
+                return original(self, hidden_states, top_k_index, top_k_weights)
+
+            cls.forward = forward  # type: ignore[method-assign]
+            cls._tinkerq_lora = True  # type: ignore[attr-defined]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], transposed: bool = False) -> torch.Tensor:
+    """``x`` (S, in), its rows in segments of ``counts`` (one per group of ``weight``), times each group's weight:
+    ``weight`` (G, out, in), or (G, in, out) when ``transposed``. Returns (S, out). Empty groups cost nothing."""
+    out_features = weight.shape[2] if transposed else weight.shape[1]
+    pieces, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            xs = x[start:start + n]
+            pieces.append(xs @ weight[g] if transposed else F.linear(xs, weight[g]))
+            start += n
+    if not pieces:
+        return x.new_zeros(0, out_features)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _stack(factors: list[torch.Tensor | None], shape: tuple[int, int, int], rank_dim: int, rank: int,
+           dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-group factors (E, a, b) (or None: zeros) padded to ``rank`` along ``rank_dim`` (1 or 2) and laid out
+    (E * G, a, b) with index e * G + g: the segments the dispatch sorts slots into."""
+    num_experts = shape[0]
+    padded = []
+    for f in factors:
+        if f is None:
+            f = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            f = f.to(dtype).expand(num_experts, *f.shape[1:])
+            if f.shape[rank_dim] < rank:  # a lower-rank adapter: zero columns add nothing
+                pad = [0, 0, 0, 0]
+                pad[2 * (2 - rank_dim) + 1] = rank - f.shape[rank_dim]
+                f = F.pad(f, pad)
+        padded.append(f)
+    return torch.stack(padded, 1).reshape(num_experts * len(factors), *padded[0].shape[1:])
+
+
+def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor | None:
+    """The experts' output (N, H) with each token's adapter delta; None when no routed adapter targets ``name``."""
+    from tinkerq.worker.lora import routing
+
+    route = routing.current()
+    if route is None:
+        return None
+    n_tokens, top_k = top_k_index.shape
+    # G adapters (or None), and the group of each token (N,)
+    adapters, token_group = route.token_groups(n_tokens, hidden_states.device)
+    pairs = {p: [a.pair(f"{name}.{p}") if a is not None else None for a in adapters] for p in (GATE, UP, DOWN)}
+    if all(pair is None for group in pairs.values() for pair in group):
+        return None
+    lay = layout(module, name)
+    dtype, device = hidden_states.dtype, hidden_states.device
+    groups, experts = len(adapters), lay.num_experts
+    scalings = [a.scaling if a is not None else 0.0 for a in adapters]
+    members = [(token_group == g).nonzero().squeeze(1) for g in range(groups)]  # each group's tokens
+
+    expert = top_k_index.reshape(-1)  # (S,) S = N * K slots
+    segment = expert * groups + token_group.repeat_interleave(top_k)  # (S,) the slot's (expert, group)
+    order = torch.argsort(segment, stable=True)  # (S,) expert-major, then group
+    token = order // top_k  # (S,) the token of each sorted slot
+    per_expert = torch.bincount(expert, minlength=experts).tolist()
+    per_segment = torch.bincount(segment, minlength=experts * groups).tolist()
+    x = hidden_states[token]  # (S, H)
+
+    up_weight = module.gate_up_proj if lay.gated else module.up_proj
+    h = grouped_linear(x, up_weight, per_expert, lay.transposed)  # (S, 2I or I)
+    if lay.has_bias:
+        h = h + (module.gate_up_proj_bias if lay.gated else module.up_proj_bias)[expert[order]]
+    deltas = [_inner_delta(hidden_states, pairs[p], members, scalings, token, per_segment, lay, dtype)
+              for p in ((GATE, UP) if lay.gated else (GATE,))]
+    if any(d is not None for d in deltas):
+        if lay.gated:
+            gate, up = (d if d is not None else h.new_zeros(h.shape[0], lay.intermediate) for d in deltas)
+            h = h + (torch.cat([gate, up], -1) if lay.concatenated else torch.stack([gate, up], -1).flatten(1))
+        else:
+            h = h + deltas[0]
+    h = module._apply_gate(h) if lay.gated else module.act_fn(h)  # (S, I)
+
+    out = grouped_linear(h, module.down_proj, per_expert, lay.transposed)  # (S, H)
+    if lay.has_bias:
+        out = out + module.down_proj_bias[expert[order]]
+    weights = top_k_weights.reshape(-1)[order].to(out.dtype)[:, None]  # (S, 1)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=device)
+    final = (out * weights)[unsort].view(n_tokens, top_k, -1).sum(1)  # (N, H)
+
+    down = pairs[DOWN]
+    if any(p is not None for p in down):
+        rank = max(p[0].shape[1] for p in down if p is not None)
+        a_stack = _stack([p[0] if p is not None else None for p in down], (experts, rank, lay.intermediate), 1, rank,
+                         dtype, device)  # (E * G, r, I)
+        ha = grouped_linear(h, a_stack, per_segment)  # (S, r)
+        ha = (ha * weights)[unsort].view(n_tokens, top_k, -1).sum(1)  # (N, r): the routing-weighted sum per token
+        for g, pair in enumerate(down):
+            if pair is not None and members[g].numel():
+                b = pair[1][0].to(dtype)  # (H, r_g)
+                rows = ha.index_select(0, members[g])[:, :b.shape[1]]
+                final = final.index_add(0, members[g], F.linear(rows, b) * scalings[g])
+    return final.to(hidden_states.dtype)
+
+
+def _inner_delta(hidden: torch.Tensor, pairs: list[Any], members: list[torch.Tensor], scalings: list[float],
+                 token: torch.Tensor, per_segment: list[int], lay: ExpertsLayout,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+    """A shared-A projection's delta on the sorted slots (S, I): s * (x A^T) per group's tokens, then the
+    per-expert B over the (expert, group) segments."""
+    if all(p is None for p in pairs):
+        return None
+    rank = max(p[0].shape[1] for p in pairs if p is not None)
+    xa = hidden.new_zeros(hidden.shape[0], rank)  # (N, r)
+    for g, pair in enumerate(pairs):
+        if pair is not None and members[g].numel():
+            a = pair[0][0].to(dtype)  # (r_g, H)
+            part = F.linear(hidden.index_select(0, members[g]), a) * scalings[g]  # (n_g, r_g)
+            xa = xa.index_copy(0, members[g], F.pad(part, (0, rank - a.shape[0])))
+    b_stack = _stack([p[1] if p is not None else None for p in pairs], (lay.num_experts, lay.intermediate, rank), 2,
+                     rank, dtype, hidden.device)  # (E * G, I, r)
+    return grouped_linear(xa[token], b_stack, per_segment)  # (S, I)
+
+
+def delta_weight(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The per-expert weight change (E, out, in) of one projection's factors, in float32."""
+    return scaling * torch.matmul(b.float(), a.float())  # (E|1, out, r) @ (E|1, r, in) broadcasts to (E, out, in)
+
+
+def merge(module: torch.nn.Module, proj: str, delta: torch.Tensor, lay: ExpertsLayout,
+          merged: dict[str, torch.Tensor]) -> None:
+    """Add ``delta`` (E, out, in) to projection ``proj`` of ``module`` in ``merged`` ({param name: float32 copy},
+    filled from the module on first use, so w1 and w3 both land in one gate_up_proj)."""
+    if proj == DOWN:
+        name, rows = "down_proj", slice(None)
+    elif not lay.gated:
+        name, rows = "up_proj", slice(None)
+    else:
+        name, first = "gate_up_proj", proj == GATE
+        if lay.concatenated:
+            rows = slice(0, lay.intermediate) if first else slice(lay.intermediate, None)
+        else:
+            rows = slice(0, None, 2) if first else slice(1, None, 2)
+    if name not in merged:
+        merged[name] = getattr(module, name).detach().float().clone()
+    view = merged[name].transpose(1, 2) if lay.transposed else merged[name]  # (E, out, in)
+    view[:, rows] += delta
