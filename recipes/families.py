@@ -128,11 +128,33 @@ def _nonzero_biases(model: Any, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
 
 
+# Qwen3.5 checkpoints are vision-language ones (Qwen3_5[Moe]ForConditionalGeneration, the text model under
+# model.language_model.*); AutoModelForCausalLM loads their text model. A tiny vision tower keeps that layout.
+_VISION_LANGUAGE = {"qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config"),
+                    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig")}
+_TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                    temporal_patch_size=1, spatial_merge_size=1)
+
+
 def build_family(family: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
-    """``family``'s tiny model and the demo tokenizer, saved with ``save_pretrained`` in ``out_dir``."""
+    """``family``'s tiny model and the demo tokenizer, saved with ``save_pretrained`` in ``out_dir``, in the
+    layout the family's real checkpoints have."""
+    import torch
+    import transformers
+
     from tinkerq.recipes.demo_model import build_tokenizer
 
     out_dir = Path(out_dir)
-    build_model(family, seed, **overrides).save_pretrained(out_dir)
+    if family in _VISION_LANGUAGE:
+        model_cls, config_cls = _VISION_LANGUAGE[family]
+        text = family_config(family, **overrides).to_dict()
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=_TINY_VISION,
+                                                   tie_word_embeddings=text.get("tie_word_embeddings", False))
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_cls)(config)
+        _nonzero_biases(model, seed)
+    else:
+        model = build_model(family, seed, **overrides)
+    model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     return out_dir

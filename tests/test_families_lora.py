@@ -52,12 +52,27 @@ def merged_weights(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, 
     params = dict(model.named_parameters(remove_duplicate=False))  # lm_head.weight of a tied model too
     out: dict[str, torch.Tensor] = {}
     per_experts: dict[str, dict[str, torch.Tensor]] = {}
+    sliced: dict[str, list[tuple[int, torch.Tensor]]] = {}  # a fused Linear's parts: (first row, delta)
     for name, (a, b) in pairs.items():
-        if a.dim() == 2:
+        prefix, _, leaf = name.rpartition(".")  # lm_head has no prefix
+        mixer = modules.get(prefix)
+        if a.dim() == 2 and leaf in ("in_proj_q", "in_proj_k", "in_proj_v"):  # rows q | k | v of in_proj_qkv
+            start = {"in_proj_q": 0, "in_proj_k": mixer.key_dim, "in_proj_v": 2 * mixer.key_dim}[leaf]
+            sliced.setdefault(f"{prefix}.in_proj_qkv", []).append((start, scaling * (b @ a)))
+        elif a.dim() == 2 and leaf in ("gate_proj", "x_proj") and hasattr(mixer, "ssm_state_size"):  # Mamba
+            start = 0 if leaf == "gate_proj" else mixer.intermediate_size  # in_proj rows [gate | x | B C dt]
+            sliced.setdefault(f"{prefix}.in_proj", []).append((start, scaling * (b @ a)))
+        elif a.dim() == 2:
             out[f"{name}.weight"] = params[f"{name}.weight"] + scaling * (b @ a)
         else:
             module, proj = name.rsplit(".", 1)
             per_experts.setdefault(module, {})[proj] = scaling * torch.matmul(b, a)  # (E, out, in)
+    for module_name, pieces in sliced.items():
+        weight = params[f"{module_name}.weight"]
+        delta = torch.zeros_like(weight)
+        for start, d in pieces:
+            delta = delta + torch.nn.functional.pad(d, (0, 0, start, weight.shape[0] - start - d.shape[0]))
+        out[f"{module_name}.weight"] = weight + delta
     for module_name, deltas in per_experts.items():
         m = modules[module_name]
         t = (lambda w: w.transpose(1, 2)) if m.is_transposed else (lambda w: w)
@@ -230,3 +245,23 @@ def test_parameter_counts_per_rank_cover_every_family():
     for family in FAMILIES:
         counts = parameters_per_rank(find_targets(build_model(family), types.LoraConfig(rank=1)))
         assert counts["attn"] > 0 and counts["mlp"] > 0 and counts["unembed"] > 0, (family, counts)
+
+
+@pytest.mark.parametrize("name, expected", [
+    # Per unit of rank, as tinker-cookbook 0.6.1's hyperparam_utils tabulates them for these checkpoints.
+    ("Qwen3-30B-A3B", {"mlp": 14_450_688}),
+    ("gpt-oss-20b", {"attn": 497_664, "mlp": 6_842_880}),
+    ("DeepSeek-V3", {"attn": 2_440_000, "mlp": 94_307_328}),
+])
+def test_moe_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expected):
+    """Shared-outer experts (H + E * I per projection and rank), MLA adapted on q_a, kv_a and o only: the counts of
+    the real checkpoints' shapes, built on the meta device."""
+    import transformers
+
+    from tinkerq.recipes.families import REAL_FULL
+
+    _, config_cls, fields = REAL_FULL[name]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**fields))
+    counts = parameters_per_rank(find_targets(model, types.LoraConfig(rank=1)))
+    assert {k: counts[k] for k in expected} == expected

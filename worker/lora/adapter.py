@@ -36,9 +36,21 @@ _CHANNEL_MIXING = re.compile(r"mlp|moe|expert|feedforward|ffn", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class Target:
-    name: str  # a Linear's module name (PEFT's key, e.g. model.layers.0.self_attn.q_proj), or an experts
+class Part:
+    """One adapter target in the base model: a Linear (or rows of one), or one projection of fused experts."""
+
+    name: str  # the adapter's name: a Linear's module name (PEFT's key, e.g. model.layers.0.self_attn.q_proj);
+    # a part of a fused Linear under Tinker's name (…linear_attn.in_proj_q: rows of in_proj_qkv); an experts
     # module's name + "." + Tinker's projection (w1 gate, w3 up, w2 down), e.g. model.layers.1.mlp.experts.w1
+    module_name: str  # the module it lives in
+    module: torch.nn.Module
+    component: str  # "attn" | "mlp" | "unembed"
+    rows: tuple[int, int] | None = None  # the output rows of the Linear it adapts (None: all)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # Part.name
     component: str  # "attn" | "mlp" | "unembed"
     in_features: int
     out_features: int
@@ -61,23 +73,25 @@ class Target:
         return math.prod(a) + math.prod(b)
 
 
-def adaptable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module, str]], torch.nn.Module]:
-    """Every module an adapter may target, in module order: (name, module, component), and the output projection.
+def adaptable(model: torch.nn.Module) -> list[Part]:
+    """Every part an adapter may target, in module order.
 
     A Linear's component is that of its nearest ancestor whose class is token- or channel-mixing (a Linear in
     neither is left alone); a fused-experts module is ``mlp``. A Linear that sits directly in a MoE block (next
-    to its ``experts``) is a router or a shared-expert gate: not adapted.
+    to its ``experts``) is a router or a shared-expert gate: not adapted. Inside a token-mixing module,
+    :func:`_linear_parts` applies Tinker's choices (per-head gates and MLA's latent up-projections are not
+    adapted; fused linear-attention and Mamba input projections are adapted in parts).
     """
     head = model.get_output_embeddings()  # type: ignore[operator]
     modules = dict(model.named_modules())
-    found: list[tuple[str, torch.nn.Module, str]] = []
+    found: list[Part] = []
     for name, module in modules.items():
         if module is head:
             if isinstance(module, torch.nn.Linear):
-                found.append((name, module, "unembed"))
+                found.append(Part(name, name, module, "unembed"))
             continue
         if fused.is_fused_experts(module):
-            found.append((name, module, "mlp"))
+            found += [Part(f"{name}.{proj}", name, module, "mlp") for proj in fused.layout(module, name).projections()]
             continue
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -90,28 +104,61 @@ def adaptable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module, 
             kind = type(modules[path]).__name__ if path else ""
             # Token mixing first: class names carry the family's name ("Qwen3_5MoeGatedDeltaNet").
             component = "attn" if _TOKEN_MIXING.search(kind) else "mlp" if _CHANNEL_MIXING.search(kind) else None
-        if component is not None:
-            found.append((name, module, component))
-    return found, head
+        if component == "attn":
+            found += [Part(n, name, module, component, rows) for n, rows in _linear_parts(name, module, modules[path])]
+        elif component is not None:
+            found.append(Part(name, name, module, component))
+    return found
+
+
+def _linear_parts(name: str, linear: torch.nn.Linear,
+                  mixer: torch.nn.Module) -> list[tuple[str, tuple[int, int] | None]]:
+    """The adapters a Linear of a token-mixing module takes, as Tinker lays them out (model-families.md): its
+    per-unit-of-rank parameter counts match only with these choices.
+
+    - A projection to one scalar per head (a gated-delta-net's decay and beta gates) is not adapted.
+    - A projection out of a compressed latent (MLA's q_b_proj, kv_b_proj: the input is the q or kv LoRA rank) is
+      already low-rank: not adapted.
+    - A linear-attention layer's fused q/k/v projection takes one adapter per part (in_proj_q, in_proj_k,
+      in_proj_v: rows key_dim, key_dim, value_dim).
+    - A Mamba mixer's fused input projection [gate | x | B | C | dt] takes adapters on its gate and x rows
+      (gate_proj, x_proj); the small B, C and dt rows are not adapted.
+    """
+    attr = lambda key: getattr(mixer, key, None)  # noqa: E731
+    heads = {attr(k) for k in ("num_heads", "num_v_heads", "num_k_heads")} - {None}
+    if linear.out_features in heads:
+        return []
+    if linear.in_features in {attr("q_lora_rank"), attr("kv_lora_rank")} - {None}:
+        return []
+    prefix = name.rpartition(".")[0]
+    key_dim, value_dim = attr("key_dim"), attr("value_dim")
+    if isinstance(key_dim, int) and isinstance(value_dim, int) and linear.out_features == 2 * key_dim + value_dim:
+        bounds = [0, key_dim, 2 * key_dim, 2 * key_dim + value_dim]
+        return [(f"{prefix}.in_proj_{p}", (bounds[i], bounds[i + 1])) for i, p in enumerate("qkv")]
+    inner, state = attr("intermediate_size"), attr("ssm_state_size")
+    if isinstance(inner, int) and isinstance(state, int) and linear.out_features > 2 * inner:
+        return [(f"{prefix}.gate_proj", (0, inner)), (f"{prefix}.x_proj", (inner, 2 * inner))]
+    return [(name, None)]
 
 
 def find_targets(model: torch.nn.Module, config: types.LoraConfig) -> list[Target]:
-    """The modules ``config`` adapts, in the model's module order (which fixes the initialisation order).
+    """The parts ``config`` adapts, in the model's module order (which fixes the initialisation order).
 
     A user error names what was found when a flag asks for something the model does not have, when nothing
     at all is adapted, or when the rank exceeds a target's smaller dimension."""
-    candidates, _ = adaptable(model)
+    candidates = adaptable(model)
     found: list[Target] = []
-    for name, module, component in candidates:
-        if not getattr(config, f"train_{component}"):
+    for part in candidates:
+        if not getattr(config, f"train_{part.component}"):
             continue
-        if isinstance(module, torch.nn.Linear):
-            found.append(Target(name, component, module.in_features, module.out_features))
+        if isinstance(part.module, torch.nn.Linear):
+            n_out = part.module.out_features if part.rows is None else part.rows[1] - part.rows[0]
+            found.append(Target(part.name, part.component, part.module.in_features, n_out))
             continue
-        lay = fused.layout(module, name)  # a user error for experts tinkerq cannot adapt
-        for proj, (n_in, n_out) in lay.projections().items():
-            found.append(Target(f"{name}.{proj}", component, n_in, n_out, lay.num_experts))
-    seen = {c for _, _, c in candidates}
+        lay = fused.layout(part.module, part.module_name)
+        n_in, n_out = lay.projections()[part.name.rsplit(".", 1)[1]]
+        found.append(Target(part.name, part.component, n_in, n_out, lay.num_experts))
+    seen = {p.component for p in candidates}
     wanted = {"attn": "attention, linear-attention or Mamba projections", "mlp": "MLP or expert projections",
               "unembed": "a Linear output projection"}
     for component, what in wanted.items():
@@ -128,10 +175,10 @@ def find_targets(model: torch.nn.Module, config: types.LoraConfig) -> list[Targe
     return found
 
 
-def _summary(candidates: list[tuple[str, torch.nn.Module, str]]) -> str:
+def _summary(candidates: list[Part]) -> str:
     counts: dict[str, int] = {}
-    for _, _, component in candidates:
-        counts[component] = counts.get(component, 0) + 1
+    for part in candidates:
+        counts[part.component] = counts.get(part.component, 0) + 1
     return ", ".join(f"{n} {c}" for c, n in counts.items()) or "no Linear or expert modules"
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tinkerq.worker.lora import experts
-from tinkerq.worker.lora.adapter import adaptable
+from tinkerq.worker.lora.adapter import Part, adaptable
 
 _local = threading.local()
 
@@ -60,13 +60,15 @@ class Routing:
                for adapter, _ in self.groups]
         return out if any(pair is not None for _, pair in out) else None
 
-    def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-        """``out`` (B, ..., out) of module ``name`` on input ``x`` (B, ..., in), with each group's delta.
+    def apply(self, parts: list[tuple[str, tuple[int, int] | None]], x: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor | None:
+        """``out`` (B, ..., out) of a Linear on input ``x`` (B, ..., in), with each group's delta on the Linear's
+        ``parts`` ((adapter name, output rows or None for all)).
 
         Some modules see the batch flattened to tokens (N = B * T, in) (a MoE block's shared expert): their rows are
         then tokens, row-major over (B, T)."""
-        pairs = [adapter.pair(name) if adapter is not None else None for adapter, _ in self.groups]
-        if all(pair is None for pair in pairs):
+        deltas = [_Delta(parts, adapter, out.shape[-1]) if adapter is not None else None for adapter, _ in self.groups]
+        if not any(d is not None and d.active for d in deltas):
             return None
         if not self.contiguous:  # sampling: no gradients needed
             result = out.clone()
@@ -74,9 +76,9 @@ class Routing:
             if self.batch is not None and x.shape[0] != self.batch:  # flattened tokens
                 _, token_group = self.token_groups(x.shape[0], x.device)
                 index = [(token_group == g).nonzero().squeeze(1) for g in range(len(self.groups))]
-            for (adapter, _), rows, pair in zip(self.groups, index, pairs, strict=True):
-                if pair is not None:
-                    result.index_add_(0, rows, _delta(x.index_select(0, rows), pair, adapter.scaling))
+            for rows, delta in zip(index, deltas, strict=True):
+                if delta is not None and delta.active:
+                    result.index_add_(0, rows, delta(x.index_select(0, rows)))
             return result
         sizes = self.sizes
         if x.shape[0] != sum(sizes):  # flattened tokens: each row's T tokens are contiguous
@@ -84,9 +86,8 @@ class Routing:
             sizes = [n * per_row for n in sizes]
         # Contiguous groups covering the batch in order: split into views. torch.split's backward concatenates
         # the pieces' gradients once; indexing each slice would fill a whole-batch zero gradient per group.
-        pieces = [oi if pair is None else oi + _delta(xi, pair, adapter.scaling)
-                  for (adapter, _), pair, xi, oi in zip(self.groups, pairs, torch.split(x, sizes),
-                                                        torch.split(out, sizes), strict=True)]
+        pieces = [oi if delta is None or not delta.active else oi + delta(xi)
+                  for delta, xi, oi in zip(deltas, torch.split(x, sizes), torch.split(out, sizes), strict=True)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def token_groups(self, n_tokens: int, device: torch.device) -> tuple[list[AdapterWeights | None], torch.Tensor]:
@@ -123,6 +124,32 @@ def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scaling: fl
     return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling
 
 
+class _Delta:
+    """One adapter's change to one Linear's output: whole, or per part of its rows (zeros elsewhere)."""
+
+    def __init__(self, parts: list[tuple[str, tuple[int, int] | None]], adapter: AdapterWeights, width: int) -> None:
+        self.pairs = [(rows, adapter.pair(name)) for name, rows in parts]
+        self.scaling = adapter.scaling
+        self.width = width
+        self.active = any(pair is not None for _, pair in self.pairs)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.pairs) == 1 and self.pairs[0][0] is None:
+            return _delta(x, self.pairs[0][1], self.scaling)  # type: ignore[arg-type]
+        pieces, at = [], 0
+        for rows, pair in self.pairs:
+            if pair is None:
+                continue
+            start, stop = rows if rows is not None else (0, self.width)
+            if start > at:
+                pieces.append(x.new_zeros(*x.shape[:-1], start - at))
+            pieces.append(_delta(x, pair, self.scaling))
+            at = stop
+        if at < self.width:
+            pieces.append(x.new_zeros(*x.shape[:-1], self.width - at))
+        return torch.cat(pieces, -1)
+
+
 def current() -> Routing | None:
     return getattr(_local, "routing", None)
 
@@ -143,26 +170,34 @@ def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = 
 def install(model: torch.nn.Module) -> str:
     """Hook every module an adapter may target (once); returns the output projection's name.
 
-    Linear modules get a forward hook; fused-experts modules are registered with worker/lora/experts.py, whose
-    forward adds the deltas inside the experts' own dispatch."""
-    candidates, head = adaptable(model)
+    Linear modules get a forward hook (carrying the module's parts); fused-experts modules are registered with
+    worker/lora/experts.py, whose forward adds the deltas inside the experts' own dispatch."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
     head_name = next(name for name, module in model.named_modules() if module is head)
     if getattr(model, "_tinkerq_lora_hooks", False):
         return head_name
-    for name, module, _ in candidates:
-        if isinstance(module, torch.nn.Linear):
-            module.register_forward_hook(_hook(name, module))
-        elif experts.is_fused_experts(module):
-            experts.register(module, name)
+    linears: dict[str, list[Part]] = {}
+    for part in adaptable(model):
+        if isinstance(part.module, torch.nn.Linear):
+            linears.setdefault(part.module_name, []).append(part)
+        elif part.module_name not in linears:
+            linears[part.module_name] = []
+            experts.register(part.module, part.module_name)
+    modules = dict(model.named_modules())
+    for name, parts in linears.items():
+        if parts:
+            modules[name].register_forward_hook(_hook(parts, modules[name]))
     model._tinkerq_lora_hooks = True  # type: ignore[assignment]
     return head_name
 
 
-def _hook(name: str, original: torch.nn.Module) -> Any:
+def _hook(parts: list[Part], original: torch.nn.Module) -> Any:
+    spec = [(p.name, p.rows) for p in parts]
+
     def hook(module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
         routing = current()
         if routing is None or module is not original:  # a deep copy of the base keeps the hook: inert
             return None
-        return routing.apply(name, args[0], out)
+        return routing.apply(spec, args[0], out)
 
     return hook

@@ -26,7 +26,7 @@ from tinkerq import types
 from tinkerq.worker import checkpoints
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import experts, routing
-from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, find_targets
+from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, adaptable, find_targets
 from tinkerq.worker.training import SingleProcess, TrainingEngine
 
 
@@ -176,24 +176,26 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
     the base weights, as the adapter never changes it.
     """
     state = {n: t.detach() for n, t in model.state_dict().items()}
-    modules = dict(model.named_modules())
+    parts = {p.name: p for p in adaptable(model)}
     merged_experts: dict[str, dict[str, torch.Tensor]] = {}  # experts module -> {parameter: float32 merged}
+    merged_linears: dict[str, torch.Tensor] = {}  # Linear -> float32 merged weight (its parts added in turn)
     for name, (a, b) in adapter.pairs.items():
+        part = parts[name]
         if a.dim() == 3:  # an expert projection: <experts module>.<w1|w2|w3>
-            module_name, proj = name.rsplit(".", 1)
-            module = modules[module_name]
-            lay = experts.layout(module, module_name)
-            experts.merge(module, proj, experts.delta_weight(a, b, adapter.scaling), lay,
-                          merged_experts.setdefault(module_name, {}))
+            lay = experts.layout(part.module, part.module_name)
+            experts.merge(part.module, name.rsplit(".", 1)[1], experts.delta_weight(a, b, adapter.scaling), lay,
+                          merged_experts.setdefault(part.module_name, {}))
             continue
-        weight = modules[name].weight
-        merged = weight.detach().float() + adapter.scaling * (b.float() @ a.float())
-        state[f"{name}.weight"] = merged.to(weight.dtype)
+        weight = merged_linears.setdefault(part.module_name, part.module.weight.detach().float().clone())
+        rows = slice(*part.rows) if part.rows is not None else slice(None)
+        weight[rows] += adapter.scaling * (b.float() @ a.float())
+    for module_name, weight in merged_linears.items():
+        state[f"{module_name}.weight"] = weight.to(state[f"{module_name}.weight"].dtype)
     for module_name, params in merged_experts.items():
         for param, value in params.items():
             state[f"{module_name}.{param}"] = value.to(state[f"{module_name}.{param}"].dtype)
     head = model.get_output_embeddings()
-    head_name = next(n for n, m in modules.items() if m is head)
+    head_name = next(n for n, m in model.named_modules() if m is head)
     untie = head_name in adapter.pairs and model.config.tie_word_embeddings
     if untie:
         model.config.tie_word_embeddings = False
