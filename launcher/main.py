@@ -8,6 +8,7 @@
     tinkerq gateway                  the HTTP gateway the official tinker SDK talks to (X-API-Key: tml-...)
     tinkerq keys create NAME         a new API key for tenant NAME (printed once, alone on the last line)
     tinkerq keys list | revoke NAME  the tenants that have a key; remove one's key
+    tinkerq families build DIR       tiny random models of every model family, one directory each, to serve
 
 Subcommands import their (heavy) modules only when they run, so ``tinkerq --help`` is instant.
 """
@@ -200,6 +201,29 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return serve(settings, host=args.host, port=args.port)
 
 
+def cmd_families(args: argparse.Namespace) -> int:
+    """``families build``: each family's tiny model (recipes/families.py) saved in DIR/<family>."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    from tinkerq.recipes.families import FAMILIES, build_family
+
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory: pass a directory (it is created if missing)")
+    for family in dict.fromkeys(args.family or FAMILIES):  # in the order given, each once
+        target = out / family
+        try:
+            build_family(family, target, seed=args.seed)
+        except OSError as exc:
+            raise UserError(f"cannot write {target}: {exc.strerror or exc}") from None
+        architecture = json.loads((target / "config.json").read_text()).get("architectures", ["?"])[0]
+        print(f"{family}: wrote {target} ({architecture}, seed {args.seed}); serve it with:")
+        print(f"tinkerq worker --model {shlex.quote(str(target))}")
+    return 0
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 if a worker on this host is registered (its heartbeat thread runs even during long tasks)."""
     import socket
@@ -313,6 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
     for leaf in (kc, kl, kr):  # --broker after the subcommand too; SUPPRESS keeps one given before it
         leaf.add_argument("--broker", default=argparse.SUPPRESS, help=BROKER_HELP)
     k.set_defaults(func=cmd_keys)
+
+    from tinkerq.recipes.families import FAMILIES
+
+    fa = sub.add_parser("families", help="tiny random models of every model family Tinker users train")
+    fasub = fa.add_subparsers(dest="families_command", required=True)
+    fb = fasub.add_parser("build", help="write each family's tiny model to DIR/<family> and print the line "
+                                        "that serves it")
+    fb.add_argument("dir", metavar="DIR", help="where to write them (created if missing; files already in "
+                                                "DIR/<family> are overwritten)")
+    fb.add_argument("--family", nargs="+", action="extend", choices=list(FAMILIES), metavar="NAME",
+                    help=f"only these families (default: all of {', '.join(FAMILIES)})")
+    fb.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default 0)")
+    fa.set_defaults(func=cmd_families)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
     hc.add_argument("--broker", help=BROKER_HELP)
