@@ -7,6 +7,8 @@ The models are tiny random ones built from each family's transformers config (ti
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -265,3 +267,30 @@ def test_moe_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expecte
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**fields))
     counts = parameters_per_rank(find_targets(model, types.LoraConfig(rank=1)))
     assert {k: counts[k] for k in expected} == expected
+
+
+def test_a_checkpoint_asking_for_router_logits_is_served_without_them(tmp_path):
+    """An auxiliary load-balancing loss is computed over the whole batch: it would couple tenants' rows."""
+    from tinkerq.worker.model_loading import load_causal_lm
+
+    build_family("qwen3_moe", tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
+    assert load_causal_lm(str(tmp_path)).config.output_router_logits is False
+
+
+def test_a_moe_lora_state_saved_and_loaded_continues_exactly(tmp_path):
+    base = lora_base("gpt_oss")
+    s = lora_session(base, seed=9)
+    rng = np.random.default_rng(6)
+    batches = [make_batch(rng, 2, max_len=14) for _ in range(3)]
+    s.run_loss(batches[0], "cross_entropy", None, backward=True)
+    s.optim_step(ADAM)
+    s.run_loss(batches[1], "cross_entropy", None, backward=True)  # pending gradients travel too
+    path = s.save_state(str(tmp_path), "mid", base_model="tiny", seq_id=3)
+    resumed = LoraSession("r", base, s.config, base_model="tiny")
+    resumed.load_state(Path(path))
+    for session in (s, resumed):
+        session.optim_step(ADAM)
+        session.run_loss(batches[2], "cross_entropy", None, backward=True)
+        session.optim_step(ADAM)
+    for p, q in zip(s.engine.params, resumed.engine.params, strict=True):
+        assert torch.equal(p, q)

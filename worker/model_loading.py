@@ -34,6 +34,12 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     model.to(device)
+    # Tenants share passes: nothing computed over the batch may couple their rows. Router logits feed MoE
+    # auxiliary (load-balancing) losses, which are batch-level: never asked for. (No family here drops tokens at
+    # an expert capacity: routing is per token.)
+    if getattr(model.config, "output_router_logits", False):
+        log.info("model: output_router_logits off (no batch-level auxiliary loss in tinkerq's passes)")
+        model.config.output_router_logits = False
     # Dropout off: the same request must give the same gradients on every worker and on every retry.
     model.eval()
     return model
