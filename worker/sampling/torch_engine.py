@@ -11,6 +11,19 @@ attention weight); prompts are prefilled without padding (each distinct prompt o
 the same length). Each token's logprob is log_softmax of the raw logits (temperature 1); so are a prompt's
 own logprobs when a job asks for them, computed from that same prefill (worker/sampling/prompt_logprobs.py).
 
+Cache: the prefill lets the model build its own cache (one layer class per layer kind); the engine keeps the
+rows' tensors of every cache layer itself (``_Rows.state``) and re-points the group's cache layers at them
+before each decode forward, so rows can join and leave between steps. How a layer holds rows (``_kind``):
+attention keys/values (B, H, T, D) are left-padded along T like the mask. A sliding-window layer keeps only
+its last min(T, W-1) columns (all a next token can see: memory stays O(W)) and is told the column count T,
+so the model's own mask puts the window at columns T-W+1..T; a left-padded row's columns are its positions
+plus a constant, so that is its own last W positions. Linear-attention and Mamba layers hold a conv and a
+recurrent state per row (no sequence dim, nothing to pad), flagged as past state so rows prefilled this step
+continue theirs at their first decode. MoE / MLP blocks (DummyLayer) hold nothing. DeepSeek-V3's MLA caches
+its compressed latent as keys (B, 1, T, kv_lora_rank) and the rope key as values (B, 1, T, rope_dim), and
+re-expands them through ``kv_b_proj`` at every forward (so a hook on that projection applies at every step).
+Any other layer class is refused at prefill rather than batched wrongly.
+
 Seeds: row ``r`` (sample index) of a job with seed ``s`` uses ``torch.Generator().manual_seed(row_seed(s, r))``
 with ``row_seed(s, r) = (s * 1_000_003 + r) mod 2**64`` (unseeded jobs draw ``s`` at random). Its k-th token
 is picked by inverse CDF with the k-th uniform of that generator over the temperature-scaled, top-k/top-p
@@ -33,7 +46,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from tinkerq import types
 from tinkerq.worker.logprobs import fused_head_support
@@ -78,6 +98,153 @@ def _pad_cat(parts: list[torch.Tensor], dim: int, left: bool, fill: float) -> to
     return out
 
 
+# -- the cache layers' per-row state -------------------------------------------------------------------------
+
+State = list[torch.Tensor | None]  # one cache layer's tensors for a set of rows, each with the row dim first
+
+
+class _Kind:
+    """How one kind of cache layer holds rows: re-pointed at the rows' tensors before a decode forward
+    (``width``: the group's cache columns T, before the fed token), read back after it, and how rows are
+    selected (dropping leading columns that are padding in all of them) or concatenated."""
+
+    size = 0  # tensors per layer
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        pass
+
+    def read(self, layer: Any) -> State:
+        return []
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        return []
+
+    def cat(self, states: list[State]) -> State:
+        return []
+
+
+class _NoState(_Kind):
+    """A block without a cache (MoE / MLP layers of hybrid models: DummyLayer)."""
+
+
+class _KeyValues(_Kind):
+    """Attention keys and values (B, H, T, D), left-padded along T like the mask. Also MLA's latent cache:
+    keys (B, 1, T, kv_lora_rank), values (B, 1, T, qk_rope_head_dim)."""
+
+    size = 2
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        layer.keys, layer.values = state
+
+    def read(self, layer: Any) -> State:
+        return [layer.keys, layer.values]
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        return [None if x is None else _last_columns(x.index_select(0, idx), width) for x in state]
+
+    def cat(self, states: list[State]) -> State:
+        return [None if (xs := _present(parts)) is None else _pad_cat(xs, 2, True, 0.0)
+                for parts in zip(*states, strict=True)]
+
+
+class _Window(_KeyValues):
+    """A sliding-window layer: keys/values (B, H, min(T, W-1), D), the last columns, all a next token sees.
+
+    The layer sizes the mask from ``cumulative_length`` (columns T-W+1..T when T >= W), so it is told T. The
+    window is in column space; a left-padded row's columns are its positions plus a constant, so it is the
+    row's own last W positions. Rows concatenated from shorter groups are padded on the left like the mask.
+    """
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        super().put(layer, state, width)
+        layer.cumulative_length = width
+
+
+class _Recurrent(_Kind):
+    """Linear attention / Mamba: per state index a conv state and a recurrent state, one per row (no sequence
+    dim, so no padding); ``state`` is [conv_0, recurrent_0, conv_1, ...], None where the layer has none."""
+
+    def __init__(self, states: int) -> None:
+        self.states = states
+        self.size = 2 * states
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        for i in range(self.states):
+            conv, recurrent = state[2 * i], state[2 * i + 1]
+            layer.conv_states[i], layer.recurrent_states[i] = conv, recurrent
+            # Past state for every row, rows prefilled this step included: the decode continues it (a False
+            # flag would make the model start from zeros).
+            layer.has_previous_state[i] = conv is not None or recurrent is not None
+
+    def read(self, layer: Any) -> State:
+        return [x for i in range(self.states) for x in (layer.conv_states[i], layer.recurrent_states[i])]
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        return [None if x is None else x.index_select(0, idx) for x in state]
+
+    def cat(self, states: list[State]) -> State:
+        return [None if (xs := _present(parts)) is None else torch.cat(xs) for parts in zip(*states, strict=True)]
+
+
+class _Both(_Kind):
+    """A layer with linear-attention state and attention keys/values (LinearAttentionAnd*Layer)."""
+
+    def __init__(self, first: _Kind, second: _Kind) -> None:
+        self.first, self.second = first, second
+        self.size = first.size + second.size
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        self.first.put(layer, state[:self.first.size], width)
+        self.second.put(layer, state[self.first.size:], width)
+
+    def read(self, layer: Any) -> State:
+        return self.first.read(layer) + self.second.read(layer)
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        n = self.first.size
+        return self.first.select(state[:n], idx, width) + self.second.select(state[n:], idx, width)
+
+    def cat(self, states: list[State]) -> State:
+        n = self.first.size
+        return self.first.cat([s[:n] for s in states]) + self.second.cat([s[n:] for s in states])
+
+
+def _present(parts: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor] | None:
+    """One tensor of a layer from several sets of rows, or None where the layer holds none (a state the model
+    never wrote: None for every set of rows, as all come from the same model)."""
+    xs = [x for x in parts if x is not None]
+    if not xs:
+        return None
+    assert len(xs) == len(parts), "rows of one cache layer hold different tensors"
+    return xs
+
+
+def _last_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The last min(width, C) of the C columns of ``x`` (B, H, C, D): rows selected from a group whose cache
+    now has ``width`` columns; for full attention (C = T) this drops the leading all-padding columns."""
+    keep = min(width, x.shape[2])
+    return x.narrow(2, x.shape[2] - keep, keep)
+
+
+def _kind(layer: Any) -> _Kind:
+    """The kind of a cache layer the model built. Exact classes: a subclass may hold more (an indexer's keys,
+    quantised or offloaded tensors), which these kinds would silently drop."""
+    cls = type(layer)
+    if cls is DummyLayer:
+        return _NoState()
+    if cls is DynamicLayer:
+        return _KeyValues()
+    if cls is DynamicSlidingWindowLayer and not layer.record_past:
+        return _Window()
+    if cls is LinearAttentionLayer and not layer.record_past:
+        return _Recurrent(layer.number_of_states)
+    if cls is LinearAttentionAndFullAttentionLayer and not layer.record_past:
+        return _Both(_Recurrent(layer.number_of_states), _KeyValues())
+    if cls is LinearAttentionAndSlidingWindowAttentionLayer and not layer.record_past:
+        return _Both(_Recurrent(layer.number_of_states), _Window())
+    raise NotImplementedError(f"the sampling engine cannot batch rows of a {cls.__name__} cache layer")
+
+
 # The 2-D per-row tensors: (pad on the left?, fill) when rows of different widths are concatenated.
 _PAD2D = {
     "mask": (True, 0),  # (B, T) 1 where the cache column holds a real token; left-padded like the cache
@@ -116,11 +283,12 @@ class _Job:
 
 
 class _Rows:
-    """Rows sharing one KV cache. Every tensor has the row (batch) dim first; ``kv`` is per layer."""
+    """Rows sharing one cache. Every tensor has the row (batch) dim first; ``state`` is per cache layer."""
 
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], t: dict[str, torch.Tensor],
+    def __init__(self, kinds: list[_Kind], state: list[State], t: dict[str, torch.Tensor],
                  jobs: list[_Job], samples: list[int]) -> None:
-        self.kv = kv  # per layer (keys, values), each (B, H, T, D), left-padded along T
+        self.kinds = kinds  # per layer, how its state is selected / concatenated (the group's)
+        self.state = state  # per layer, the rows' tensors in that cache layer (see _Kind)
         self.t = t
         self.jobs = jobs  # (B,) the job of each row
         self.samples = samples  # (B,) the row's sample index in its job
@@ -130,9 +298,10 @@ class _Rows:
         t = {name: x.index_select(0, idx) for name, x in self.t.items()}
         first = int(t["mask"].any(0).int().argmax())  # every row holds its prompt, so some column is real
         t["mask"] = t["mask"][:, first:]
-        kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self.kv]
+        width = t["mask"].shape[1]
+        state = [kind.select(s, idx, width) for kind, s in zip(self.kinds, self.state, strict=True)]
         keep = idx.tolist()
-        return _Rows(kv, t, [self.jobs[i] for i in keep], [self.samples[i] for i in keep])
+        return _Rows(self.kinds, state, t, [self.jobs[i] for i in keep], [self.samples[i] for i in keep])
 
     @staticmethod
     def cat(parts: list[_Rows]) -> _Rows:
@@ -143,9 +312,9 @@ class _Rows:
             left, fill = _PAD2D.get(name, (False, 0))
             xs = [p.t[name] for p in parts]
             t[name] = _pad_cat(xs, 1, left, fill) if name in _PAD2D else torch.cat(xs)
-        kv = [(_pad_cat([p.kv[i][0] for p in parts], 2, True, 0.0), _pad_cat([p.kv[i][1] for p in parts], 2, True, 0.0))
-              for i in range(len(parts[0].kv))]
-        return _Rows(kv, t, [j for p in parts for j in p.jobs], [s for p in parts for s in p.samples])
+        kinds = parts[0].kinds
+        state = [kind.cat([p.state[i] for p in parts]) for i, kind in enumerate(kinds)]
+        return _Rows(kinds, state, t, [j for p in parts for j in p.jobs], [s for p in parts for s in p.samples])
 
 
 class _Group:
@@ -157,7 +326,8 @@ class _Group:
         self.device = next(model.parameters()).device
         # Prompt logprobs from hidden states and the output embedding (else from every position's logits).
         self.fused_head = fused_head_support(model) is None
-        self.cache: Any = None  # a DynamicCache the model made; its layers are (re)pointed at rows.kv
+        self.cache: Any = None  # the cache the model made at the first prefill; its layers are re-pointed at rows
+        self.kinds: list[_Kind] = []  # per cache layer (set with ``cache``)
         self.rows: _Rows | None = None
         self.finished = 0  # rows finished but not yet dropped (compaction is amortised)
         self.refresh()
@@ -199,7 +369,9 @@ def _prompt_key(job: _Job) -> tuple[Any, ...]:
 
 
 def _routed(adapters: list[Any], *, device: torch.device) -> contextlib.AbstractContextManager:
-    """Route each row to its adapter (LoRA snapshots over a shared base), or nothing when no row has one."""
+    """Route each row (of ``adapters``: one per row of the forward) to its adapter (LoRA snapshots over a shared
+    base), or nothing when no row has one. The batch size lets modules that see the batch flattened to tokens
+    (MoE experts: (B * T, H)) find each token's row."""
     if all(a is None for a in adapters):
         return contextlib.nullcontext()
     rows: dict[int, list[int]] = {}
@@ -208,7 +380,7 @@ def _routed(adapters: list[Any], *, device: torch.device) -> contextlib.Abstract
         if a is not None:
             rows.setdefault(id(a), []).append(r)
             by_id[id(a)] = a
-    return routing.routed([(by_id[k], torch.tensor(v, device=device)) for k, v in rows.items()])
+    return routing.routed([(by_id[k], torch.tensor(v, device=device)) for k, v in rows.items()], batch=len(adapters))
 
 
 class TorchEngine:
@@ -358,14 +530,15 @@ class TorchEngine:
         """Feed each row's last token; returns the next-token logits (B, V) float32."""
         rows = group.rows
         t = rows.t
+        width = t["mask"].shape[1]  # T
         mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
-        for layer, (k, v) in zip(group.cache.layers, rows.kv, strict=True):
-            layer.keys, layer.values = k, v
+        for layer, kind, state in zip(group.cache.layers, group.kinds, rows.state, strict=True):
+            kind.put(layer, state, width)
         with self._gate(), _routed([j.job.adapter for j in rows.jobs], device=mask.device):
             out = group.model(input_ids=t["last"][:, None], attention_mask=mask, position_ids=t["pos"][:, None],
                               use_cache=True, logits_to_keep=1, **{group.cache_kwarg: group.cache})
         group.cache = _returned_cache(out)
-        rows.kv = [(layer.keys, layer.values) for layer in group.cache.layers]
+        rows.state = [kind.read(layer) for layer, kind in zip(group.cache.layers, group.kinds, strict=True)]
         t["mask"] = mask
         t["pos"] += 1
         return out.logits[:, -1].float()
@@ -406,16 +579,16 @@ class TorchEngine:
             if job.job.on_prompt_logprobs is not None:
                 job.prompt_logprobs = by_prompt[_prompt_key(job)]
         cache = _returned_cache(out)
-        if not all(type(layer) is DynamicLayer for layer in cache.layers):
-            raise NotImplementedError("the sampling engine needs a full-attention DynamicCache (no sliding window)")
+        kinds = [_kind(layer) for layer in cache.layers]  # raises for a layer it cannot batch
         if group.cache is None:
-            group.cache = cache
+            group.cache, group.kinds = cache, kinds
         src = torch.tensor([index[_prompt_key(j)] for j in jobs for _ in range(j.job.num_samples)],
                            device=device)  # (R,) the prompt of each row
-        kv = [(layer.keys.index_select(0, src), layer.values.index_select(0, src)) for layer in cache.layers]
+        rows_n, length = len(src), ids.shape[1]
+        # Copies (index_select): a decode updates some states in place (conv / recurrent states).
+        state = [kind.select(kind.read(layer), src, length) for layer, kind in zip(cache.layers, kinds, strict=True)]
         logits = out.logits[:, -1].float().index_select(0, src)  # (R, V)
 
-        rows_n, length = len(src), ids.shape[1]
         width = max(j.job.max_tokens for j in jobs) + 1  # + a scratch column written by finished rows
         uniforms = torch.zeros(rows_n, width)
         stops = [sorted(j.job.stop.ids) if _vectorised_stop(j.job.stop) else [] for j in jobs]
@@ -450,7 +623,7 @@ class TorchEngine:
             "temp": temp_t,
             "greedy": torch.tensor([j.job.params.temperature == 0 for j in row_jobs], device=device),
         }
-        return _Rows(kv, t, row_jobs, samples), logits
+        return _Rows(group.kinds, state, t, row_jobs, samples), logits
 
     @staticmethod
     def _prompt_logprobs(group: _Group, ids: torch.Tensor, row: int, adapters: list[Any], hidden: list[torch.Tensor],
