@@ -15,6 +15,7 @@ from tests.conftest import start_named_worker
 from tests.helpers import make_batch, reference_logprobs
 from tests.test_gateway import sdk_batch, start_gateway
 from tinkerq import types
+from tinkerq.errors import ValidationError
 from tinkerq.recipes.families import FAMILIES, build_family
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,6 +65,9 @@ def test_family_full_lora_and_sampling_through_a_worker(family_worker, redis_url
     rng = np.random.default_rng(4)
     service = ServiceClient(broker_url=redis_url)
     try:
+        # A rank no target of the tiny model allows: one user error naming the fix, and the worker keeps serving.
+        with pytest.raises(ValidationError, match=r"LoRA rank 64 is larger than .* use rank <= "):
+            service.create_lora_training_client(name, rank=64).result(timeout=60)
         full = service.create_training_client(name)
         data = make_batch(rng, 3, max_len=20)
         out = full.forward_backward(data, "cross_entropy").result(timeout=120)

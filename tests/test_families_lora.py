@@ -322,3 +322,22 @@ def test_tenants_of_every_flag_in_one_pass_equal_each_alone(family):
             np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
         for g, p in zip(grads, t.engine.params, strict=True):
             assert float((g - p.grad).abs().max()) <= 1e-5 * max(1.0, float(g.abs().max()))
+
+
+def test_experts_in_a_layout_tinkerq_does_not_know_are_one_user_error_naming_them():
+    class OddExperts(torch.nn.Module):  # fused 3-D expert weights without transformers' layout markers
+        def __init__(self) -> None:
+            super().__init__()
+            self.w_in = torch.nn.Parameter(torch.zeros(4, 8, 16))
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = OddExperts()
+
+    model = build_model("llama")
+    model.model.layers[0].mlp = Block()
+    with pytest.raises(ValidationError, match=r"mlp.experts \(OddExperts\) holds fused expert parameters .*"
+                                              r"w_in \(4, 8, 16\).*train_mlp=False"):
+        find_targets(model, types.LoraConfig(rank=2))
+    assert find_targets(model, types.LoraConfig(rank=2, train_mlp=False))  # the way out the message gives

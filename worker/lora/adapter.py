@@ -91,7 +91,12 @@ def adaptable(model: torch.nn.Module) -> list[Part]:
                 found.append(Part(name, name, module, "unembed"))
             continue
         if fused.is_fused_experts(module):
-            found += [Part(f"{name}.{proj}", name, module, "mlp") for proj in fused.layout(module, name).projections()]
+            try:
+                projections = fused.layout(module, name).projections()
+            except ValidationError:  # a layout tinkerq cannot adapt: an error only if train_mlp asks for it
+                found.append(Part(name, name, module, "mlp"))
+                continue
+            found += [Part(f"{name}.{proj}", name, module, "mlp") for proj in projections]
             continue
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -155,7 +160,7 @@ def find_targets(model: torch.nn.Module, config: types.LoraConfig) -> list[Targe
             n_out = part.module.out_features if part.rows is None else part.rows[1] - part.rows[0]
             found.append(Target(part.name, part.component, part.module.in_features, n_out))
             continue
-        lay = fused.layout(part.module, part.module_name)
+        lay = fused.layout(part.module, part.module_name)  # the user error for a layout tinkerq cannot adapt
         n_in, n_out = lay.projections()[part.name.rsplit(".", 1)[1]]
         found.append(Target(part.name, part.component, n_in, n_out, lay.num_experts))
     seen = {p.component for p in candidates}

@@ -180,7 +180,7 @@ def install(model: torch.nn.Module) -> str:
     for part in adaptable(model):
         if isinstance(part.module, torch.nn.Linear):
             linears.setdefault(part.module_name, []).append(part)
-        elif part.module_name not in linears:
+        elif part.module_name not in linears and part.name != part.module_name:  # (not: a layout never adapted)
             linears[part.module_name] = []
             experts.register(part.module, part.module_name)
     modules = dict(model.named_modules())
