@@ -28,7 +28,8 @@ asserts on timings. Models come from ``tinkerq.recipes.families`` (random weight
   figures (attn 212,992; mlp 491,520; unembed 130,304 per rank).
 * **real-small** (``--shape real-small``, meant for ``--device cuda --dtype bfloat16``): the ``REAL_SMALL``
   shapes (real width, 4 layers): full fb, LoRA fb and base fb tokens/s, MFU, sampling tokens/s and peak memory
-  (``torch.cuda.max_memory_allocated``, reset before each call; on CPU the process's peak RSS is printed once).
+  (``torch.cuda.max_memory_allocated``, reset before each call, so it includes what stays resident: the base and
+  the full session's copy; on CPU the process's peak RSS is printed once).
   8 datums x 1024 tokens, 64 prompts of 16 tokens x 128 new tokens. ``--layers N`` and ``--shrink K`` (widths,
   vocabulary and expert counts divided by K) make it small enough to exercise on a CPU.
 
@@ -524,8 +525,9 @@ def run_real_small(families: list[str], args: argparse.Namespace, device: torch.
           f"shrink={args.shrink}): forward_backward of {datums} datums x {length} tokens = {tokens} tokens "
           f"(cross_entropy), rank-{args.rank} LoRA; sampling {n_prompts} prompts x {PROMPT_TOKENS} + {new_tokens} "
           f"new tokens; median of {args.reps} after {args.warmup} warm-up; MFU against "
-          f"{f'{peak:g} TFLOP/s' if peak else 'no peak given (--peak-tflops)'}; GiB = peak "
-          f"torch.cuda.max_memory_allocated during the call")
+          f"{f'{peak:g} TFLOP/s' if peak else 'no peak given (--peak-tflops)'}; GiB = "
+          f"torch.cuda.max_memory_allocated during the call, everything resident included (the base, the full "
+          f"session's copy and its gradients; no optim_step is run)")
     print_table(["family", "shape of", "params", "active", "LoRA params", "full fb tok/s", "MFU", "GiB",
                  "LoRA fb tok/s", "MFU", "GiB", "base fb tok/s", "MFU", "sample tok/s", "GiB"], rows)
     print_errors(runners)
