@@ -363,7 +363,9 @@ def run_moe(families: list[str], args: argparse.Namespace, device: torch.device,
     tokens = datums * length
     rows, ratio_lines, runners = [], [], {}
     for family in families:
-        overrides = MOE_WIDE[family]
+        overrides = dict(MOE_WIDE[family])
+        if args.hidden != _WIDE["hidden_size"]:  # --hidden: the same shapes at another width (heads of hidden / 8)
+            overrides.update(hidden_size=args.hidden, head_dim=args.hidden // _WIDE["num_attention_heads"])
         model = build(family, overrides, dtype, device)
         impl = getattr(model.config, "_experts_implementation", None)
         base, full = sessions(family, model, args, overrides)
@@ -563,6 +565,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="model dtype (default float32)")
     parser.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    parser.add_argument("--hidden", type=positive_int, default=_WIDE["hidden_size"],
+                        help=f"moe: the hidden size (default {_WIDE['hidden_size']}; LoRA's fixed per-call costs weigh "
+                             f"less as it grows)")
     parser.add_argument("--layers", type=positive_int, help="real-small: decoder layers (default: REAL_SMALL's 4)")
     parser.add_argument("--shrink", type=positive_int, default=1,
                         help="real-small: divide widths, vocabulary and expert counts by this (CPU smoke runs)")

@@ -341,3 +341,16 @@ def test_experts_in_a_layout_tinkerq_does_not_know_are_one_user_error_naming_the
                                               r"w_in \(4, 8, 16\).*train_mlp=False"):
         find_targets(model, types.LoraConfig(rank=2))
     assert find_targets(model, types.LoraConfig(rank=2, train_mlp=False))  # the way out the message gives
+
+
+def test_a_linear_attention_output_as_wide_as_its_fused_input_stays_one_target():
+    """When hidden = 2 key_dim + value_dim, out_proj has in_proj_qkv's output width: only the projection from the
+    hidden state is cut into q/k/v parts, and a LoRA step runs."""
+    model = build_model("qwen3_5", hidden_size=64, head_dim=16)  # key_dim 16, value_dim 32: 2 * 16 + 32 = 64
+    prefix = "model.layers.0.linear_attn"
+    names = [t.name for t in find_targets(model, types.LoraConfig(rank=2)) if t.name.startswith(prefix)]
+    assert names == [f"{prefix}.{p}" for p in ("out_proj", "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z")]
+    base = LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=64)
+    out = lora_session(base, seed=1).run_loss(make_batch(np.random.default_rng(0), 2, max_len=10), "cross_entropy",
+                                              None, backward=True)
+    assert np.isfinite(out.metrics["loss:sum"])

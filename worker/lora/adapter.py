@@ -136,12 +136,14 @@ def _linear_parts(name: str, linear: torch.nn.Linear,
     if linear.in_features in {attr("q_lora_rank"), attr("kv_lora_rank")} - {None}:
         return []
     prefix = name.rpartition(".")[0]
+    from_hidden = linear.in_features == attr("hidden_size")  # an input projection (not e.g. out_proj)
     key_dim, value_dim = attr("key_dim"), attr("value_dim")
-    if isinstance(key_dim, int) and isinstance(value_dim, int) and linear.out_features == 2 * key_dim + value_dim:
+    if from_hidden and isinstance(key_dim, int) and isinstance(value_dim, int) and \
+            linear.out_features == 2 * key_dim + value_dim:
         bounds = [0, key_dim, 2 * key_dim, 2 * key_dim + value_dim]
         return [(f"{prefix}.in_proj_{p}", (bounds[i], bounds[i + 1])) for i, p in enumerate("qkv")]
     inner, state = attr("intermediate_size"), attr("ssm_state_size")
-    if isinstance(inner, int) and isinstance(state, int) and linear.out_features > 2 * inner:
+    if from_hidden and isinstance(inner, int) and isinstance(state, int) and linear.out_features > 2 * inner:
         return [(f"{prefix}.gate_proj", (0, inner)), (f"{prefix}.x_proj", (inner, 2 * inner))]
     return [(name, None)]
 

@@ -108,17 +108,44 @@ def register(module: torch.nn.Module, name: str) -> None:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], transposed: bool = False) -> torch.Tensor:
     """``x`` (S, in), its rows in segments of ``counts`` (one per group of ``weight``), times each group's weight:
-    ``weight`` (G, out, in), or (G, in, out) when ``transposed``. Returns (S, out). Empty groups cost nothing."""
-    out_features = weight.shape[2] if transposed else weight.shape[1]
-    pieces, start = [], 0
-    for g, n in enumerate(counts):
-        if n:
-            xs = x[start:start + n]
-            pieces.append(xs @ weight[g] if transposed else F.linear(xs, weight[g]))
-            start += n
+    ``weight`` (G, out, in), or (G, in, out) when ``transposed``. Returns (S, out). Empty groups cost nothing.
+
+    One ``torch.nn.functional.grouped_mm`` (what transformers' own "grouped_mm" experts use) where the kernel
+    takes these shapes (16-byte aligned rows); else a loop over the groups, through ``torch.split`` / ``unbind``,
+    whose backward assembles the pieces' gradients once (slicing or indexing would zero-fill a gradient of the
+    whole tensor per group). Both give the same numbers (bitwise on CPU)."""
+    w = weight if transposed else weight.transpose(1, 2)  # (G, in, out)
+    if _grouped_mm_ok(x, w):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return _ContiguousGrad.apply(F.grouped_mm(x, w.to(x.dtype), offs=offsets))
+    xs, ws = torch.split(x, counts), w.unbind(0)
+    pieces = [xi @ wi for xi, wi, n in zip(xs, ws, counts, strict=True) if n]
     if not pieces:
-        return x.new_zeros(0, out_features)
+        return x.new_zeros(0, w.shape[2])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or x.dim() != 2:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.device.type != "cpu":
+        return False
+    size = x.element_size()
+    return all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2])) and x.is_contiguous()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (grouped_mm's backward rejects broadcast ones)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _stack(factors: list[torch.Tensor | None], shape: tuple[int, int, int], rank_dim: int, rank: int,
@@ -172,14 +199,9 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     h = grouped_linear(x, up_weight, per_expert, lay.transposed)  # (S, 2I or I)
     if lay.has_bias:
         h = h + (module.gate_up_proj_bias if lay.gated else module.up_proj_bias)[expert[order]]
-    deltas = [_inner_delta(hidden_states, pairs[p], members, scalings, token, per_segment, lay, dtype)
-              for p in ((GATE, UP) if lay.gated else (GATE,))]
-    if any(d is not None for d in deltas):
-        if lay.gated:
-            gate, up = (d if d is not None else h.new_zeros(h.shape[0], lay.intermediate) for d in deltas)
-            h = h + (torch.cat([gate, up], -1) if lay.concatenated else torch.stack([gate, up], -1).flatten(1))
-        else:
-            h = h + deltas[0]
+    factors = [_input_factors(pairs[GATE][g], pairs[UP][g], lay, dtype) for g in range(groups)]
+    if any(f is not None for f in factors):
+        h = h + _inner_delta(hidden_states, factors, members, scalings, token, per_segment, experts, h.shape[1])
     h = module._apply_gate(h) if lay.gated else module.act_fn(h)  # (S, I)
 
     out = grouped_linear(h, module.down_proj, per_expert, lay.transposed)  # (S, H)
@@ -200,28 +222,51 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
         for g, pair in enumerate(down):
             if pair is not None and members[g].numel():
                 b = pair[1][0].to(dtype)  # (H, r_g)
-                rows = ha.index_select(0, members[g])[:, :b.shape[1]]
-                final = final.index_add(0, members[g], F.linear(rows, b) * scalings[g])
+                rows = ha.index_select(0, members[g])[:, :b.shape[1]] * scalings[g]  # (n_g, r_g)
+                final = final.index_add(0, members[g], F.linear(rows, b))
     return final.to(hidden_states.dtype)
 
 
-def _inner_delta(hidden: torch.Tensor, pairs: list[Any], members: list[torch.Tensor], scalings: list[float],
-                 token: torch.Tensor, per_segment: list[int], lay: ExpertsLayout,
-                 dtype: torch.dtype) -> torch.Tensor | None:
-    """A shared-A projection's delta on the sorted slots (S, I): s * (x A^T) per group's tokens, then the
-    per-expert B over the (expert, group) segments."""
-    if all(p is None for p in pairs):
+def _input_factors(gate: Any, up: Any, lay: ExpertsLayout,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One group's w1 and w3 adapters as one pair over the input projection's whole output (2I gated, else I):
+    A (R, H) their shared factors stacked, B (E, 2I, R) block-diagonal in the projection's own layout
+    ([gate | up] or interleaved), so both deltas are one grouped matmul and one add."""
+    present = [(pair, rows) for pair, rows in ((gate, "gate"), (up, "up")) if pair is not None]
+    if not present:
         return None
-    rank = max(p[0].shape[1] for p in pairs if p is not None)
-    xa = hidden.new_zeros(hidden.shape[0], rank)  # (N, r)
-    for g, pair in enumerate(pairs):
-        if pair is not None and members[g].numel():
-            a = pair[0][0].to(dtype)  # (r_g, H)
-            part = F.linear(hidden.index_select(0, members[g]), a) * scalings[g]  # (n_g, r_g)
-            xa = xa.index_copy(0, members[g], F.pad(part, (0, rank - a.shape[0])))
-    b_stack = _stack([p[1] if p is not None else None for p in pairs], (lay.num_experts, lay.intermediate, rank), 2,
-                     rank, dtype, hidden.device)  # (E * G, I, r)
-    return grouped_linear(xa[token], b_stack, per_segment)  # (S, I)
+    width = 2 * lay.intermediate if lay.gated else lay.intermediate
+    rank = sum(pair[0].shape[1] for pair, _ in present)
+    b = torch.zeros(lay.num_experts, width, rank, dtype=dtype, device=present[0][0][1].device)
+    col = 0
+    for pair, which in present:
+        r = pair[0].shape[1]
+        if not lay.gated:
+            rows = slice(None)
+        elif lay.concatenated:
+            rows = slice(0, lay.intermediate) if which == "gate" else slice(lay.intermediate, None)
+        else:
+            rows = slice(0, None, 2) if which == "gate" else slice(1, None, 2)
+        b[:, rows, col:col + r] = pair[1].to(dtype)
+        col += r
+    a = torch.cat([pair[0][0].to(dtype) for pair, _ in present])  # (R, H)
+    return a, b
+
+
+def _inner_delta(hidden: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 members: list[torch.Tensor], scalings: list[float], token: torch.Tensor, per_segment: list[int],
+                 num_experts: int, width: int) -> torch.Tensor:
+    """The input projection's delta on the sorted slots (S, width): s * (x A^T) per group's tokens (N, R), then
+    the per-expert B over the (expert, group) segments."""
+    rank = max(f[0].shape[0] for f in factors if f is not None)
+    xa = hidden.new_zeros(hidden.shape[0], rank)  # (N, R)
+    for g, f in enumerate(factors):
+        if f is not None and members[g].numel():
+            part = F.linear(hidden.index_select(0, members[g]), f[0]) * scalings[g]  # (n_g, R_g)
+            xa = xa.index_copy(0, members[g], F.pad(part, (0, rank - f[0].shape[0])))
+    b_stack = _stack([f[1] if f is not None else None for f in factors], (num_experts, width, rank), 2, rank,
+                     hidden.dtype, hidden.device)  # (E * G, width, R)
+    return grouped_linear(xa[token], b_stack, per_segment)  # (S, width)
 
 
 def delta_weight(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:

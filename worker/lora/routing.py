@@ -86,7 +86,7 @@ class Routing:
             sizes = [n * per_row for n in sizes]
         # Contiguous groups covering the batch in order: split into views. torch.split's backward concatenates
         # the pieces' gradients once; indexing each slice would fill a whole-batch zero gradient per group.
-        pieces = [oi if delta is None or not delta.active else oi + delta(xi)
+        pieces = [oi if delta is None or not delta.active else delta.added_to(oi, xi)
                   for delta, xi, oi in zip(deltas, torch.split(x, sizes), torch.split(out, sizes), strict=True)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -119,9 +119,10 @@ class Routing:
 
 
 def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
-    """``scaling * (x A^T) B^T`` in ``x``'s dtype (the masters stay float32), in PEFT's order of operations."""
+    """``scaling * (x A^T) B^T`` in ``x``'s dtype (the masters stay float32); scaled at rank width, where the
+    multiply is r / out of the cost of scaling the output."""
     a, b = pair
-    return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling
+    return F.linear(F.linear(x, a.to(x.dtype)) * scaling, b.to(x.dtype))
 
 
 class _Delta:
@@ -132,6 +133,15 @@ class _Delta:
         self.scaling = adapter.scaling
         self.width = width
         self.active = any(pair is not None for _, pair in self.pairs)
+
+    def added_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out + self(x)``; for a whole-Linear adapter one ``addmm`` (no (.., out) intermediate to add)."""
+        if len(self.pairs) != 1 or self.pairs[0][0] is not None:
+            return out + self(x)
+        a, b = self.pairs[0][1]  # type: ignore[misc]
+        xa = F.linear(x, a.to(x.dtype)) * self.scaling  # (.., r)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.to(x.dtype).t())
+        return flat.view(out.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.pairs) == 1 and self.pairs[0][0] is None:
