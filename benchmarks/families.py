@@ -365,7 +365,9 @@ def run_moe(families: list[str], args: argparse.Namespace, device: torch.device,
     for family in families:
         overrides = dict(MOE_WIDE[family])
         if args.hidden != _WIDE["hidden_size"]:  # --hidden: the same shapes at another width (heads of hidden / 8)
-            overrides.update(hidden_size=args.hidden, head_dim=args.hidden // _WIDE["num_attention_heads"])
+            overrides.update(hidden_size=args.hidden)
+            if "qk_rope_head_dim" not in overrides:  # MLA: head_dim is the rope part; the rest stays as it is
+                overrides.update(head_dim=args.hidden // _WIDE["num_attention_heads"])
         model = build(family, overrides, dtype, device)
         impl = getattr(model.config, "_experts_implementation", None)
         base, full = sessions(family, model, args, overrides)
