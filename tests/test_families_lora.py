@@ -344,3 +344,22 @@ def test_a_linear_attention_output_as_wide_as_its_fused_input_stays_one_target()
     out = lora_session(base, seed=1).run_loss(make_batch(np.random.default_rng(0), 2, max_len=10), "cross_entropy",
                                               None, backward=True)
     assert np.isfinite(out.metrics["loss:sum"])
+
+
+@pytest.mark.parametrize("width", [3, 8])  # 3 floats: rows not 16-byte aligned, the loop; 8: grouped_mm
+def test_grouped_linear_equals_one_matmul_per_group_values_and_gradients(width):
+    from tinkerq.worker.lora.experts import grouped_linear
+
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 1]  # an empty group too
+    x = torch.randn(9, width, generator=gen, requires_grad=True)
+    w = torch.randn(4, 6, width, generator=gen, requires_grad=True)  # (G, out, in)
+    out = grouped_linear(x, w, counts)
+    expected = torch.cat([x[0:3] @ w[0].T, x[3:8] @ w[2].T, x[8:9] @ w[3].T])
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (x, w), grad)
+    want = torch.autograd.grad(expected, (x, w), grad)
+    for g, h in zip(got, want, strict=True):
+        torch.testing.assert_close(g, h)
+    (out.sum()).backward()  # a broadcast gradient (grouped_mm's backward needs it made contiguous)

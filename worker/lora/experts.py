@@ -117,7 +117,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], tra
     w = weight if transposed else weight.transpose(1, 2)  # (G, in, out)
     if _grouped_mm_ok(x, w):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(F.grouped_mm(x, w.to(x.dtype), offs=offsets))
+        return _ContiguousGrad.apply(F.grouped_mm(x, w, offs=offsets))
     xs, ws = torch.split(x, counts), w.unbind(0)
     pieces = [xi @ wi for xi, wi, n in zip(xs, ws, counts, strict=True) if n]
     if not pieces:
@@ -126,14 +126,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], tra
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or x.dim() != 2:
+    """Whether this torch's grouped_mm kernel takes these operands: CPU, or CUDA (SM80+) in bfloat16; every row
+    a multiple of 16 bytes (a rank-1..3 float32 factor is not)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or x.dim() != 2 or not x.is_contiguous():
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    if x.device.type != "cpu":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu":
         return False
-    size = x.element_size()
-    return all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2])) and x.is_contiguous()
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2]))
 
 
 class _ContiguousGrad(torch.autograd.Function):
