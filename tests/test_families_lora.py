@@ -362,4 +362,5 @@ def test_grouped_linear_equals_one_matmul_per_group_values_and_gradients(width):
     want = torch.autograd.grad(expected, (x, w), grad)
     for g, h in zip(got, want, strict=True):
         torch.testing.assert_close(g, h)
-    (out.sum()).backward()  # a broadcast gradient (grouped_mm's backward needs it made contiguous)
+    grouped_linear(x, w, counts).sum().backward()  # a broadcast gradient (grouped_mm's needs it made contiguous)
+    torch.testing.assert_close(w.grad, torch.autograd.grad(expected.sum(), w)[0])
