@@ -101,9 +101,6 @@ MOE_WIDE: dict[str, dict[str, Any]] = {
                        mamba_head_dim=32, ssm_state_size=32, chunk_size=32,
                        layers_block_type=["mamba", "moe", "attention", "moe"]),
 }
-# REAL_SMALL keeps the tiny configs' other fields; Qwen3-30B-A3B has no dense layer (the tiny config's
-# mlp_only_layers=[0] would make layer 0 dense), and the batch needs positions past the tiny 256.
-REAL_SMALL_FIXES: dict[str, dict[str, Any]] = {"qwen3_moe": dict(mlp_only_layers=[])}
 LLAMA_3_2_1B = ("llama", "LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                              num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                              tie_word_embeddings=True))
@@ -449,7 +446,7 @@ def run_counts() -> None:
 
 def real_small_overrides(family: str, args: argparse.Namespace) -> dict[str, Any]:
     _, fields = REAL_SMALL[family]
-    fields = {**fields, **REAL_SMALL_FIXES.get(family, {})}
+    fields = dict(fields)  # the batch needs positions past the tiny configs' 256 (below)
     _, length, _, new_tokens = sizes(args, "real-small")
     fields["max_position_embeddings"] = max(4096, length + 1, PROMPT_TOKENS + new_tokens)
     if args.layers:
