@@ -88,6 +88,8 @@ REAL_FULL: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
         head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)),
     "DeepSeek-V3": ("deepseek_v3", "DeepseekV3Config", {}),  # the config class's defaults are DeepSeek-V3's
+    "Qwen3.5-35B-A3B": ("qwen3_5_moe", "Qwen3_5MoeTextConfig", {}),  # likewise
+    "Qwen3.5-9B": ("qwen3_5", "Qwen3_5TextConfig", {}),  # likewise
 }
 
 

@@ -256,13 +256,16 @@ def test_parameter_counts_per_rank_cover_every_family():
 
 @pytest.mark.parametrize("name, expected", [
     # Per unit of rank, as tinker-cookbook 0.6.1's hyperparam_utils tabulates them for these checkpoints.
-    ("Qwen3-30B-A3B", {"mlp": 14_450_688}),
-    ("gpt-oss-20b", {"attn": 497_664, "mlp": 6_842_880}),
-    ("DeepSeek-V3", {"attn": 2_440_000, "mlp": 94_307_328}),
+    ("Qwen3-30B-A3B", {"mlp": 14_450_688, "attn": 835_584, "unembed": 153_984}),
+    ("gpt-oss-20b", {"mlp": 6_842_880, "attn": 497_664, "unembed": 203_968}),
+    ("DeepSeek-V3", {"mlp": 94_307_328, "attn": 2_440_000, "unembed": 136_448}),  # the table's DeepSeek-V3.1
+    ("Qwen3.5-35B-A3B", {"mlp": 16_281_600, "attn": 1_013_760, "unembed": 250_368}),
+    ("Qwen3.5-9B", {"mlp": 1_572_864, "attn": 1_130_496, "unembed": 252_416}),
 ])
-def test_moe_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expected):
-    """Shared-outer experts (H + E * I per projection and rank), MLA adapted on q_a, kv_a and o only: the counts of
-    the real checkpoints' shapes, built on the meta device."""
+def test_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expected):
+    """Shared-outer experts (H + E * I per projection and rank), shared experts but not their gates, MLA adapted on
+    q_a, kv_a and o only, linear attention on in_proj_q/k/v/z and out_proj: the counts of the real checkpoints'
+    shapes, built on the meta device, are Tinker's."""
     import transformers
 
     from tinkerq.recipes.families import REAL_FULL
@@ -271,7 +274,7 @@ def test_moe_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expecte
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**fields))
     counts = parameters_per_rank(find_targets(model, types.LoraConfig(rank=1)))
-    assert {k: counts[k] for k in expected} == expected
+    assert counts == expected
 
 
 def test_a_checkpoint_asking_for_router_logits_is_served_without_them(tmp_path):
