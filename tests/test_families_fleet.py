@@ -79,25 +79,25 @@ def test_family_full_lora_and_sampling_through_a_worker(family_worker, redis_url
         service.close()
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    sdk = tinker.ServiceClient(base_url=gateway_url, api_key=api_key)
-    lora = sdk.create_lora_training_client(base_model=name, rank=4, seed=3)
-    adam = tinker.AdamParams(learning_rate=1e-2)
-    for _ in range(2):
-        fb = lora.forward_backward(sdk_batch(make_batch(rng, 2, max_len=20)), "cross_entropy")
-        step = lora.optim_step(adam)
-        assert fb.result(timeout=120).metrics["loss:sum"] > 0
-        assert step.result(timeout=120).metrics["grad_norm:mean"] > 0
-    sampler = lora.save_weights_and_get_sampling_client()
-    prompt = [5, 9, 2, 7, 11, 4]
-    seq = sampler.sample(tinker.ModelInput.from_ints(prompt), 1,
-                         tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=5)).result(timeout=120).sequences[0]
-    assert len(seq.tokens) >= 1
-    # The sampled tokens' logprobs are the session's own forward of prompt + completion.
-    tokens = prompt + list(seq.tokens)
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-    forward = lora.forward(sdk_batch([datum]), "cross_entropy").result(timeout=120)
-    session_lp = np.asarray(forward.loss_fn_outputs[0]["logprobs"].data)
-    np.testing.assert_allclose(seq.logprobs, session_lp[len(prompt) - 1:], atol=1e-4)
-    prompt_lp = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result(timeout=120)
-    np.testing.assert_allclose(np.asarray(prompt_lp[1:], dtype=np.float64), session_lp, atol=1e-4)
+    with tinker.ServiceClient(base_url=gateway_url, api_key=api_key) as sdk:  # closed: no heartbeat outlives it
+        lora = sdk.create_lora_training_client(base_model=name, rank=4, seed=3).result()
+        adam = tinker.AdamParams(learning_rate=1e-2)
+        for _ in range(2):
+            fb = lora.forward_backward(sdk_batch(make_batch(rng, 2, max_len=20)), "cross_entropy")
+            step = lora.optim_step(adam)
+            assert fb.result(timeout=120).metrics["loss:sum"] > 0
+            assert step.result(timeout=120).metrics["grad_norm:mean"] > 0
+        sampler = lora.save_weights_and_get_sampling_client().result()
+        prompt = [5, 9, 2, 7, 11, 4]
+        params = tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+        seq = sampler.sample(tinker.ModelInput.from_ints(prompt), 1, params).result(timeout=120).sequences[0]
+        assert len(seq.tokens) >= 1
+        # The sampled tokens' logprobs are the session's own forward of prompt + completion.
+        tokens = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        forward = lora.forward(sdk_batch([datum]), "cross_entropy").result(timeout=120)
+        session_lp = np.asarray(forward.loss_fn_outputs[0]["logprobs"].data)
+        np.testing.assert_allclose(seq.logprobs, session_lp[len(prompt) - 1:], atol=1e-4)
+        prompt_lp = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result(timeout=120)
+        np.testing.assert_allclose(np.asarray(prompt_lp[1:], dtype=np.float64), session_lp, atol=1e-4)
