@@ -187,7 +187,7 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     dtype, device = hidden_states.dtype, hidden_states.device
     groups, experts = len(adapters), lay.num_experts
     scalings = [a.scaling if a is not None else 0.0 for a in adapters]
-    members = [(token_group == g).nonzero().squeeze(1) for g in range(groups)]  # each group's tokens
+    members = _Members(route.token_sizes(n_tokens), token_group, groups)  # each group's tokens
 
     expert = top_k_index.reshape(-1)  # (S,) S = N * K slots
     segment = expert * groups + token_group.repeat_interleave(top_k)  # (S,) the slot's (expert, group)
@@ -221,11 +221,10 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
                          dtype, device)  # (E * G, r, I)
         ha = grouped_linear(h, a_stack, per_segment)  # (S, r)
         ha = (ha * weights)[unsort].view(n_tokens, top_k, -1).sum(1)  # (N, r): the routing-weighted sum per token
-        for g, pair in enumerate(down):
-            if pair is not None and members[g].numel():
-                b = pair[1][0].to(dtype)  # (H, r_g)
-                rows = ha.index_select(0, members[g])[:, :b.shape[1]] * scalings[g]  # (n_g, r_g)
-                final = final.index_add(0, members[g], F.linear(rows, b))
+        parts = [F.linear(rows[:, :pair[1].shape[2]] * scalings[g], pair[1][0].to(dtype))
+                 if pair is not None and rows.shape[0] else None
+                 for g, (pair, rows) in enumerate(zip(down, members.gather(ha), strict=True))]  # (n_g, H)
+        final = final + members.scatter(parts, final.shape[1], final)
     return final.to(hidden_states.dtype)
 
 
@@ -255,17 +254,43 @@ def _input_factors(gate: Any, up: Any, lay: ExpertsLayout,
     return a, b
 
 
+class _Members:
+    """Which of the (N,) flattened tokens each group holds: contiguous runs in training passes (views, one
+    concatenation), row indices in the sampling engine (gathers and index copies)."""
+
+    def __init__(self, sizes: list[int] | None, token_group: torch.Tensor, groups: int) -> None:
+        self.sizes = sizes
+        self.index = None if sizes is not None else [(token_group == g).nonzero().squeeze(1) for g in range(groups)]
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` (N, ...) cut into each group's rows."""
+        if self.sizes is not None:
+            return list(torch.split(t, self.sizes))
+        return [t.index_select(0, i) for i in self.index]  # type: ignore[union-attr]
+
+    def scatter(self, parts: list[torch.Tensor | None], width: int, like: torch.Tensor) -> torch.Tensor:
+        """Per-group rows (n_g, width) (None: zeros) back into one (N, width)."""
+        sizes = self.sizes if self.sizes is not None else [len(i) for i in self.index]  # type: ignore[union-attr]
+        if self.sizes is not None:
+            return torch.cat([p if p is not None else like.new_zeros(n, width) for p, n in zip(parts, sizes,
+                                                                                                   strict=True)])
+        out = like.new_zeros(like.shape[0], width)
+        for p, i in zip(parts, self.index, strict=True):  # type: ignore[arg-type]
+            if p is not None:
+                out = out.index_copy(0, i, p)
+        return out
+
+
 def _inner_delta(hidden: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor] | None],
-                 members: list[torch.Tensor], scalings: list[float], token: torch.Tensor, per_segment: list[int],
+                 members: _Members, scalings: list[float], token: torch.Tensor, per_segment: list[int],
                  num_experts: int, width: int) -> torch.Tensor:
     """The input projection's delta on the sorted slots (S, width): s * (x A^T) per group's tokens (N, R), then
     the per-expert B over the (expert, group) segments."""
     rank = max(f[0].shape[0] for f in factors if f is not None)
-    xa = hidden.new_zeros(hidden.shape[0], rank)  # (N, R)
-    for g, f in enumerate(factors):
-        if f is not None and members[g].numel():
-            part = F.linear(hidden.index_select(0, members[g]), f[0]) * scalings[g]  # (n_g, R_g)
-            xa = xa.index_copy(0, members[g], F.pad(part, (0, rank - f[0].shape[0])))
+    parts = [F.pad(F.linear(rows, f[0]) * scalings[g], (0, rank - f[0].shape[0]))
+             if f is not None and rows.shape[0] else None
+             for g, (f, rows) in enumerate(zip(factors, members.gather(hidden), strict=True))]  # (n_g, R)
+    xa = members.scatter(parts, rank, hidden)  # (N, R)
     b_stack = _stack([f[1] if f is not None else None for f in factors], (num_experts, width, rank), 2, rank,
                      hidden.dtype, hidden.device)  # (E * G, width, R)
     return grouped_linear(xa[token], b_stack, per_segment)  # (S, width)

@@ -113,6 +113,13 @@ class Routing:
         self._token_groups = (n_tokens, (adapters, token_group))
         return adapters, token_group
 
+    def token_sizes(self, n_tokens: int) -> list[int] | None:
+        """Each group's count of the (N,) flattened tokens when groups are contiguous (they then are in order);
+        None for row-index groups."""
+        if not self.contiguous:
+            return None
+        return [n * (n_tokens // sum(self.sizes)) for n in self.sizes]
+
     def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``t`` (B, ...) cut into the groups' rows (contiguous routings only)."""
         return torch.split(t, self.sizes)
