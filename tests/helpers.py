@@ -70,7 +70,12 @@ def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: 
     """forward_backward over ``batches`` then optim_step, in process; returns the pre-clip grad norm."""
     for batch in batches:
         reference_loss(model, batch).backward()
-    params = [p for p in model.parameters()]
+    return adamw_step(opt, list(model.parameters()), adam)
+
+
+def adamw_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], adam: types.AdamParams) -> float:
+    """Tinker's optim_step in plain torch: clip ``params``' gradients by global norm (when asked), AdamW with
+    ``adam``'s hyperparameters, gradients cleared; returns the pre-clip grad norm."""
     norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"))
     for group in opt.param_groups:
         group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from tests.helpers import make_batch, reference_logprobs, reference_step
+from tests.helpers import adamw_step, make_batch, reference_logprobs, reference_step
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, build_family, build_model
@@ -175,12 +175,7 @@ def test_lora_steps_equal_a_plain_shared_outer_reference(family):
             scale = max(1e-6, float(leaves[name].grad.abs().max()))
             torch.testing.assert_close(p.grad, leaves[name].grad, atol=2e-4 * scale, rtol=0,
                                        msg=lambda m, name=name: f"{name}: {m}")
-        norm = torch.nn.utils.clip_grad_norm_(list(leaves.values()), ADAM.grad_clip_norm)
-        for group in opt.param_groups:
-            group.update(lr=ADAM.learning_rate, weight_decay=ADAM.weight_decay, betas=(ADAM.beta1, ADAM.beta2),
-                         eps=ADAM.eps)
-        opt.step()
-        opt.zero_grad()
+        norm = adamw_step(opt, list(leaves.values()), ADAM)
         assert s.optim_step(ADAM).metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-4)
         for name, p in ours.items():
             # Adam divides by sqrt(v) + eps: gradient rounding moves a weight by up to ~1e-3 of the step size

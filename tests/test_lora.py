@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tests.helpers import build_tiny_llama, make_batch, reference_logprobs, rl_batch
+from tests.helpers import adamw_step, build_tiny_llama, make_batch, reference_logprobs, rl_batch
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import validate_lora
@@ -150,12 +150,7 @@ def test_training_equals_peft_with_adamw(base, model_dir, tmp_path):
         for name, p in params.items():  # the accumulated gradients
             scale = float(p.grad.abs().max())
             torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-4, atol=1e-4 * scale + 1e-12)
-        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), adam.grad_clip_norm)
-        for group in opt.param_groups:
-            group.update(lr=adam.learning_rate, weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2),
-                         eps=adam.eps)
-        opt.step()
-        opt.zero_grad()
+        norm = adamw_step(opt, list(params.values()), adam)
         metrics = s.optim_step(adam).metrics
         assert metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-5)
         for name, p in params.items():
