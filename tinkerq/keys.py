@@ -77,6 +77,12 @@ def journal(model_id: str) -> str:
     return f"{PREFIX}:journal:{model_id}"
 
 
+def session_claim(model_id: str) -> str:
+    """A claim (SET NX, value: the worker id) taken before a training session is built: whichever worker gets
+    a ``create_model`` first builds it; a duplicate delivery elsewhere builds nothing."""
+    return f"{PREFIX}:created:{model_id}"
+
+
 def adopting(model_id: str) -> str:
     """A claim (SET NX, value: the worker id): this worker is adopting the session."""
     return f"{PREFIX}:adopting:{model_id}"

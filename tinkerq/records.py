@@ -1,0 +1,94 @@
+"""Typed recovery records: what a worker writes to Redis so a session survives its worker, and what producers
+and other workers read back. One module for both sides (no JSON parsed by hand anywhere else).
+
+* :class:`SessionHome` (``keys.session_home``): where a training session lives and how to re-make it.
+* :class:`SnapshotRecord` (``keys.auto_snapshot``): the session's latest automatic training snapshot.
+* :class:`JournalEntry` (``keys.journal``, msgpack): a request the session applied since that snapshot.
+
+``loads`` returns None for a record that is absent or unreadable: a reader then acts as if there were none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tinkerq.wire import codec
+
+
+def _json(raw: bytes | None) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True)
+class SessionHome:
+    model_id: str
+    base_model: str
+    worker: str
+    lora: dict[str, Any] | None = None  # the LoRA config with its effective seed; None: a full-parameter session
+    adopted_from: str | None = None  # the lost worker it was adopted from
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes | None) -> SessionHome | None:
+        value = _json(raw)
+        if value is None or not all(isinstance(value.get(k), str) for k in ("model_id", "worker", "base_model")):
+            return None
+        lora = value.get("lora")
+        adopted_from = value.get("adopted_from")
+        return cls(value["model_id"], value["base_model"], value["worker"],
+                   lora if isinstance(lora, dict) else None,
+                   adopted_from if isinstance(adopted_from, str) else None)
+
+    def moved_to(self, worker: str) -> SessionHome:
+        """The record once ``worker`` has adopted the session from the one named here."""
+        return SessionHome(self.model_id, self.base_model, worker, self.lora, adopted_from=self.worker)
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A session's latest automatic training snapshot: its directory, the last request it holds, when, where."""
+
+    path: str
+    seq_id: int
+    time: float
+    worker: str
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes | None) -> SnapshotRecord | None:
+        value = _json(raw)
+        if value is None or not isinstance(value.get("path"), str):
+            return None
+        seq_id, when, worker = value.get("seq_id"), value.get("time"), value.get("worker")
+        return cls(value["path"], seq_id if isinstance(seq_id, int) else 0,
+                   float(when) if isinstance(when, (int, float)) else 0.0, worker if isinstance(worker, str) else "")
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One applied request: its position, operation, body (None when not needed to replay it) and answer,
+    ``(status, value, timing)`` as the worker keeps answers."""
+
+    seq: int
+    op: str
+    body: bytes | None
+    reply: tuple[str, Any, dict[str, float]]
+
+    def dumps(self) -> bytes:
+        return codec.packb({"seq": self.seq, "op": self.op, "body": self.body, "reply": list(self.reply)})
+
+    @classmethod
+    def loads(cls, raw: bytes) -> JournalEntry:
+        value = codec.unpackb(raw)
+        status, answer, timing = value["reply"]
+        return cls(int(value["seq"]), str(value["op"]), value["body"], (status, answer, timing or {}))
