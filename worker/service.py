@@ -180,7 +180,7 @@ class WorkerService:
 
     # -- sessions -------------------------------------------------------------------------------------------------
 
-    def _create_model(self, envelope: Any) -> Outcome:
+    def _create_model(self, envelope: Any) -> Outcome | None:
         model_id, _, ref = messages.check_envelope(envelope, "create_model")
         body = self._decode(ref)
         requested = body.get("base_model") if isinstance(body, dict) else None
@@ -196,6 +196,10 @@ class WorkerService:
             raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
         lora = messages.decode_lora(body.get("lora"))
         if model_id not in self.slots:
+            holder = self._claim_creation(model_id)
+            if holder != self.worker_id:  # a duplicate delivery: the worker holding the claim answers
+                log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
+                return None
             session = self._new_lora_session(model_id, lora) if lora is not None else self._new_full_session(model_id)
             self.slots[model_id] = _Slot(session, Ordering())
             log.info("opened %s session %s (%d open)", "LoRA" if lora else "full", model_id, len(self.slots))
@@ -211,6 +215,22 @@ class WorkerService:
             max_seq_len=self.max_seq_len, num_parameters=self.num_parameters, worker=self.worker_id, extra=extra,
         )
         return ("ok", codec.packb(info.__dict__), NO_TIMING)
+
+    def _claim_creation(self, model_id: str) -> str:
+        """Claim the right to build session ``model_id`` (SET NX); the worker that holds the claim.
+
+        A ``create_model`` can reach two workers (docs/reliability.md, "Exactly once"); only the first to claim
+        builds the session. A claim held here for a session no longer open means it was built and closed."""
+        store = self.connection.store.with_retry(self.settings.heartbeat_s)
+        ttl_s = self.settings.auto_snapshot_ttl_s
+        if store.set_if_absent(keys.session_claim(model_id), self.worker_id.encode(), ttl_s):
+            return self.worker_id
+        raw = store.get(keys.session_claim(model_id))
+        holder = raw.decode(errors="replace") if raw else self.worker_id
+        if holder == self.worker_id:
+            raise UnknownModelError(f"training session {model_id} was already created here and closed; "
+                                    f"create a new training client")
+        return holder
 
     def _new_full_session(self, model_id: str) -> Session:
         self._make_room(lora=False)
