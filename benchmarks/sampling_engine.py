@@ -4,7 +4,8 @@ Model: a ~5M-parameter Llama (random weights, fixed seed) saved with save_pretra
 from_pretrained, float32. Load: 64 prompts of 8-40 random tokens x 8 samples x 32 new tokens (no stop
 token), temperature 1, no top-k / top-p. (a) ``model.generate`` of all 512 rows at once (left padding,
 do_sample=True, max_new_tokens=min_new_tokens=32, top_k=0); (b) a TorchEngine with all 64 jobs submitted at
-once (``--max-rows``, default 512 so it also holds every row). Runs alternate, the median is reported. The
+once (``--max-rows``, default 512 so it also holds every row), stepped on the calling thread until idle
+(``run_until_idle``: the engine has no thread of its own). Runs alternate, the median is reported. The
 engine does more than generate (per-row seeds, logprobs, per-job results) but prefills each distinct prompt
 once, where generate prefills 512 padded rows; ``--distinct`` gives all 512 rows their own prompt (512 jobs
 x 1 sample), so both prefill 512 prompts.
@@ -26,7 +27,7 @@ from _fleet import build_llama, machine, median, print_table
 from transformers import AutoModelForCausalLM
 
 from tinkerq import types
-from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
+from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine
 
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 32
 LLAMA_5M: dict[str, Any] = dict(
@@ -54,14 +55,24 @@ def run_engine(model: Any, prompts: list[list[int]], samples: int, max_rows: int
     jobs = [SampleJob(model=model, model_key="bench", prompt=p, num_samples=samples,
                       params=types.SamplingParams(seed=seed + i, temperature=1.0), stop=no_stop,
                       max_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
+    results: list[list[types.SampledSequence]] = []
+
+    def collect(seqs: list[types.SampledSequence] | None, error: BaseException | None) -> None:
+        if error is not None:
+            raise error  # logged by the engine; the count below fails
+        results.append(seqs or [])
+
     engine = TorchEngine(max_rows=max_rows)
     try:
         t0 = time.perf_counter()
-        results = run_jobs(engine, jobs)
+        for job in jobs:
+            job.on_done = collect
+            engine.submit(job)
+        engine.run_until_idle()
         elapsed = time.perf_counter() - t0
     finally:
         engine.close()
-    assert all(len(s.tokens) == NEW_TOKENS for seqs in results for s in seqs)
+    assert len(results) == len(jobs) and all(len(s.tokens) == NEW_TOKENS for seqs in results for s in seqs)
     return elapsed
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import VOCAB, load_reference
-from tests.test_sampling_engine import NO_STOP, PausingGate, make_job, prompt_of
+from tests.test_sampling_engine import NO_STOP, PausingGate, make_job, prompt_of, stepping
 from tinkerq import errors, types
 from tinkerq.wire import codec, messages
 from tinkerq.worker.sampling import TorchEngine, run_jobs
@@ -76,8 +76,8 @@ def test_asking_changes_no_token_and_joins_a_running_batch(model):
     np.testing.assert_allclose([s.logprobs for s in asked], [s.logprobs for s in plain], atol=ATOL, rtol=0)
 
     gate = PausingGate(pause_at=3)  # inside the 2nd decode step of the running rows
-    engine = TorchEngine(gate=gate)
-    try:
+    engine = TorchEngine()
+    with stepping(engine, model, gate):  # a thread of the test steps the engine; run_jobs below steps it too
         done = threading.Event()
         engine.submit(make_job(model, prompt_of(5, 1), 4, 30, seed=3, on_done=lambda *_: done.set()))
         assert gate.reached.wait(30)
@@ -91,8 +91,6 @@ def test_asking_changes_no_token_and_joins_a_running_batch(model):
         gate.go.set()
         thread.join(60)
         assert done.wait(30)
-    finally:
-        engine.close()
     (mixed, _), = result
     assert [s.tokens for s in mixed] == [s.tokens for s in plain]
     assert_matches(joined[0], alone[0])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import VOCAB, load_reference
-from tinkerq import types
+from tinkerq import errors, types
 from tinkerq.worker.sampling import EngineClosed, SampleJob, StopRule, TorchEngine, run_jobs, sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,7 +54,8 @@ def assert_logprobs_match(model, job: SampleJob, seqs: list[types.SampledSequenc
 
 
 class PausingGate:
-    """A gate that holds the engine inside its ``pause_at``-th forward until ``go`` is set."""
+    """Holds the engine inside its ``pause_at``-th model forward until ``go`` is set (a forward pre-hook that
+    ``stepping`` puts on the model)."""
 
     def __init__(self, pause_at: int) -> None:
         self.forwards = 0
@@ -62,13 +63,38 @@ class PausingGate:
         self.reached = threading.Event()
         self.go = threading.Event()
 
-    @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self, module, args) -> None:
         self.forwards += 1
         if self.forwards == self.pause_at:
             self.reached.set()
             assert self.go.wait(30)
+
+
+@contextlib.contextmanager
+def stepping(engine: TorchEngine, model=None, gate: PausingGate | None = None):
+    """Step ``engine`` on a thread of the test until the block ends (as a worker's compute loop does: the engine
+    has no thread of its own), with ``gate`` on ``model``'s forwards. On exit the gate lets go, the thread
+    stops, the engine is closed and the hook removed."""
+    handle = model.register_forward_pre_hook(gate) if gate is not None else None
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if not engine.step():
+                stop.wait(0.001)
+
+    thread = threading.Thread(target=loop, name="test-stepping", daemon=True)
+    thread.start()
+    try:
         yield
+    finally:
+        if gate is not None:
+            gate.go.set()
+        stop.set()
+        thread.join(30)
+        engine.close()
+        if handle is not None:
+            handle.remove()
 
 
 def test_mixed_concurrent_jobs_report_forward_logprobs(model):
@@ -109,8 +135,8 @@ def test_seeded_tokens_do_not_depend_on_the_batch(model):
     batched = run_jobs(None, [others[0], target, others[1]])[1]
 
     gate = PausingGate(pause_at=4)  # hold the engine in its 3rd decode step of the other job
-    engine = TorchEngine(gate=gate)
-    try:
+    engine = TorchEngine()
+    with stepping(engine, model, gate):
         first = threading.Event()
         engine.submit(make_job(model, prompt_of(27, 3), 2, 40, temperature=1.0, seed=3,
                                on_done=lambda *_: first.set()))
@@ -121,8 +147,6 @@ def test_seeded_tokens_do_not_depend_on_the_batch(model):
         engine.submit(late)
         gate.go.set()
         assert first.wait(30)
-    finally:
-        engine.close()
     (joined_seqs, err, first_done_before), = joined
     assert err is None and not first_done_before  # it really joined a running batch
 
@@ -170,7 +194,7 @@ def test_stop_rules_apply_per_row(model, model_dir):
 
 def test_a_job_joins_a_running_batch(model):
     gate = PausingGate(pause_at=4)  # prefill + 2 decode steps done, the 3rd decode forward in progress
-    engine = TorchEngine(gate=gate)
+    engine = TorchEngine()
     order, out, steps, loads = [], {}, {}, {}
     done = threading.Event()
 
@@ -186,7 +210,7 @@ def test_a_job_joins_a_running_batch(model):
 
     long = make_job(model, prompt_of(5, 21), 2, 150, temperature=1.0, seed=1, on_done=on_done("long"))
     short = make_job(model, prompt_of(23, 22), 2, 6, temperature=0.7, top_p=0.9, seed=2, on_done=on_done("short"))
-    try:
+    with stepping(engine, model, gate):
         engine.submit(long)
         assert gate.reached.wait(30)
         assert engine.load() == 2
@@ -195,8 +219,6 @@ def test_a_job_joins_a_running_batch(model):
         joined_at = engine.steps
         gate.go.set()
         assert done.wait(30)
-    finally:
-        engine.close()
     assert order == ["short", "long"]
     assert loads == {"short": 2, "long": 0}
     # The short job ran 6 steps right after it was submitted, not after the long job drained.
@@ -212,11 +234,11 @@ def test_a_job_joins_a_running_batch(model):
 def test_staggered_arrivals_with_rows_finishing_in_between(model, monkeypatch):
     """Jobs arrive while rows finish at different steps (merges that drop finished rows, compactions);
     every token still carries its full-forward logprob."""
-    from tinkerq.worker.sampling import torch_engine
+    from tinkerq.worker.sampling import cache_rows
 
     selects = []
-    select = torch_engine._Rows.select
-    monkeypatch.setattr(torch_engine._Rows, "select", lambda rows, idx: selects.append(len(idx)) or select(rows, idx))
+    select = cache_rows.Rows.select
+    monkeypatch.setattr(cache_rows.Rows, "select", lambda rows, idx: selects.append(len(idx)) or select(rows, idx))
     outcomes: dict[int, tuple] = {}
     all_done = threading.Semaphore(0)
 
@@ -227,7 +249,7 @@ def test_staggered_arrivals_with_rows_finishing_in_between(model, monkeypatch):
 
     stop = StopRule([5, 17, 40, 63, 88], [], None)
     first = job(prompt_of(9, 200), 16, 30, seed=0)
-    schedule = {  # engine step -> the job submitted during that step's first forward
+    schedule = {  # engine step -> the job submitted during that step's first forward (from the stepping thread)
         2: job(prompt_of(14, 201), 1, 4, seed=1),  # 1 of 17 rows: finishes, not yet dropped
         8: job(prompt_of(36, 202), 3, 12, temperature=0.0),  # joins: the merge drops that row
         12: job(prompt_of(5, 203), 2, 20, temperature=0.7, top_k=8, seed=3, stop=stop),
@@ -235,19 +257,21 @@ def test_staggered_arrivals_with_rows_finishing_in_between(model, monkeypatch):
     }
     jobs = [first, *schedule.values()]
 
-    @contextlib.contextmanager
-    def gate():
+    def gate(module, args):  # a forward pre-hook
         late = schedule.pop(engine.steps, None)
         if late is not None:
-            engine.submit(late)  # from the engine thread: admitted at the next iteration
-        yield
+            engine.submit(late)  # from the stepping thread, inside a step: admitted at the next step
+        return None
 
-    engine = TorchEngine(gate=gate)
+    engine = TorchEngine()
+    handle = model.register_forward_pre_hook(gate)
     try:
         engine.submit(first)
+        engine.run_until_idle()  # on this thread
         for _ in jobs:
             assert all_done.acquire(timeout=30)
     finally:
+        handle.remove()
         engine.close()
     assert not schedule
     assert selects  # finished rows were dropped while others ran
@@ -339,23 +363,45 @@ def test_a_failing_group_does_not_disturb_the_others(model):
 
 def test_close_fails_jobs_not_done(model):
     gate = PausingGate(pause_at=1)  # hold the first prefill
-    engine = TorchEngine(gate=gate)
+    engine = TorchEngine()
     outcomes = []
-    for i in range(2):
-        engine.submit(make_job(model, prompt_of(5, 80 + i), 2, 20, seed=i,
-                               on_done=lambda s, e: outcomes.append((s, e))))
-        if i == 0:
-            assert gate.reached.wait(30)  # job 0 is running, job 1 waits
-    assert engine.load() == 4
-    closer = threading.Thread(target=engine.close)
-    closer.start()
-    gate.go.set()
-    closer.join(30)
-    assert not closer.is_alive()
-    assert len(outcomes) == 2 and all(s is None and isinstance(e, EngineClosed) for s, e in outcomes)
-    with pytest.raises(EngineClosed):
-        engine.submit(make_job(model, [1, 2], 1, 2))
-    assert engine.load() == 0
+    with stepping(engine, model, gate):
+        for i in range(2):
+            engine.submit(make_job(model, prompt_of(5, 80 + i), 2, 20, seed=i,
+                                   on_done=lambda s, e: outcomes.append((s, e))))
+            if i == 0:
+                assert gate.reached.wait(30)  # job 0 is running, job 1 waits
+        assert engine.load() == 4
+        assert engine.has_work()
+        closer = threading.Thread(target=engine.close)  # waits for the step in progress
+        closer.start()
+        gate.go.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        assert len(outcomes) == 2 and all(s is None and isinstance(e, EngineClosed) for s, e in outcomes)
+        assert all(isinstance(e, errors.WorkerError) and "the worker stopped before" in e.message for _, e in outcomes)
+        with pytest.raises(EngineClosed):
+            engine.submit(make_job(model, [1, 2], 1, 2))
+        assert engine.load() == 0
+        assert not engine.has_work() and not engine.step()
+
+
+def test_stepped_on_the_callers_thread(model):
+    """No thread of its own: nothing runs until the owner steps; each step is one token of the running rows
+    (the prefill gives the first), and callbacks run on the stepping thread."""
+    engine = TorchEngine()
+    assert not engine.has_work() and not engine.step()
+    threads = []
+    job = make_job(model, prompt_of(7, 91), 2, 3, seed=1, on_done=lambda s, e: threads.append(threading.get_ident()))
+    submitter = threading.Thread(target=engine.submit, args=(job,))  # submit is thread-safe: from anywhere
+    submitter.start()
+    submitter.join(30)
+    assert engine.has_work() and engine.load() == 2 and engine.steps == 0
+    assert engine.step() and engine.steps == 1 and not threads  # the prefill and the first token
+    engine.run_until_idle()
+    assert engine.steps == 3 and threads == [threading.get_ident()] and not engine.has_work()
+    assert not engine.step() and engine.steps == 3
+    engine.close()
 
 
 def test_compat_sample_goes_through_the_engine(model):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,7 +22,7 @@ from tinkerq.recipes.families import FAMILIES, build_model
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.session import LoraBase, LoraSession
-from tinkerq.worker.sampling import SampleJob, TorchEngine, run_jobs, torch_engine
+from tinkerq.worker.sampling import SampleJob, TorchEngine, cache_rows, run_jobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,41 +65,35 @@ def assert_matches_forward(model: Any, job: SampleJob, seqs: list[types.SampledS
 
 
 class Schedule:
-    """A gate that submits jobs from the engine thread when the engine reaches given steps (``at``: step ->
-    jobs), so they join rows already decoding; it records the step at which each job is answered."""
+    """Steps an engine on this thread and submits jobs after given steps (``at``: step -> jobs, submitted as
+    that step ends), so they join rows already decoding; it records the step at which each job is answered."""
 
     def __init__(self, at: dict[int, list[SampleJob]]) -> None:
         self.at = at
-        self.engine = TorchEngine(gate=self)
+        self.engine = TorchEngine()
         self.done_at: dict[int, int] = {}  # id(job) -> engine step when answered
         self.outcomes: dict[int, tuple[Any, Any]] = {}
-        self._left = threading.Semaphore(0)
 
     def watch(self, job: SampleJob) -> SampleJob:
         def on_done(seqs: Any, err: Any) -> None:
             self.done_at[id(job)] = self.engine.steps
             self.outcomes[id(job)] = (seqs, err)
-            self._left.release()
         job.on_done = on_done
         return job
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        for job in self.at.pop(self.engine.steps, []):
-            self.engine.submit(job)  # admitted at the next iteration, beside the running rows
-        yield
-
-    def run(self, first: list[SampleJob], timeout: float = 60) -> None:
+    def run(self, first: list[SampleJob]) -> None:
         jobs = first + [j for js in self.at.values() for j in js]
         for job in jobs:
             self.watch(job)
         try:
             for job in first:
                 self.engine.submit(job)
-            for _ in jobs:
-                if not self._left.acquire(timeout=timeout):  # a failed job can leave the schedule unreached
-                    errors = [err for _, err in self.outcomes.values() if err is not None]
-                    raise errors[0] if errors else TimeoutError("the jobs did not finish")
+            while self.engine.step():
+                for job in self.at.pop(self.engine.steps - 1, []):
+                    self.engine.submit(job)  # admitted at the next step, beside the running rows
+            if len(self.outcomes) < len(jobs):  # a failed job can leave the schedule unreached
+                errors = [err for _, err in self.outcomes.values() if err is not None]
+                raise errors[0] if errors else TimeoutError("the jobs did not finish")
         finally:
             self.engine.close()
         assert not self.at
@@ -183,21 +175,20 @@ def test_deepseek_caches_the_latent_and_reexpands_it_through_kv_b_proj() -> None
         return out + 0.5 * (args[0] @ low_a.T) @ low_b.T
 
     row_shapes: list[list[tuple[int, ...]]] = []
-    engine: TorchEngine
+    engine = TorchEngine()
 
-    @contextlib.contextmanager
-    def gate() -> Iterator[None]:
+    def gate(module: torch.nn.Module, args: Any) -> None:  # before each of the engine's forwards
         group = engine._groups.get("ds")
         if group is not None and group.rows is not None:
             row_shapes.append([tuple(x.shape) for state in group.rows.state for x in state])
-        yield
 
     jobs = [make_job(model, prompt_of(n, n), 2, 4, key="ds", seed=n) for n in (4, 9)]
     handles = [layer.self_attn.kv_b_proj.register_forward_hook(lora) for layer in model.model.layers]
-    engine = TorchEngine(gate=gate)
+    handles.append(model.register_forward_pre_hook(gate))
     try:
         results = run_jobs(engine, jobs, timeout=60)
         engine.close()
+        handles.pop().remove()  # the gate: the reference forwards below are not the engine's
         assert max(shape[2] for shape in inputs) == 9 + 4 - 1  # the last decode expands every cached column
         assert all(shape[1] == 1 and shape[3] == rank for shape in inputs)
         for job, seqs in zip(jobs, results, strict=True):
@@ -220,9 +211,9 @@ def test_hybrid_layer_state_round_trip() -> None:
     """A layer holding both linear-attention state and keys/values: rows are selected and concatenated in
     both parts (no family here has one; e.g. Falcon-H1 style caches do)."""
     layer = LinearAttentionAndFullAttentionLayer(number_of_states=1)
-    kind = torch_engine._kind(layer)
+    kind = cache_rows.kind_of(layer)
 
-    def rows(b: int, t: int, start: float) -> torch_engine.State:
+    def rows(b: int, t: int, start: float) -> cache_rows.State:
         conv = torch.arange(b * 3 * 2, dtype=torch.float32).view(b, 3, 2) + start  # (B, C, K)
         recurrent = torch.full((b, 2, 2, 2), start)  # (B, H, Dk, Dv)
         keys = torch.arange(b * t, dtype=torch.float32).view(b, 1, t, 1).expand(b, 2, t, 4) + start  # (B, H, T, D)
@@ -237,7 +228,7 @@ def test_hybrid_layer_state_round_trip() -> None:
     picked = kind.select(kind.read(layer), torch.tensor([2]), 3)  # the short row alone: its 3 columns
     assert all(torch.equal(x, y) for x, y in zip(picked, b, strict=True))
     with pytest.raises(NotImplementedError, match="DynamicIndexedLayer"):
-        torch_engine._kind(DynamicIndexedLayer())
+        cache_rows.kind_of(DynamicIndexedLayer())
 
 
 def lora_snapshot(base: LoraBase, seed: int) -> Any:

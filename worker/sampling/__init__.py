@@ -1,5 +1,6 @@
 """Sampling from causal LMs: the rules (``rules``), the engine interface (``engine``), and the continuous-
-batching torch engine (``torch_engine``). ``sample`` is the one-request call older callers use."""
+batching torch engine (``torch_engine``, stepped by its owner's thread; its rows per cache layer: ``cache_rows``;
+its forwards: ``forwards``). ``sample`` is the one-request call older callers use."""
 
 from __future__ import annotations
 
