@@ -419,23 +419,20 @@ def session_lines(store: Any, now: float | None = None) -> list[str]:
     """One line per adoptable training session (its session record in Redis): model id, the worker holding it,
     the age of its latest automatic snapshot, its journal's length, and the lost worker it was adopted from."""
     from tinkerq import keys
+    from tinkerq.records import SessionHome, SnapshotRecord
 
     now = time.time() if now is None else now
     lines = []
     for key in sorted(store.scan(keys.SESSION_HOME_PATTERN)):
-        try:
-            home = json.loads(store.get(key) or b"null")
-            model_id, holder = str(home["model_id"]), str(home["worker"])
-        except (ValueError, TypeError, KeyError):
+        home = SessionHome.loads(store.get(key))
+        if home is None:
             continue
-        try:
-            record = json.loads(store.get(keys.auto_snapshot(model_id)) or b"null")
-            snapshot = f"snapshot {max(0.0, now - float(record['time'])):.0f} s ago"
-        except (ValueError, TypeError, KeyError):
-            snapshot = "no snapshot yet"
-        line = f"{model_id[:12]}  on {holder}  {snapshot}  journal {store.length(keys.journal(model_id))}"
-        if home.get("adopted_from"):
-            line += f"  adopted from {home['adopted_from']}"
+        record = SnapshotRecord.loads(store.get(keys.auto_snapshot(home.model_id)))
+        snapshot = "no snapshot yet" if record is None else f"snapshot {max(0.0, now - record.time):.0f} s ago"
+        journal = store.length(keys.journal(home.model_id))
+        line = f"{home.model_id[:12]}  on {home.worker}  {snapshot}  journal {journal}"
+        if home.adopted_from:
+            line += f"  adopted from {home.adopted_from}"
         lines.append(line)
     return lines
 

@@ -21,7 +21,6 @@ Redis stays away longer than ``TINKERQ_REDIS_RETRY_S``, pending requests fail wi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
 from tinkerq.errors import BrokerUnavailableError, ServerError, TinkerqError, WorkerLostError, error_from_wire
 from tinkerq.producer.futures import APIFuture
+from tinkerq.records import SessionHome, SnapshotRecord
 from tinkerq.retry import is_transient
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck
@@ -343,7 +343,7 @@ class Dispatcher:
                 # wait for that (bounded by adopt_timeout_s) instead of failing now.
                 for model_id in {r.model_id for r in pending if r.worker == worker and r.sequenced and r.seq_id > 0
                                  and r.model_id not in self._adopting}:
-                    if self._session_home(model_id) is not None:
+                    if self.session_home(model_id) is not None:
                         self._adopting[model_id] = (worker, now + self.settings.adopt_timeout_s)
                         log.warning("worker %s, holding session %s, is gone: waiting up to %g s for another worker "
                                     "to adopt it", worker, model_id[:8], self.settings.adopt_timeout_s)
@@ -356,23 +356,23 @@ class Dispatcher:
                 log.warning("worker %s is gone: %d pending request(s) failed, %d sent to other workers",
                             worker, n, moved)
 
-    def _session_home(self, model_id: str) -> dict[str, Any] | None:
+    def session_home(self, model_id: str) -> SessionHome | None:
+        """The session's home record (the worker holding it now), or None: no record (adoption off, or the
+        session closed), an unreadable one, or Redis unreachable right now."""
         try:
-            raw = self.store.with_retry(0).get(keys.session_home(model_id))
-            home = json.loads(raw) if raw else None
-        except (TinkerqError, ValueError):
+            return SessionHome.loads(self.store.with_retry(0).get(keys.session_home(model_id)))
+        except TinkerqError:
             return None
-        return home if isinstance(home, dict) and isinstance(home.get("worker"), str) else None
 
     def _follow_adoptions(self, ages: dict[str, float], now: float) -> None:
         """Sessions waiting for an adopter: move them to it once their record names a live worker, or fail
         their requests with WorkerLostError once adopt_timeout_s has passed without one."""
         for model_id, (lost, give_up_at) in list(self._adopting.items()):
-            home = self._session_home(model_id)
+            home = self.session_home(model_id)
             with self._lock:
                 waiting = [r for r in self._pending.values() if r.model_id == model_id and r.sequenced and r.worker]
             limit = LOST_AFTER_BEATS * max((r.heartbeat_s for r in waiting), default=self.settings.heartbeat_s)
-            adopter = home["worker"] if home is not None and home["worker"] != lost else None
+            adopter = home.worker if home is not None and home.worker != lost else None
             if adopter is not None and ages.get(adopter, float("inf")) <= limit:
                 del self._adopting[model_id]
                 self._move(model_id, adopter)
@@ -408,18 +408,18 @@ class Dispatcher:
                     len(moved))
 
     def _resume_hint(self, model_id: str) -> str:
-        """What a caller whose session is lost can do: resume from its automatic snapshot when it has one."""
+        """What a caller whose session is lost can do: resume from its automatic training snapshot (the state
+        the worker saves every few optimizer steps, docs/reliability.md) when it has one."""
         try:
-            raw = self.store.with_retry(0).get(keys.auto_snapshot(model_id))
-            snapshot = json.loads(raw) if raw else None
-        except (TinkerqError, ValueError):
+            snapshot = SnapshotRecord.loads(self.store.with_retry(0).get(keys.auto_snapshot(model_id)))
+        except TinkerqError:
             snapshot = None
-        if not isinstance(snapshot, dict) or not isinstance(snapshot.get("path"), str):
+        if snapshot is None:
             return ("Create a new training client, or resume from your last checkpoint "
                     "(create_training_client_from_state_with_optimizer)")
-        return (f"Its latest automatic snapshot holds the state after its request {snapshot.get('seq_id')}: resume "
-                f"with sc.create_training_client_from_state_with_optimizer({snapshot['path']!r}) and send again "
-                f"the requests after that one")
+        return (f"Its latest automatic training snapshot holds the state after its request {snapshot.seq_id}: "
+                f"resume with sc.create_training_client_from_state_with_optimizer({snapshot.path!r}) and send "
+                f"again the requests after that one")
 
     def _reroute(self, requests: list[Request]) -> int:
         """Send the requests that may run anywhere (sampling) to another worker; returns how many moved."""
