@@ -88,7 +88,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         gw = gateway_factory()
-        state["gateway"], state["keys"] = gw, ApiKeys(gw.records.client, cache_s=AUTH_CACHE_S)
+        state["gateway"], state["keys"] = gw, ApiKeys(gw.store, cache_s=AUTH_CACHE_S)
         try:
             yield
         finally:
@@ -137,7 +137,8 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)
     async def _redis_away(request: Request, exc: Exception) -> JSONResponse:
-        # The gateway's own records (gateway/records.py) while Redis restarts: retryable, as the SDK does 5xx.
+        # A Redis call outside the store seam (a library's own) while Redis restarts: retryable, as the SDK does
+        # 5xx. (The gateway's records and API keys raise BrokerUnavailableError instead: _fleet_error.)
         log.warning("%s %s -> 503: Redis unreachable (%s)", request.method, request.url.path, exc)
         return JSONResponse({"detail": "the fleet's Redis is unreachable; retry shortly"}, status_code=503,
                             headers={"retry-after": "2"})

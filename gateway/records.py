@@ -2,7 +2,8 @@
 
 Kept in Redis (not in the gateway's memory) so that a restarted gateway, or a second one behind the same
 load balancer, still knows who owns what: a tenant's ids and ``tinker://`` paths resolve for that tenant
-only, and everything else answers as if it did not exist. Each record is a JSON map with its ``tenant``.
+only, and everything else answers as if it did not exist. Each record is a JSON map with its ``tenant``,
+under :func:`tinkerq.keys.gateway_record`'s key, read and written through the store seam.
 
 Checkpoint paths are Tinker's: ``tinker://<training run>/weights/<name>`` (save_state) and
 ``tinker://<training run>/sampler_weights/<name>`` (save_weights_for_sampler). A record maps one to the
@@ -18,9 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import redis
+from tinkerq import keys
+from tinkerq.store import KeyValueStore
 
-PREFIX = "tinkerq:gw:"
 # Sessions and training runs are kept a week after their last use; checkpoints until their ttl (or forever).
 IDLE_TTL_S = 7 * 24 * 3600
 
@@ -69,53 +70,46 @@ def check_name(name: Any) -> str:
 
 
 class Records:
-    """Tenant-owned JSON records in Redis. ``get`` returns None for another tenant's record."""
+    """Tenant-owned JSON records in the fleet's store (key names: :func:`tinkerq.keys.gateway_record`). ``get``
+    returns None for another tenant's record.
 
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
+    Every call is tried once (the store ``with_retry(0)``): the gateway makes them inline, on its event loop,
+    so a Redis outage must not hold it; it raises BrokerUnavailableError, answered 503 (the SDK retries).
+    """
 
-    @staticmethod
-    def _key(table: str, ident: str) -> str:
-        return f"{PREFIX}{table}:{ident}"
+    def __init__(self, store: KeyValueStore) -> None:
+        self.store = store.with_retry(0)
 
     def put(self, table: str, ident: str, record: dict[str, Any], *, ttl_s: float | None = IDLE_TTL_S) -> None:
         assert "tenant" in record
-        raw = json.dumps(record, separators=(",", ":"))
-        if ttl_s is None:
-            self.client.set(self._key(table, ident), raw)
-        else:
-            self.client.set(self._key(table, ident), raw, px=max(1, int(ttl_s * 1000)))
+        self.store.set(keys.gateway_record(table, ident), _dumps(record), ttl_s)
 
     def put_new(self, table: str, ident: str, record: dict[str, Any], *, ttl_s: float = IDLE_TTL_S) -> bool:
         """Store ``record`` unless ``ident`` exists (for anyone): False then."""
-        raw = json.dumps(record, separators=(",", ":"))
-        return bool(self.client.set(self._key(table, ident), raw, px=int(ttl_s * 1000), nx=True))
+        return self.store.set_if_absent(keys.gateway_record(table, ident), _dumps(record), ttl_s)
 
     def get(self, table: str, ident: str, tenant: str) -> dict[str, Any] | None:
-        raw = self.client.get(self._key(table, ident))
-        if raw is None:
-            return None
-        record = json.loads(raw)
-        return record if isinstance(record, dict) and record.get("tenant") == tenant else None
+        return _owned(self.store.get(keys.gateway_record(table, ident)), tenant)
 
     def delete(self, table: str, ident: str) -> None:
-        self.client.delete(self._key(table, ident))
+        self.store.delete(keys.gateway_record(table, ident))
 
     def scan(self, table: str, tenant: str, prefix: str = "") -> list[dict[str, Any]]:
         """Every record of ``table`` whose id starts with ``prefix`` that ``tenant`` owns."""
-        pattern = self._key(table, _glob_escape(prefix) + "*")
-        keys = list(self.client.scan_iter(match=pattern, count=500))
-        out = []
-        for raw in self.client.mget(keys) if keys else []:
-            if raw is None:
-                continue
-            record = json.loads(raw)
-            if isinstance(record, dict) and record.get("tenant") == tenant:
-                out.append(record)
-        return out
+        found = self.store.get_many(self.store.scan(keys.gateway_records_pattern(table, prefix)))
+        return [record for record in (_owned(raw, tenant) for raw in found) if record is not None]
 
     def touch(self, table: str, ident: str, ttl_s: float = IDLE_TTL_S) -> None:
-        self.client.pexpire(self._key(table, ident), int(ttl_s * 1000))
+        self.store.expire(keys.gateway_record(table, ident), ttl_s)
+
+
+def _dumps(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def _owned(raw: bytes | None, tenant: str) -> dict[str, Any] | None:
+    record = json.loads(raw) if raw is not None else None
+    return record if isinstance(record, dict) and record.get("tenant") == tenant else None
 
 
 def checkpoint_record(tenant: str, path: TinkerPath, directory: str, run: dict[str, Any],
@@ -127,7 +121,3 @@ def checkpoint_record(tenant: str, path: TinkerPath, directory: str, run: dict[s
         "base_model": run["base_model"], "lora": run.get("lora"), "time": now,
         "expires_at": None if ttl_seconds is None else now + ttl_seconds, "user_metadata": user_metadata,
     }
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([\[\]*?\\])", r"\\\1", text)

@@ -34,6 +34,7 @@ from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.futures import APIFuture
 from tinkerq.producer.sampling import SamplingClient
 from tinkerq.settings import Settings
+from tinkerq.store import RedisStore
 from tinkerq.validation import validate_adam, validate_lora, validate_loss_request
 from tinkerq.wire import messages
 
@@ -85,10 +86,10 @@ class Gateway:
         self.settings = settings
         self.service = ServiceClient(settings=settings)
         store = self.service.connection.store
-        client = getattr(store, "client", None)
-        if client is None:
+        if not isinstance(store, RedisStore):
             raise TinkerqError("the gateway needs a Redis broker (redis://, rediss:// or sentinel://), not memory://")
-        self.records = Records(client)
+        self.store = store
+        self.records = Records(store)
         self.futures = Futures(poll_s=settings.gateway_poll_s, keep_s=settings.gateway_keep_s)
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}

@@ -18,6 +18,7 @@ from tinkerq import keys
 from tinkerq.errors import BrokerUnavailableError, UserError, ValidationError
 from tinkerq.launcher.processes import ROOT, free_port
 from tinkerq.settings import Settings
+from tinkerq.store import MemoryStore, RedisStore
 from tinkerq.tenants import ApiKeys, check_tenant_name
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +39,8 @@ def api_keys(redis_url: str) -> Iterator[ApiKeys]:
 
 def _offline(retry_s: float = 0.0) -> ApiKeys:
     """ApiKeys over a Redis that is not there: any call that reaches Redis raises BrokerUnavailableError."""
-    return ApiKeys(redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5), retry_s=retry_s)
+    client = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    return ApiKeys(RedisStore(client), retry_s=retry_s)
 
 
 def test_create_authenticate_list_revoke(api_keys: ApiKeys):
@@ -146,7 +148,7 @@ def test_redis_never_holds_a_key(api_keys: ApiKeys, redis_url: str):
 def test_concurrent_creates_of_one_name_let_exactly_one_win(redis_url: str):
     name = _name("race")
     client = redis.Redis.from_url(redis_url)
-    stores = [ApiKeys(client) for _ in range(12)]
+    stores = [ApiKeys(RedisStore(client)) for _ in range(12)]
     barrier = threading.Barrier(len(stores))
     won: list[str] = []
     refused: list[Exception] = []
@@ -191,6 +193,18 @@ def test_a_cache_keeps_only_good_answers_and_is_cleared_by_its_own_revoke(redis_
         other.close()
 
 
+def test_the_memory_store_keeps_keys_as_redis_does():
+    """The store seam's in-memory side: the same answers as Redis for every call ApiKeys makes."""
+    ak = ApiKeys(MemoryStore())
+    key = ak.create("mem")
+    with pytest.raises(UserError, match="revoke it first"):
+        ak.create("mem")
+    assert [t["name"] for t in ak.list()] == ["mem"] and ak.list()[0]["last_used_at"] is None
+    assert ak.authenticate(key) == "mem" and ak.list()[0]["last_used_at"] is not None
+    assert ak.revoke("mem") is True and ak.revoke("mem") is False
+    assert ak.authenticate(key) is None and ak.list() == []
+
+
 def test_the_embedded_fleet_has_no_keys():
     from tinkerq.connection import Connection
 
@@ -228,9 +242,10 @@ def test_cli_create_list_revoke(redis_url: str):
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("tml-") and key == key.strip() and len(key) == 47
     assert name in out.stdout.splitlines()[0]  # a human line first
-    ak = ApiKeys(redis.Redis.from_url(redis_url))
+    client = redis.Redis.from_url(redis_url)
+    ak = ApiKeys(RedisStore(client))
     assert ak.authenticate(key) == name
-    assert key.encode() not in _everything_in(ak.client)
+    assert key.encode() not in _everything_in(client)
 
     again = _cli("keys", "--broker", redis_url, "create", name)  # --broker before the subcommand works too
     assert again.returncode == 2 and "revoke it first" in again.stderr and "tml-" not in again.stdout
@@ -249,7 +264,7 @@ def test_cli_create_list_revoke(redis_url: str):
 
     missing = _cli("keys", "revoke", name, "--broker", redis_url)
     assert missing.returncode == 1 and "has no API key" in missing.stderr and "Traceback" not in missing.stderr
-    ak.client.close()
+    client.close()
 
 
 def test_cli_says_what_to_do_without_a_broker_or_with_a_bad_name(redis_url: str):

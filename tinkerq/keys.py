@@ -119,6 +119,23 @@ REAPER_LOCK = f"{PREFIX}:reaper"
 KOMBU_UNACKED = "unacked"
 KOMBU_UNACKED_INDEX = "unacked_index"
 
+# -- the HTTP gateway's records (gateway/records.py) ------------------------------------------------------
+
+GATEWAY_TABLES = ("session", "run", "sampler", "checkpoint")
+
+
+def gateway_record(table: str, ident: str) -> str:
+    """One of the gateway's tenant-owned JSON records: a session, a training run, a sampling session (by their
+    ids) or a checkpoint (by its ``tinker://`` path)."""
+    assert table in GATEWAY_TABLES, table
+    return f"{PREFIX}:gw:{table}:{ident}"
+
+
+def gateway_records_pattern(table: str, id_prefix: str = "") -> str:
+    """A SCAN pattern for every record of ``table`` whose id starts with ``id_prefix`` (taken literally)."""
+    return gateway_record(table, re.sub(r"([\[\]*?\\])", r"\\\1", id_prefix) + "*")
+
+
 # -- API keys of the HTTP gateway (tinkerq/tenants.py) ---------------------------------------------------
 # Only SHA-256 digests of keys are stored, never a key. A hash: tenant name -> hex digest of its live key
 # (one key per tenant; ``tinkerq keys list`` / ``revoke`` work by name).

@@ -1,6 +1,7 @@
 """A small key-value store seam: Redis in a fleet, a dict in the embedded (one-process) fleet.
 
-Used for claim-checked payloads, replies, worker registrations and heartbeats, and dead letters. Every
+Used for claim-checked payloads, replies, worker registrations and heartbeats, dead letters, recovery
+records, the gateway's records and the tenants' API keys (key names: :mod:`tinkerq.keys`). Every
 Redis call is retried through an outage (:mod:`tinkerq.retry`) for ``retry_s`` seconds, so a Redis
 restart or failover delays requests instead of failing them.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +25,12 @@ T = TypeVar("T")
 
 class KeyValueStore(Protocol):
     def with_retry(self, retry_s: float) -> KeyValueStore: ...
-    def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
+    def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...  # ttl_s None: kept until deleted
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool: ...
     def get(self, key: str) -> bytes | None: ...
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
     def delete(self, key: str) -> None: ...
+    def expire(self, key: str, ttl_s: float) -> None: ...  # a key's time to live, from now (none: nothing)
     def scan(self, pattern: str) -> list[str]: ...
     # Lists: producers' reply inboxes, the dead-letter queue, Celery's queues (read by the reaper).
     def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None: ...
@@ -45,6 +48,12 @@ class KeyValueStore(Protocol):
     # kombu's record of delivered, unacknowledged messages (a hash + its time index), for the cleanup pass.
     def hash_items(self, key: str) -> dict[str, bytes]: ...
     def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None: ...
+    # The gateway's API keys (tinkerq/tenants.py): an index hash (tenant -> key digest) and one hash per key
+    # ({tenant, created_at, last_used_at}), changed atomically.
+    def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]: ...
+    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int: ...
+    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool: ...
+    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None: ...
 
 
 _BEAT = """
@@ -56,6 +65,35 @@ _AGES = """
 local t = redis.call('TIME')
 return {t[1], t[2], redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')}
 """
+# API keys. KEYS[1] = the index hash, KEYS[2] = the new key's record; ARGV = tenant, digest, created_at.
+# 1: made; 0: the tenant has a key; -1: a record with this digest exists.
+_ADD_API_KEY = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], 'tenant', ARGV[1], 'created_at', ARGV[3])
+return 1
+"""
+# KEYS[1] = the index hash; ARGV = tenant, the records' key prefix. The record's key comes from the index, so
+# it cannot be declared in KEYS: fine on one Redis (with Sentinel or not); tinkerq does not run on Cluster.
+_REMOVE_API_KEY = """
+local digest = redis.call('HGET', KEYS[1], ARGV[1])
+if not digest then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', ARGV[2] .. digest)
+return 1
+"""
+# KEYS[1] = the key's record; ARGV = now, resolution_s. A removed key has no record: nil, and nothing written
+# (so a check racing a removal cannot leave half a record behind).
+_USE_API_KEY = """
+local tenant = redis.call('HGET', KEYS[1], 'tenant')
+if not tenant then return false end
+local last = tonumber(redis.call('HGET', KEYS[1], 'last_used_at') or '0') or 0
+if tonumber(ARGV[1]) - last >= tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[1], 'last_used_at', ARGV[1])
+end
+return tenant
+"""
 
 
 class RedisStore:
@@ -64,6 +102,9 @@ class RedisStore:
         self.retry_s = retry_s
         self._beat = client.register_script(_BEAT)
         self._ages = client.register_script(_AGES)
+        self._add_api_key = client.register_script(_ADD_API_KEY)
+        self._remove_api_key = client.register_script(_REMOVE_API_KEY)
+        self._use_api_key = client.register_script(_USE_API_KEY)
 
     def with_retry(self, retry_s: float) -> RedisStore:
         """The same store, retrying for ``retry_s`` instead (heartbeats must not wait out a long outage)."""
@@ -74,8 +115,8 @@ class RedisStore:
     def _do(self, what: str, fn: Callable[[], T]) -> T:
         return retrying(fn, deadline_s=self.retry_s, what=what)
 
-    def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s)))
+    def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
+        self._do(f"writing {key}", lambda: self.client.set(key, value, px=None if ttl_s is None else _ms(ttl_s)))
 
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
         return bool(self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s), nx=True)))
@@ -90,6 +131,9 @@ class RedisStore:
 
     def delete(self, key: str) -> None:
         self._do(f"deleting {key}", lambda: self.client.delete(key))
+
+    def expire(self, key: str, ttl_s: float) -> None:
+        self._do(f"renewing {key}", lambda: self.client.pexpire(key, _ms(ttl_s)))
 
     def scan(self, pattern: str) -> list[str]:
         return self._do(f"scanning {pattern}", lambda: [
@@ -169,6 +213,27 @@ class RedisStore:
 
         self._do(f"cleaning {hash_key}", run)
 
+    def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]:
+        def run() -> list[list[bytes | None]]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, fields)
+            return [[_bytes(v) for v in values] for values in pipe.execute()]
+
+        return self._do("reading hashes", run) if keys else []
+
+    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int:
+        return int(self._do(f"creating an API key for {tenant}",
+                            lambda: self._add_api_key(keys=[index, record], args=[tenant, digest, created_at])))
+
+    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool:
+        return bool(self._do(f"revoking the API key of {tenant}",
+                             lambda: self._remove_api_key(keys=[index], args=[tenant, record_prefix])))
+
+    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None:
+        raw = self._do("checking an API key", lambda: self._use_api_key(keys=[record], args=[now, resolution_s]))
+        return None if raw is None else _text(raw)
+
 
 def _bytes(value: object) -> bytes | None:
     """A reply of redis-py as bytes (it answers str only for a client made with decode_responses)."""
@@ -206,15 +271,16 @@ class MemoryStore:
         self._data: dict[str, tuple[bytes, float]] = {}
         self._lists: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._zsets: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        self._hashes: dict[str, dict[str, bytes]] = {}
         self._counts: dict[str, int] = collections.defaultdict(int)
         self._lock = threading.Condition()
 
     def with_retry(self, retry_s: float) -> MemoryStore:
         return self
 
-    def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         with self._lock:
-            self._data[key] = (bytes(value), time.monotonic() + ttl_s)
+            self._data[key] = (bytes(value), math.inf if ttl_s is None else time.monotonic() + ttl_s)
 
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
         with self._lock:
@@ -244,11 +310,19 @@ class MemoryStore:
         with self._lock:
             self._data.pop(key, None)
             self._lists.pop(key, None)
+            self._hashes.pop(key, None)
+
+    def expire(self, key: str, ttl_s: float) -> None:
+        with self._lock:
+            value = self._get(key)
+            if value is not None:
+                self._data[key] = (value, time.monotonic() + ttl_s)
 
     def scan(self, pattern: str) -> list[str]:
         now = time.monotonic()
         with self._lock:
             names = [k for k, (_, exp) in self._data.items() if exp >= now] + [k for k, v in self._lists.items() if v]
+            names += [k for k, v in self._hashes.items() if v]
             return [k for k in names if fnmatch.fnmatchcase(k, pattern)]
 
     def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
@@ -307,7 +381,40 @@ class MemoryStore:
             self._zsets[zset].pop(member, None)
 
     def hash_items(self, key: str) -> dict[str, bytes]:
-        return {}  # the in-memory transport keeps no unacked record in the store
+        with self._lock:  # (the in-memory transport keeps no unacked record here: {} for those)
+            return dict(self._hashes.get(key, {}))
 
     def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None:
         return None
+
+    def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]:
+        with self._lock:
+            return [[self._hashes.get(key, {}).get(f) for f in fields] for key in keys]
+
+    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int:
+        with self._lock:
+            tenants = self._hashes.setdefault(index, {})
+            if tenant in tenants:
+                return 0
+            if record in self._hashes:
+                return -1
+            tenants[tenant] = digest.encode()
+            self._hashes[record] = {"tenant": tenant.encode(), "created_at": created_at.encode()}
+            return 1
+
+    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool:
+        with self._lock:
+            digest = self._hashes.get(index, {}).pop(tenant, None)
+            if digest is None:
+                return False
+            self._hashes.pop(record_prefix + digest.decode(), None)
+            return True
+
+    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None:
+        with self._lock:
+            fields = self._hashes.get(record)
+            if fields is None:
+                return None
+            if float(now) - float(fields.get("last_used_at", b"0")) >= resolution_s:
+                fields["last_used_at"] = now.encode()
+            return fields["tenant"].decode()
