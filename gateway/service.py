@@ -35,7 +35,7 @@ from tinkerq.producer.futures import APIFuture
 from tinkerq.producer.sampling import SamplingClient
 from tinkerq.settings import Settings
 from tinkerq.store import RedisStore
-from tinkerq.validation import validate_adam, validate_lora, validate_loss_request
+from tinkerq.validation import validate_adam, validate_lora
 from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
@@ -150,7 +150,7 @@ class Gateway:
         await self._check_served(base_model)
 
         async def work() -> Answer:
-            client = await asyncio.to_thread(self.service._open, base_model, lora, None)
+            client = await asyncio.to_thread(self.service.open_training_client, base_model, lora)
             self._add_run(tenant, model_id, session_id, base_model, lora, client, offset=0,
                           user_metadata=body.get("user_metadata"))
             return Answer(json={"model_id": model_id, "type": "create_model"})
@@ -188,7 +188,7 @@ class Gateway:
         record = self.records.get("run", model_id, tenant)
         if record is None or record.get("closed") or not isinstance(record.get("info"), dict):
             return None
-        client = TrainingClient(self.service, types.ModelInfo(**record["info"]))
+        client = self.service.attach_training_client(types.ModelInfo(**record["info"]))
         run = Run(model_id, record, client, int(record["offset"]))
         self.runs[model_id] = run
         return run
@@ -243,7 +243,7 @@ class Gateway:
         except (TinkerqError, PathError, HTTPError) as exc:
             message = exc.message if isinstance(exc, TinkerqError) else str(exc)
             # Fill the position so the requests after it run; the resend of this one gets the same answer.
-            run.client._submit("echo", {}, lambda b: b, argsrepr="refused by the gateway", seq_id=worker_seq)
+            run.client.skip(worker_seq, "refused by the gateway")
             self._remember(run.seen, seq_id, (f"refused:{message}", kind))
             raise (exc if isinstance(exc, HTTPError) else HTTPError(400, message)) from None
         request_id = self.futures.add(tenant, kind, work)
@@ -262,14 +262,12 @@ class Gateway:
         kind = "Forward" if call.forward_only else "ForwardBackward"
 
         def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
-            client, info = run.client, run.client.info
-            validate_loss_request(call.data, call.loss_fn, call.loss_fn_config, limits=client._limits,
-                                  vocab_size=info.vocab_size, max_seq_len=info.max_seq_len)
+            run.client.check_loss_request(call.data, call.loss_fn, call.loss_fn_config)
             tokens = sum(d.model_input.length for d in call.data)
-            future = client._submit(
+            future = run.client.submit(
                 "forward" if call.forward_only else "forward_backward",
                 messages.encode_loss_request(call.data, call.loss_fn, call.loss_fn_config),
-                messages.decode_forward_backward_output, seq_id=worker_seq,
+                seq_id=worker_seq, decode=messages.decode_forward_backward_output,
                 argsrepr=f"loss_fn={call.loss_fn} datums={len(call.data)} tokens={tokens}",
             )
             return _proto_answer(future, proto.encode_forward_backward_output)
@@ -284,8 +282,9 @@ class Gateway:
             params = types.AdamParams(**{k: raw[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
                                                              "grad_clip_norm") if k in raw})
             validate_adam(params)
-            future = run.client._submit("optim_step", messages.encode_adam(params), messages.decode_optim_step_response,
-                                        argsrepr=f"lr={params.learning_rate:g}", seq_id=worker_seq)
+            future = run.client.submit("optim_step", messages.encode_adam(params), seq_id=worker_seq,
+                                       decode=messages.decode_optim_step_response,
+                                       argsrepr=f"lr={params.learning_rate:g}")
 
             async def answer() -> Answer:
                 out = await future
@@ -319,7 +318,7 @@ class Gateway:
                 op, request = "save_state", {"name": name, "ttl_seconds": ttl, "overwrite": overwrite}
             else:
                 op, request = "save_weights_for_sampler", {"name": name, "merged": False, "ttl_seconds": ttl}
-            future = run.client._submit(op, request, lambda b: b, argsrepr=f"name={name}", seq_id=worker_seq)
+            future = run.client.submit(op, request, seq_id=worker_seq, argsrepr=f"name={name}")
 
             async def answer() -> Answer:
                 out = await future
@@ -334,8 +333,7 @@ class Gateway:
 
     def _snapshot(self, tenant: str, run: Run, worker_seq: int, body: dict[str, Any]) -> Awaitable[Answer]:
         seq_id = body["seq_id"]
-        future = run.client._submit("create_sampler", {}, lambda b: str(b["sampler_id"]), argsrepr="",
-                                    seq_id=worker_seq)
+        future = run.client.submit("create_sampler", {}, seq_id=worker_seq, decode=lambda b: str(b["sampler_id"]))
 
         async def answer() -> Answer:
             snapshot = await future
@@ -354,8 +352,8 @@ class Gateway:
         if body.get("session_id") is None:  # legacy TrainingClient.load_state: an ordered request
             def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
                 checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights")
-                future = run.client._submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer},
-                                            lambda b: b, argsrepr=f"path={body.get('path')}", seq_id=worker_seq)
+                future = run.client.submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer},
+                                           seq_id=worker_seq, argsrepr=f"path={body.get('path')}")
                 return _json_answer(future, lambda _out: {"path": body["path"], "model_id": run.model_id,
                                                           "type": "load_weights"})
 
@@ -378,10 +376,10 @@ class Gateway:
         lora = None if checkpoint.get("lora") is None else messages.decode_lora(checkpoint["lora"])
 
         async def work() -> Answer:
-            client = await asyncio.to_thread(self.service._open, base_model, lora, None)
+            client = await asyncio.to_thread(self.service.open_training_client, base_model, lora)
             # The load is the worker session's request 1; the SDK's requests 1, 2... follow as 2, 3...
-            load = client._submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer},
-                                  lambda b: b, argsrepr=f"path={body['path']}", seq_id=1)
+            load = client.submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer}, seq_id=1,
+                                 argsrepr=f"path={body['path']}")
             try:
                 await load
             except TinkerqError:

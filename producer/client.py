@@ -17,7 +17,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import threading
@@ -43,6 +42,10 @@ log = logging.getLogger("tinkerq.producer")
 
 C = TypeVar("C")
 LORA_FIELDS = ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
+# What TrainingClient.submit posts: a training session's ordered requests (not create_model, which opens the
+# session at seq_id 0, nor sample, which is no part of any session's order).
+ORDERED_OPS = ("forward_backward", "forward", "optim_step", "save_state", "load_state", "save_weights_for_sampler",
+               "create_sampler", "echo", "close_model")
 
 
 class TrainingClientFuture(ClientFuture["TrainingClient"]):
@@ -171,12 +174,39 @@ class ServiceClient:
         return await self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata,
                                                                            weights_access_token)
 
-    def _open(self, base_model: str, lora: types.LoraConfig | None, timeout: float | None) -> TrainingClient:
-        """Open a session and wait for it (the gateway's entry point): at most ``timeout`` seconds, default
-        ``TINKERQ_CREATE_TIMEOUT_S``."""
+    # -- sessions driven by the caller (a tinkerq extension: the HTTP gateway's seam) ---------------------------
+
+    def open_training_client(self, base_model: str, lora: types.LoraConfig | None = None, *,
+                             timeout: float | None = None) -> TrainingClient:
+        """Open a training session and wait for it, in the calling thread: a LoRA session when ``lora`` is
+        given, else a full-parameter one.
+
+        The blocking form of the ``create_*training_client`` calls, for callers that manage their own threads
+        and number their own requests (the HTTP gateway; see :meth:`TrainingClient.submit`). Waits at most
+        ``timeout`` seconds (None: ``TINKERQ_CREATE_TIMEOUT_S``), then raises RequestTimeoutError. A model no
+        worker serves raises UnknownModelError, an invalid ``lora`` ValidationError, before anything is sent.
+        """
         base_model = normalize_model_name(base_model)
+        if lora is not None:
+            validate_lora(lora, max_rank=self.settings.max_lora_rank)
         self._require_served(base_model)
         return self._create(base_model, lora, timeout)
+
+    def attach_training_client(self, info: types.ModelInfo) -> TrainingClient:
+        """A client for a training session opened earlier, here or in another process (a restarted gateway),
+        from the :class:`~tinkerq.types.ModelInfo` its opener got (``tc.info``; ``dataclasses.asdict`` of it
+        and back travels as JSON). Sends nothing.
+
+        Its requests go to the worker holding the session now: the one ``info`` names, or the one that adopted
+        the session since (its session home record says which). Submit them with explicit sequence ids
+        (:meth:`TrainingClient.submit`): this client's own counter starts at 1 and knows nothing of the
+        requests sent before (its ``close()`` comes after the ids submitted through it). A session that was
+        closed, or whose worker is gone for good, answers its requests with an error, as for any client.
+        """
+        home = self._dispatch.session_home(info.model_id)
+        if home is not None and home.worker != info.worker:
+            info = dataclasses.replace(info, worker=home.worker)
+        return TrainingClient(self, info)
 
     def _create_async(self, base_model: str, lora: types.LoraConfig | None, optimizer: Any) -> TrainingClientFuture:
         _check_optimizer(optimizer)
@@ -341,7 +371,7 @@ class TrainingClient:
         self.service = service
         self.info = GetInfoResponse.of(info)
         self.model_id = info.model_id
-        self._seq = itertools.count(1)
+        self._next_seq = 1  # this client's own counter: past every seq_id given to submit() too
         self._seq_lock = threading.Lock()
         # Which worker holds the session is kept by the dispatcher: another one once it adopts the session.
         service._dispatch.set_home(self.model_id, info.worker)
@@ -593,6 +623,66 @@ class TrainingClient:
         """Release the session's memory on the worker (after every earlier request has been applied)."""
         self._submit("close_model", {}, lambda b: b, argsrepr="").result(timeout=timeout)
 
+    # -- ordered submission with explicit sequence ids (a tinkerq extension: the HTTP gateway's seam) -------------
+
+    def submit(self, op: str, body: dict[str, Any], *, seq_id: int | None = None,
+               decode: Callable[[Any], Any] | None = None, argsrepr: str = "") -> APIFuture[Any]:
+        """Post one request of this session's ordered stream, as the methods above do, and return its future.
+
+        For callers that number requests themselves (the HTTP gateway passes the SDK's ``seq_id`` through).
+        ``op`` is one of :data:`ORDERED_OPS`; ``body`` is its request map as the worker reads it (what
+        :mod:`tinkerq.wire.messages` encodes: ``encode_loss_request``, ``encode_adam``; ``{"path", "optimizer"}``
+        for ``load_state``...). ``decode`` turns the answer's body into the future's result (None: the body as
+        it came). ``argsrepr``: a short description for Flower and logs, never tensors.
+
+        ``seq_id`` is the request's position in the session (>= 1; None: the next one of this client's own
+        counter, which stays past every explicit ``seq_id`` submitted here, so :meth:`close` comes after them).
+        The worker applies requests strictly in ``seq_id``
+        order, holds one that arrives early until its predecessors have run (for up to
+        ``TINKERQ_GAP_TIMEOUT_S``, after which the session fails), and answers a repeated ``seq_id`` from its
+        kept reply without applying it twice: a resend is safe, even from another client attached to the
+        session (:meth:`ServiceClient.attach_training_client`).
+
+        A request refused here (an unknown ``op``, a body that cannot be encoded or is over
+        ``TINKERQ_MAX_MESSAGE_BYTES``) gets a failed future; with an explicit ``seq_id`` its position is then
+        filled (:meth:`skip`), so the requests after it still run.
+        """
+        if seq_id is not None and not _is_position(seq_id):
+            return APIFuture.failed(UserError(f"seq_id must be an integer >= 1 (0 opens the session), got {seq_id!r}"))
+        try:
+            if op not in ORDERED_OPS:
+                raise UserError(f"{op!r} is not a request of a training session's ordered stream; one of "
+                                f"{', '.join(ORDERED_OPS)}")
+            encoded = self._encode(body)
+        except TinkerqError as exc:
+            if seq_id is not None:
+                self.skip(seq_id, "refused by the client")
+            return APIFuture.failed(exc)
+        if seq_id is not None:
+            self._passed(seq_id)
+        return self._post(op, encoded, decode or _as_is, argsrepr=argsrepr, seq_id=seq_id)
+
+    def skip(self, seq_id: int, reason: str = "") -> APIFuture[None]:
+        """Fill position ``seq_id`` of the session with a request that changes nothing (an ``echo``).
+
+        For a request refused before it was sent (by the caller's own checks) whose ``seq_id`` is taken: the
+        session's later requests would otherwise wait for it and fail after ``TINKERQ_GAP_TIMEOUT_S``. The
+        future completes (with None) once the worker has passed that position. ``reason`` shows in Flower.
+        """
+        if not _is_position(seq_id):
+            return APIFuture.failed(UserError(f"seq_id must be an integer >= 1 (0 opens the session), got {seq_id!r}"))
+        self._passed(seq_id)
+        return self._post("echo", self._encode({}), _nothing, argsrepr=f"skipped: {reason}" if reason else "skipped",
+                          seq_id=seq_id)
+
+    def check_loss_request(self, data: Sequence[types.Datum], loss_fn: str = "cross_entropy",
+                           loss_fn_config: dict[str, Any] | None = None) -> None:
+        """The checks ``forward`` and ``forward_backward`` make before sending (the fleet's limits, this model's
+        vocabulary and context length, the loss's inputs): raises ValidationError / UserError. For callers that
+        send the request themselves with :meth:`submit`."""
+        validate_loss_request(data, loss_fn, loss_fn_config, limits=self._limits,
+                              vocab_size=self.info.vocab_size, max_seq_len=self.info.max_seq_len)
+
     # -- plumbing ---------------------------------------------------------------------------------------------
 
     def _loss_call(
@@ -600,10 +690,7 @@ class TrainingClient:
     ) -> APIFuture[types.ForwardBackwardOutput]:
         data = [types.as_datum(d) for d in data] if isinstance(data, (list, tuple)) else data
         try:
-            validate_loss_request(
-                data, loss_fn, loss_fn_config, limits=self._limits,
-                vocab_size=self.info.vocab_size, max_seq_len=self.info.max_seq_len,
-            )
+            self.check_loss_request(data, loss_fn, loss_fn_config)
         except TinkerqError as exc:
             return APIFuture.failed(exc)  # refused here: no sequence number used, the model is untouched
         tokens = sum(d.model_input.length for d in data)
@@ -615,12 +702,21 @@ class TrainingClient:
 
     def _submit(self, op: str, body: dict[str, Any], decode: Callable[[Any], Any], *, argsrepr: str,
                 seq_id: int | None = None) -> APIFuture[Any]:
-        """Post one ordered request. ``seq_id`` is given only by tests that replay or reorder requests."""
+        """Post one ordered request (the SDK's methods; tests that replay or reorder requests give ``seq_id``).
+        Unlike :meth:`submit`, a refused body leaves an explicit ``seq_id``'s position empty."""
         try:  # encode first: a body that cannot be sent must not use up a sequence number
-            encoded = codec.packb(body)
-            self.service.connection.claim_check().check_size(len(encoded))
+            encoded = self._encode(body)
         except TinkerqError as exc:
             return APIFuture.failed(exc)
+        return self._post(op, encoded, decode, argsrepr=argsrepr, seq_id=seq_id)
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        encoded = codec.packb(body)
+        self.service.connection.claim_check().check_size(len(encoded))
+        return encoded
+
+    def _post(self, op: str, encoded: bytes, decode: Callable[[Any], Any], *, argsrepr: str,
+              seq_id: int | None) -> APIFuture[Any]:
         if seq_id is None:
             seq_id = self.next_seq_id()
         # Posted now, or by the dispatcher once Redis is reachable: an outage costs time, not the session.
@@ -637,8 +733,15 @@ class TrainingClient:
         return self.service._dispatch.home(self.model_id)[1]
 
     def next_seq_id(self) -> int:
+        """Take the next sequence id of this client's own counter (what a request submitted without one gets)."""
         with self._seq_lock:
-            return next(self._seq)
+            self._next_seq += 1
+            return self._next_seq - 1
+
+    def _passed(self, seq_id: int) -> None:
+        """Counted ids come after every explicit one: close() after submit(seq_id=n) is request n + 1."""
+        with self._seq_lock:
+            self._next_seq = max(self._next_seq, seq_id + 1)
 
 
 def _background(make: Callable[[], C]) -> concurrent.futures.Future[C]:
@@ -675,6 +778,18 @@ def _check_stability_info(record_stability_info: bool) -> None:
     if record_stability_info:
         raise UserError("record_stability_info=True is not supported by tinkerq (no stability records for "
                         "StableReinforce); pass False")
+
+
+def _is_position(seq_id: Any) -> bool:
+    return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+
+
+def _as_is(body: Any) -> Any:
+    return body
+
+
+def _nothing(body: Any) -> None:
+    return None
 
 
 def _saved_path(body: Any) -> types.SaveWeightsResponse:

@@ -79,6 +79,7 @@ class APIFuture(Generic[T]):
     # -- the caller's side ----------------------------------------------------------------------------------
 
     def done(self) -> bool:
+        """Whether the answer (or an error) has arrived: ``result()`` would not wait."""
         return self._arrived.done()
 
     def result(self, timeout: float | None = None) -> T:
@@ -122,6 +123,7 @@ class APIFuture(Generic[T]):
             self._claim_check.discard(ref)
 
     def exception(self, timeout: float | None = None) -> TinkerqError | None:
+        """The request's error once answered (waiting at most ``timeout`` seconds), or None if it succeeded."""
         try:
             self.result(timeout)
         except TinkerqError as exc:

@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_logprobs
-from tinkerq import types
+from tinkerq import keys, types
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
@@ -469,7 +469,7 @@ def test_a_restarted_gateway_drives_the_same_runs_and_applies_nothing_twice(redi
     assert got.metrics["loss:sum"] == pytest.approx(library_loss_after_one_step(redis_url, 5, chunks), rel=1e-6)
 
 
-def test_full_fine_tune_and_unload_over_raw_http(gateway_url, api_keys, model_dir):
+def test_full_fine_tune_and_unload_over_raw_http(gateway_url, api_keys, model_dir, redis_url):
     """create_model without lora_config is a full fine-tune (the protocol allows it; the SDK never sends it)."""
     key = api_keys["alice"]
     session = post(gateway_url, "create_session", key, {}).json()["session_id"]
@@ -486,8 +486,15 @@ def test_full_fine_tune_and_unload_over_raw_http(gateway_url, api_keys, model_di
         want = sum(-(reference_logprobs(ref, d).numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum()
                    for d in batch)
     assert out.metrics["loss:sum"] == pytest.approx(float(want), rel=1e-4)
+    # The worker session behind the run (its home record goes when the session closes).
+    r = redis.Redis.from_url(redis_url)
+    session = json.loads(r.get(keys.gateway_record("run", model_id)))["info"]["model_id"]
+    assert r.get(keys.session_home(session)) is not None
     unload = post(gateway_url, "unload_model", key, {"model_id": model_id}).json()
     assert result(gateway_url, key, unload["request_id"]).json()["model_id"] == model_id
+    # Closed on the worker: the close came after the run's requests (not as a repeat of its request 1).
+    assert r.get(keys.session_home(session)) is None
+    r.close()
     assert post(gateway_url, "get_info", key, {"model_id": model_id}).status_code == 404
     r = post(gateway_url, "forward_backward", key, fb_proto(model_id, 2, batch), proto=True)
     assert r.status_code == 404

@@ -1,7 +1,9 @@
-"""The architecture is visible and enforced: the core and the producer never import torch."""
+"""The architecture is visible and enforced: the core and the producer never import torch; the gateway drives the
+fleet through the producer's public API only; Redis key names come from tinkerq/keys.py only."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +45,57 @@ def test_nothing_imports_upward():
                 if module in forbidden or module.startswith(tuple(f + "." for f in forbidden)):
                     offenders.append(f"{path.relative_to(ROOT)}: {stripped}")
     assert not offenders, offenders
+
+
+def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x._name`` where ``x`` is not ``self``/``cls`` (another object's private attribute), and imports of
+    underscored names from the producer."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tinkerq.producer"):
+            found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
+                      if alias.name.startswith("_")]
+    return found
+
+
+def test_the_gateway_uses_only_the_producers_public_api():
+    """gateway/ reaches producer objects (ServiceClient, TrainingClient, SamplingClient, futures) through their
+    public names only, and its own objects through ``self``: a private attribute of another object is a seam
+    missing from the producer's API (add one there: e.g. TrainingClient.submit / skip)."""
+    offenders = [f"gateway/{path.name}:{line}: {text}" for path in sorted((ROOT / "gateway").glob("*.py"))
+                 for line, text in _private_uses(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+
+
+def test_the_private_use_check_notices_them():
+    code = ("from tinkerq.producer.client import _background\n"
+            "def f(self, run):\n    run.client._submit('echo', {})\n    self._ok()\n    return service._open\n")
+    assert sorted(text for _, text in _private_uses(ast.parse(code))) == [
+        "from tinkerq.producer.client import _background", "run.client._submit", "service._open"]
+
+
+KEYS_ONLY = ["gateway/*.py", "tinkerq/tenants.py"]
+
+
+def _key_literals(tree: ast.AST) -> list[tuple[int, str]]:
+    """String constants (f-string parts too) holding a Redis key name, and uses of keys.PREFIX to build one."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "tinkerq:" in node.value:
+            found.append((node.lineno, node.value[:80]))
+        elif isinstance(node, ast.Attribute) and node.attr == "PREFIX":
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_key_names_come_from_tinkerq_keys():
+    """The gateway's records and the tenants' API keys are named by tinkerq/keys.py's builders, never by hand."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for pattern in KEYS_ONLY
+                 for path in sorted(ROOT.glob(pattern))
+                 for line, text in _key_literals(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+    code = 'PREFIX = "tinkerq:gw:"\nkey = f"tinkerq:apikey:{d}"\nother = keys.PREFIX + ":x"\n'
+    assert len(_key_literals(ast.parse(code))) == 3

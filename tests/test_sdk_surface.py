@@ -98,6 +98,32 @@ ALLOWED: dict[str, str] = {
 }
 
 
+# Public methods of ours that the SDK's class does not have, each with its reason: tinkerq's own API (documented in
+# its docstring), kept to what some caller needs.
+SEQ = ("ordered submission with explicit sequence ids, for callers that number requests themselves (the gateway "
+       "passes the SDK's seq_id through; gateway/ uses no private producer attribute: tests/test_layering.py)")
+EXTENSIONS: dict[str, str] = {
+    "ServiceClient.create_training_client": "a full-parameter session (Tinker trains LoRA adapters only)",
+    "ServiceClient.create_training_client_async": "see ServiceClient.create_training_client",
+    "ServiceClient.open_training_client": "open a session and wait for it in the calling thread (LoRA or full); "
+                                          "the gateway runs it in its own thread pool. " + SEQ,
+    "ServiceClient.attach_training_client": "a client for a session opened earlier, e.g. by a gateway before its "
+                                            "restart, from its ModelInfo. " + SEQ,
+    "TrainingClient.submit": SEQ,
+    "TrainingClient.skip": "fill a position whose request was refused before it was sent. " + SEQ,
+    "TrainingClient.check_loss_request": "the checks forward/forward_backward make, for a request sent with submit",
+    "TrainingClient.next_seq_id": "the client's own sequence counter (tests that reorder requests take ids from it)",
+    "TrainingClient.echo": "a round trip through the fleet, untouched (latency probes, benchmarks)",
+    "TrainingClient.close": "frees the session's memory on its worker now (the SDK's sessions end with the process)",
+    "APIFuture.__init__": "made by the library; the SDK's APIFuture is abstract",
+    "APIFuture.done": "concurrent.futures' spelling, as before the SDK's API was adopted",
+    "APIFuture.exception": "concurrent.futures' spelling: the error, or None",
+    "APIFuture.add_done_callback": "concurrent.futures' spelling: a callback once the answer arrives",
+    "APIFuture.completed": "a future that already holds a value (calls with nothing to wait for)",
+    "APIFuture.failed": "a future that already holds an error (a request refused before it was sent)",
+}
+
+
 def _public(cls: type) -> dict[str, Any]:
     """Public methods (and __init__ if the class, not object, defines it), as raw class attributes."""
     names = {n for n in dir(cls) if not n.startswith("_")}
@@ -179,6 +205,17 @@ def test_every_allowed_difference_still_exists():
         if name not in _public(sdk_cls) or not differences(sdk_cls, our_cls, name):
             stale.append(key)
     assert not stale, f"ALLOWED entries that no longer differ from the SDK (remove them): {stale}"
+
+
+def test_every_public_method_beyond_the_sdk_is_listed():
+    found = {f"{name}.{method}" for name, (sdk_cls, our_cls) in CLASSES.items()
+             for method in set(_public(our_cls)) - set(_public(sdk_cls))}
+    assert found == set(EXTENSIONS), (f"not listed in EXTENSIONS: {sorted(found - set(EXTENSIONS))}; "
+                                      f"listed but not there (remove them): {sorted(set(EXTENSIONS) - found)}")
+    for key in EXTENSIONS:  # documented where a caller reads it (an async form: on its sync form)
+        class_name, method = key.split(".", 1)
+        method = method.removesuffix("_async")
+        assert method == "__init__" or inspect.getdoc(getattr(CLASSES[class_name][1], method)), key
 
 
 def test_the_comparison_notices_differences():
@@ -318,6 +355,63 @@ def test_checkpoint_options_are_accepted_or_refused_clearly(training_client):
         tc.save_weights_and_get_sampling_client(kind="inflight")
     with pytest.raises(errors.UserError, match="record_stability_info"):
         tc.save_weights_and_get_sampling_client(record_stability_info=True)
+
+
+def test_ordered_submission_with_explicit_sequence_ids(service, model_dir, redis_url):
+    """TrainingClient.submit (the gateway's seam): requests numbered by the caller run in seq_id order whatever
+    order they are sent in; a resend is answered without being applied again; a refusal fills its position; a
+    client attached from the session's ModelInfo (another ServiceClient, as a restarted gateway) continues the
+    session; close() comes after every submitted id. The numbers are those of the SDK-shaped calls."""
+    from tinkerq.producer import ServiceClient
+    from tinkerq.wire import messages
+
+    rng = np.random.default_rng(6)
+    batch, probe = make_batch(rng, 3), make_batch(rng, 2)
+    loss_body = messages.encode_loss_request(batch, "cross_entropy", None)
+    probe_body = messages.encode_loss_request(probe, "cross_entropy", None)
+    decode_fb = messages.decode_forward_backward_output
+    reference = service.create_training_client(str(model_dir)).result(timeout=60)
+    tc = service.open_training_client(str(model_dir), timeout=60)
+    other = ServiceClient(broker_url=redis_url)
+    closed = False
+    try:
+        want_fb = reference.forward_backward(batch)
+        reference.optim_step(ADAM)
+        want = reference.forward(probe).result(timeout=60).metrics["loss:sum"]
+
+        step = tc.submit("optim_step", messages.encode_adam(ADAM), seq_id=2,
+                         decode=messages.decode_optim_step_response)  # early: held until 1 has run
+        fb = tc.submit("forward_backward", loss_body, seq_id=1, decode=decode_fb, argsrepr="test")
+        got_fb = fb.result(timeout=60).metrics["loss:sum"]
+        assert got_fb == pytest.approx(want_fb.result(timeout=60).metrics["loss:sum"], rel=1e-6)
+        assert isinstance(step.result(timeout=60), types.OptimStepResponse)
+        again = tc.submit("forward_backward", loss_body, seq_id=1, decode=decode_fb)  # a resend
+        assert again.result(timeout=60).metrics["loss:sum"] == got_fb
+
+        refused = tc.submit("create_model", {}, seq_id=3)  # not an ordered request: refused, position filled
+        assert isinstance(refused.exception(timeout=5), errors.UserError)
+        assert isinstance(tc.submit("forward", probe_body, seq_id=0).exception(timeout=5), errors.UserError)
+        with pytest.raises(errors.ValidationError):
+            tc.check_loss_request(make_batch(rng, 2), "no_such_loss")
+
+        attached = other.attach_training_client(tc.info)
+        assert attached.model_id == tc.model_id
+        forward = attached.submit("forward", probe_body, seq_id=4, decode=decode_fb)
+        assert forward.result(timeout=60).metrics["loss:sum"] == pytest.approx(want, rel=1e-6)  # 1 applied once
+        assert tc.skip(5, "test").result(timeout=60) is None
+        tc.close()  # request 6: after every id given to submit (as request 1, it would be answered as a repeat)
+        closed = True
+        with pytest.raises(errors.TinkerqError, match="not open"):
+            attached.submit("forward", probe_body, seq_id=7, decode=decode_fb).result(timeout=60)
+    finally:
+        reference.close()
+        other.close()
+        if not closed:
+            tc.close(timeout=10)
+    with pytest.raises(errors.UnknownModelError):
+        service.open_training_client("/nobody/serves/this")
+    with pytest.raises(errors.ValidationError):
+        service.open_training_client(str(model_dir), types.LoraConfig(rank=0))
 
 
 def test_compute_logprobs_match_forward(service, model_dir, training_client):
