@@ -22,9 +22,8 @@ OPS = (
     "save_state",
     "load_state",
     "create_sampler",
-    "sample",
     "echo",
-)
+)  # sample requests do not travel as Celery tasks: each worker reads its own sampling queue
 TASK_NAMES: dict[str, str] = {op: f"tinkerq.{op}" for op in OPS}
 
 # Remote control (`celery inspect`, `celery status`, Flower's worker pages) carries commands and worker

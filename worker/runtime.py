@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from celery.worker.consumer import Consumer
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.settings import Settings
+from tinkerq.worker.events import events_step
 from tinkerq.worker.intake import DeadLetters, transport_for
 from tinkerq.worker.metrics import stats_step
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
@@ -32,6 +34,8 @@ from tinkerq.worker.sharding.group import ShardSpec
 from tinkerq.worker.tasks import register_tasks
 
 log = logging.getLogger("tinkerq.worker")
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -75,6 +79,7 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     liveness = ConsumerLiveness(settings.heartbeat_s)
     if not settings.is_embedded:
         service.dead_letters = guard_intake(connection, worker_id, liveness)
+        connection.app.steps["consumer"].add(events_step(service.events))  # requests' real ends (Flower)
     sampling = SampleIntake(service, service.dead_letters)
 
     def redis_back() -> None:
@@ -152,6 +157,10 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
                threads: int | None = None) -> None:
     """Run a Celery worker process serving ``model_path`` until it is stopped (blocks)."""
     configure_torch(settings, threads)
+    # The compute loop holds the GIL between torch calls; the consumer and the task thread need it to take a
+    # message off the broker (several thread switches each). At Python's default 5 ms interval a long backlog
+    # of one tenant would take long to pass into the scheduler, and with it another tenant's request (fairness).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     w = assemble(model_path, settings, name=name)
     app = w.connection.app
     # Announce the model only once the worker consumes its queues; withdraw it when it stops.

@@ -79,8 +79,8 @@ class SampleIntake:
             return
         task_id, inbox, envelope = read
         try:
-            reply = self.service.handle("sample", envelope, task_id=task_id, inbox=inbox)
-        except Exception:  # handle() answers every failure itself; this is a last resort
+            reply = self.service.submit("sample", envelope, task_id=task_id, inbox=inbox)
+        except Exception:  # submit() answers every failure itself; this is a last resort
             log.exception("sampling intake failed on %s", task_id)
             return
         if reply is not None:  # refused at once (bad input, unknown snapshot...): answer now

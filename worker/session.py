@@ -30,6 +30,22 @@ Runner = Callable[..., Any]
 class Session(Protocol):
     model_id: str
     last_used: float
+    kind: str  # "full" or "lora": which count limit and memory admission apply (worker/sessions.py)
+
+    @property
+    def pass_group(self) -> Any:
+        """Sessions whose loss requests may share one pass have the same non-None group (the frozen base of
+        LoRA sessions); None: each request runs alone."""
+        ...
+
+    def recipe(self) -> dict[str, Any] | None:
+        """How to make the same session again on another worker (its LoRA config with the effective seed;
+        None for a full-parameter session)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What create_model reports of this session beyond the worker's own facts."""
+        ...
 
     @property
     def steps(self) -> int: ...
@@ -41,7 +57,7 @@ class Session(Protocol):
 
     def snapshot(self) -> PreTrainedModel: ...
 
-    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str,
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
                      expires_at: float | None = None) -> str: ...
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
@@ -92,6 +108,9 @@ class FullSession:
     ``save_pretrained`` writes the files (with the gathered weights).
     """
 
+    kind = "full"
+    pass_group = None  # each request runs alone on the session's own weights
+
     def __init__(self, model_id: str, run: Runner, engine: Callable[[], TrainingEngine | None], *,
                  blank: Callable[[], PreTrainedModel], template: PreTrainedModel, model_dir: str,
                  shapes: dict[str, list[int]], world: int = 1, device: torch.device | str = "cpu") -> None:
@@ -105,6 +124,12 @@ class FullSession:
         self.device = torch.device(device)
         self._shapes = shapes
         self.last_used = time.monotonic()
+
+    def recipe(self) -> dict[str, Any] | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {}
 
     @property
     def steps(self) -> int:
@@ -139,9 +164,10 @@ class FullSession:
         snapshot.requires_grad_(False)
         return snapshot.to(self.device)
 
-    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str,
+    def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
                      expires_at: float | None = None) -> str:
-        """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq)."""
+        """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq); a full
+        session's weights are merged already, so ``merged`` changes nothing."""
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
         weights = self._run("gather_weights")
 

@@ -59,6 +59,8 @@ def config_dict(config: types.LoraConfig) -> dict[str, Any]:
 
 
 class LoraSession:
+    kind = "lora"
+
     def __init__(self, model_id: str, base: LoraBase, config: types.LoraConfig, *, base_model: str) -> None:
         self.model_id = model_id
         self.base = base
@@ -72,6 +74,17 @@ class LoraSession:
     @property
     def steps(self) -> int:
         return self.engine.steps
+
+    @property
+    def pass_group(self) -> LoraBase:
+        return self.base  # every LoRA session over this base may share a pass (worker/lora/batch.py)
+
+    def recipe(self) -> dict[str, Any] | None:
+        return config_dict(self.config)
+
+    def describe(self) -> dict[str, Any]:
+        return {"lora": {**config_dict(self.config), "trainable_parameters": self.num_parameters(),
+                         "state_bytes": self.state_bytes()}}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.engine.params)

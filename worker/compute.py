@@ -1,0 +1,330 @@
+"""The compute loop: the one thread that owns the model and the device.
+
+It asks the scheduler (worker/scheduler.py) for the next unit of work and runs it: building a session, one
+request of one session, a LoRA pass over the loss requests of several sessions, or a turn of the sampling
+engine (admitting the sample requests that arrived, then one prefill or decode step). Then it records each
+request as applied in its session's order, journals it (worker/recovery.py), answers its callers and tells
+Celery's event stream how it ended (worker/events.py). Nothing else touches the model, so no locks or turns
+are needed around it; the service's lock guards only the scheduler's bookkeeping, never the compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from tinkerq.errors import MalformedMessageError, RequestTimeoutError, TinkerqError, UnknownModelError, WorkerError
+from tinkerq.wire import codec, messages
+from tinkerq.worker import memory
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.operations import sample_response, tokens_of
+from tinkerq.worker.scheduler import Request, Work
+
+if TYPE_CHECKING:
+    from tinkerq.worker.service import Outcome, WorkerService
+    from tinkerq.worker.sessions import Slot
+
+log = logging.getLogger("tinkerq.worker")
+
+
+class ComputeLoop:
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+        self.scheduler = service.scheduler
+        self._cond = service.cond
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.passes = 0  # LoRA passes run, and the requests they held (metrics, tests, benchmarks)
+        self.pass_requests = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tinkerq-compute", daemon=True)
+            self._thread.start()
+
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Run what is already queued (up to ``drain_s``), then stop; the engine fails what is left."""
+        with self._cond:
+            deadline = time.monotonic() + drain_s
+            while self.scheduler.has_work() and self._thread is not None and time.monotonic() < deadline:
+                self._cond.wait(0.1)
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and (work := self.scheduler.next()) is None:
+                    self._cond.wait(1.0)
+                if self._stopping:
+                    return
+            assert work is not None
+            started = time.perf_counter()
+            try:
+                self.run(work)
+            except Exception:  # run() answers every request itself; this is a last resort
+                log.exception("the compute loop failed on a %s", work.kind)
+            with self._cond:
+                self.scheduler.finished(work, "sample" if work.kind == "sample" else "train",
+                                        time.perf_counter() - started)
+                self.scheduler.sampling_busy = self.service.engine.has_work()
+                self._cond.notify_all()
+
+    def run(self, work: Work) -> None:
+        """Run one unit of work on this thread (also called directly by in-process tests)."""
+        if work.kind == "control":
+            assert work.control is not None
+            work.control()
+        elif work.kind == "create":
+            self._create(work.requests[0])
+        elif work.kind == "apply":
+            self._apply(work.requests[0])
+        elif work.kind == "pass":
+            self._pass(work.requests)
+        elif work.kind == "sample":
+            self._sample_turn(work.requests)
+
+    # -- sessions ----------------------------------------------------------------------------------------------
+
+    def _create(self, request: Request) -> None:
+        service = self.service
+        started = time.time()
+        try:
+            outcome = self._create_model(request)
+        except TinkerqError as exc:
+            outcome = ("error", exc.to_wire(), {})
+        except Exception as exc:  # a bug: answer it, log it, keep serving
+            log.exception("create_model failed")
+            outcome = ("error", WorkerError(f"create_model failed in the worker: {type(exc).__name__}: "
+                                            f"{exc}").to_wire(), {})
+        if outcome is None:  # a duplicate delivery: the worker that holds the claim answers
+            service.events.dropped(request, "a duplicate delivery: another worker built the session")
+            with service.cond:
+                request.done = True
+                service.cond.notify_all()
+            return
+        service.finish(request, outcome, runtime=time.time() - started)
+
+    def _create_model(self, request: Request) -> Outcome | None:
+        service = self.service
+        model_id = request.model_id
+        assert model_id is not None
+        body = service.decode(request.envelope.get("payload"))
+        requested = body.get("base_model") if isinstance(body, dict) else None
+        if requested != service.base_model:
+            raise UnknownModelError(f"this worker serves {service.base_model!r}, not {requested!r}")
+        if service.settings.role == "sampler":
+            raise UnknownModelError(f"worker {service.worker_id} only samples (--role sampler); training sessions "
+                                    f"open on workers started without it")
+        deadline = body.get("deadline")
+        if isinstance(deadline, (int, float)) and time.time() > deadline:
+            # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
+            # a session nobody will use would only take a slot.
+            raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
+        lora = messages.decode_lora(body.get("lora"))
+        if model_id not in service.slots:
+            holder = service.claim_creation(model_id)
+            if holder != service.worker_id:
+                log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
+                return None
+            slot = service.open_session(model_id, lora)
+            service.recovery.write_home(slot.session)
+            log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
+        return ("ok", codec.packb(service.model_info(service.slots[model_id].session)), {})
+
+    # -- training ----------------------------------------------------------------------------------------------
+
+    def _apply(self, request: Request) -> None:
+        """Run one request of one session, in order."""
+        service = self.service
+        slot = service.slots.get(request.model_id or "")
+        if slot is None:  # closed while it waited
+            service.finish(request, ("error", UnknownModelError(
+                f"training session {request.model_id} was closed").to_wire(), {}))
+            return
+        op, seq_id = request.op, request.seq_id
+        assert seq_id is not None
+        ref = request.envelope.get("payload")
+        started = time.time()
+        timing = queue_wait(request.envelope, started)
+        raw: bytes | None = None  # the request's body, claim check unwrapped (for the journal)
+        outcome: Outcome
+        if slot.broken is not None:
+            outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
+        elif op not in service.operations.ops:
+            outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
+        else:
+            try:
+                raw = service.claim_check.unwrap(ref)
+                body, tokens = service.operations.ops[op](slot.session, service.unpack(raw))
+                compute = time.time() - started
+                timing.update(compute_s=compute, tokens=float(tokens))
+                if tokens:
+                    timing["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
+                outcome = ("ok", body, timing)
+                service.claim_check.discard(ref)
+                if op == "optim_step":
+                    service.recovery.step_taken(slot)
+            except TinkerqError as exc:
+                outcome = ("error", exc.to_wire(), timing)
+                if isinstance(exc, MalformedMessageError):
+                    service.dead_letter(op, request.envelope, None, exc)
+            except Exception as exc:  # state may be half-changed: refuse everything after it
+                log.exception("%s seq %d of session %s failed", op, seq_id, slot.session.model_id)
+                slot.broken = (f"session {slot.session.model_id} is unusable since {op} seq {seq_id} failed in the "
+                               f"worker ({type(exc).__name__}: {exc}); create a new training client")
+                outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
+        service.applied(slot, request, raw, outcome)
+        if op == "close_model" and outcome[0] == "ok":
+            service.close_session(slot.session.model_id)
+        service.finish(request, outcome, runtime=time.time() - started)
+        if memory.is_large(ref, outcome):  # give the request's freed buffers back to the OS (RSS)
+            memory.release_memory()
+
+    def _pass(self, requests: list[Request]) -> None:
+        """Loss requests of several LoRA sessions (one each, next in their orders) as one pass."""
+        service = self.service
+        started = time.time()
+        items: list[tuple[Request, Slot, LossItem, bytes]] = []
+        backward = requests[0].op == "forward_backward"
+        for request in requests:  # checked one by one: a refusal is that request's answer alone
+            slot = service.slots.get(request.model_id or "")
+            if slot is None:
+                service.finish(request, ("error", UnknownModelError(
+                    f"training session {request.model_id} was closed").to_wire(), {}))
+                continue
+            timing = queue_wait(request.envelope, started)
+            try:
+                if slot.broken is not None:
+                    raise slot.broken_error(slot.broken, session_broken=True)
+                raw = service.claim_check.unwrap(request.envelope.get("payload"))
+                item = service.operations.checked_loss(service.unpack(raw), backward=backward, lora=True)
+                item.target = slot.session  # type: ignore[assignment]
+                slot.session.last_used = time.monotonic()
+                items.append((request, slot, item, raw))
+            except TinkerqError as exc:  # refused before the pass: answered now, in order
+                if isinstance(exc, MalformedMessageError):
+                    service.dead_letter(request.op, request.envelope, None, exc)
+                self._settle(request, slot, None, ("error", exc.to_wire(), timing), started)
+            except Exception as exc:  # a bug while checking it; nothing was changed, so the session goes on
+                log.exception("%s of session %s could not be checked", request.op, request.model_id)
+                self._settle(request, slot, None, ("error", WorkerError(
+                    f"{request.op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(), timing), started)
+        if not items:
+            return
+        shared = ""
+        for chunk in _by_datums([item for _, _, item, _ in items], service.settings.lora_batch_max_datums):
+            self._run_pass(chunk, backward)
+            shared = f"pass {self.passes} of {len(chunk)} request(s)" if len(items) == len(chunk) else \
+                f"passes {self.passes - 1}.. of {len(items)} request(s)"
+        for request, slot, item, raw in items:
+            timing = queue_wait(request.envelope, started)
+            compute = time.time() - started
+            if item.output is not None:
+                tokens = tokens_of(item)
+                timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
+                outcome: Outcome = ("ok", codec.packb(messages.encode_forward_backward_output(item.output)), timing)
+                service.claim_check.discard(request.envelope.get("payload"))
+            else:
+                outcome = ("error", (item.error or WorkerError("the LoRA pass gave no answer")).to_wire(), timing)
+            self._settle(request, slot, raw, outcome, started, shared)
+
+    def _run_pass(self, items: list[LossItem], backward: bool) -> None:
+        base = self.service.factory.lora()
+        try:
+            run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
+                     device=base.device, backward=backward)
+        except TinkerqError as exc:
+            for item in items:
+                item.error = exc
+        except Exception as exc:  # the pass itself failed: every engine was put back as it was
+            log.exception("a LoRA pass over %d requests failed", len(items))
+            for item in items:
+                item.error = WorkerError(f"the LoRA pass failed in the worker ({type(exc).__name__}: {exc}); "
+                                         f"nothing was applied")
+        self.passes += 1
+        self.pass_requests += len(items)
+
+    def _settle(self, request: Request, slot: Slot, raw: bytes | None, outcome: Outcome, started: float,
+                shared: str = "") -> None:
+        self.service.applied(slot, request, raw, outcome)
+        self.service.finish(request, outcome, runtime=time.time() - started, shared=shared)
+        if memory.is_large(request.envelope.get("payload"), outcome):
+            memory.release_memory()
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+
+    def _sample_turn(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._admit_sample(request)
+        engine = self.service.engine
+        if engine.has_work():
+            engine.step()
+
+    def _admit_sample(self, request: Request) -> None:
+        """Check a sample request and hand it to the engine; it is answered when its rows are done."""
+        service = self.service
+        started = time.time()
+        timing = queue_wait(request.envelope, started)
+        ref = request.envelope.get("payload")
+        prompt_logprobs: list[Any] = []
+
+        def done(sequences: Any, error: BaseException | None) -> None:
+            outcome: Outcome
+            if sequences is not None:
+                tokens = sum(len(seq.tokens) for seq in sequences)
+                compute = time.time() - started
+                timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
+                outcome = ("ok", sample_response(sequences, prompt_logprobs), timing)
+            elif isinstance(error, TinkerqError):
+                outcome = ("error", error.to_wire(), timing)
+            else:
+                log.error("sampling failed: %s", error, exc_info=error)
+                outcome = ("error", WorkerError(f"sampling failed in the worker: {type(error).__name__}: "
+                                                f"{error}").to_wire(), timing)
+            service.metrics.observe("sample", outcome[0], timing)
+            service.finish(request, outcome, runtime=time.time() - started,
+                           shared=f"decode batch of up to {service.engine.load()} row(s)")
+            service.claim_check.discard(ref)
+
+        try:
+            job, _ = service.operations.sample_job(service.decode(ref), done, prompt_logprobs)
+            service.engine.submit(job)
+        except TinkerqError as exc:
+            if isinstance(exc, MalformedMessageError):
+                service.dead_letter("sample", request.envelope, request.callers[0].task_id, exc)
+            service.finish(request, ("error", exc.to_wire(), timing))
+        except Exception as exc:
+            log.exception("a sample request could not be admitted")
+            service.finish(request, ("error", WorkerError(f"sample failed in the worker: {type(exc).__name__}: "
+                                                          f"{exc}").to_wire(), timing))
+
+
+def _by_datums(items: list[LossItem], max_datums: int) -> list[list[LossItem]]:
+    """Consecutive passes of at most ``max_datums`` datums (a larger request runs alone)."""
+    chunks: list[list[LossItem]] = []
+    datums = 0
+    for item in items:
+        if chunks and datums + len(item.data) <= max_datums:
+            chunks[-1].append(item)
+            datums += len(item.data)
+        else:
+            chunks.append([item])
+            datums = len(item.data)
+    return chunks
+
+
+def queue_wait(envelope: dict[str, Any], started: float) -> dict[str, float]:
+    """A request's timing so far: how long it waited since the producer sent it (if the envelope says when)."""
+    sent_at = envelope.get("sent_at")
+    if not isinstance(sent_at, (int, float)):
+        return {}
+    return {"queue_wait_s": max(0.0, started - sent_at)}  # across hosts: as good as their clocks

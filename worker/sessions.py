@@ -1,0 +1,125 @@
+"""The training sessions a worker holds: how each kind is made, admitted, counted and closed.
+
+The one place that knows session kinds (full-parameter on this process, full-parameter on a shard group,
+LoRA over the shared frozen base); everything else sees the :class:`worker.session.Session` protocol.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from tinkerq import types
+from tinkerq.errors import CapacityError, ServerError, ValidationError
+from tinkerq.settings import Settings
+from tinkerq.validation import validate_lora
+from tinkerq.worker import memory
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
+from tinkerq.worker.scheduler import Lane
+from tinkerq.worker.session import Session, TrainingSession
+from tinkerq.worker.sharding.host import LeaderSession, ShardHost
+
+log = logging.getLogger("tinkerq.worker")
+
+
+@dataclass
+class Slot:
+    """A session with its place in the scheduler and its recovery state (worker/recovery.py)."""
+
+    session: Session
+    lane: Lane
+    broken: str | None = None
+    broken_error: type[ServerError] = ServerError  # the error that tells callers the session is unusable
+    steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
+    journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
+    snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
+    snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
+    adopted_from: str | None = None  # the lost worker this session was adopted from
+
+
+class SessionFactory:
+    def __init__(self, settings: Settings, model: PreTrainedModel, model_dir: str, logprobs: LogprobComputer,
+                 base_model: str, worker_id: str, shards: ShardHost | None) -> None:
+        self.settings = settings
+        self.model = model
+        self.model_dir = model_dir
+        self.logprobs = logprobs
+        self.base_model = base_model
+        self.worker_id = worker_id
+        self.shards = shards
+        self.lora_base: LoraBase | None = None  # made on the first LoRA session (docs/lora.md)
+
+    def make(self, model_id: str, lora: dict[str, Any] | types.LoraConfig | None, slots: dict[str, Slot],
+             close: Callable[[str], None]) -> Session:
+        """A new session (``lora``: its config, else full-parameter), after its kind's count limit (closing a
+        broken or idle session of the kind when at it) and memory admission."""
+        if isinstance(lora, dict):
+            lora = types.LoraConfig(**lora)
+        if lora is None:
+            self._make_room("full", slots, close)
+            memory.admit_session(self.model, self.settings, [slot.session for slot in slots.values()])
+            if self.shards is not None:
+                return LeaderSession(self.shards, model_id)
+            # Every weight of the copy trains (the shared model itself is frozen once LoRA sessions use it).
+            return TrainingSession(model_id, copy.deepcopy(self.model).requires_grad_(True),
+                                   base_dir=self.model_dir, microbatch_tokens=self.settings.microbatch_tokens,
+                                   logprobs=self.logprobs, blank_model=lambda: copy.deepcopy(self.model))
+        validate_lora(lora, max_rank=self.settings.max_lora_rank)
+        if self.shards is not None:
+            raise ValidationError(f"worker {self.worker_id} is sharded ({self.settings.shards} shards); LoRA "
+                                  f"sessions are served by unsharded workers (docs/lora.md): start one with tinkerq "
+                                  f"worker --model {self.base_model}, or use create_training_client for "
+                                  f"full-parameter training here")
+        if lora.seed is None:  # Tinker: no seed, a random one; kept so the session can be told and re-made
+            lora = types.LoraConfig(**{**config_dict(lora), "seed": secrets.randbits(63)})
+        base = self.lora()
+        targets = base.targets(lora)
+        self._make_room("lora", slots, close)
+        parameters = lora.rank * sum(t.parameters_per_rank() for t in targets)
+        memory.admit_lora_session(parameters, self.settings, [slot.session for slot in slots.values()])
+        return LoraSession(model_id, base, lora, base_model=self.base_model)
+
+    def lora(self) -> LoraBase:
+        if self.lora_base is None:
+            self.lora_base = LoraBase(self.model, self.logprobs, model_dir=self.model_dir,
+                                      microbatch_tokens=self.settings.microbatch_tokens)
+        return self.lora_base
+
+    def admit_sampler(self, session: Session, slots: dict[str, Slot]) -> None:
+        """Refuse (CapacityError) a sampler whose weights copy would not fit; a LoRA sampler is its adapter only."""
+        if session.kind == "full":
+            memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
+
+    def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
+        """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
+        same = {mid: s for mid, s in slots.items() if s.session.kind == kind}
+        limit, setting = ((self.settings.max_lora_sessions, "TINKERQ_MAX_LORA_SESSIONS") if kind == "lora"
+                          else (self.settings.max_sessions, "TINKERQ_MAX_SESSIONS"))
+        if len(same) < limit:
+            return
+        now = time.monotonic()
+        broken = [mid for mid, s in same.items() if s.broken is not None]
+        if broken:  # a session that can no longer serve goes first
+            close(broken[0])
+            return
+        idle = [mid for mid, s in same.items()
+                if s.lane.running is None and not s.lane.requests
+                and now - s.session.last_used > self.settings.session_idle_ttl_s]
+        if idle:
+            oldest = min(idle, key=lambda mid: slots[mid].session.last_used)
+            log.warning("closing idle session %s to make room", oldest)
+            close(oldest)
+            return
+        raise CapacityError(
+            f"worker {self.worker_id} already holds {len(same)} {'LoRA' if kind == 'lora' else 'full-parameter'} "
+            f"training sessions ({setting}); close unused training clients (tc.close()) or start another worker "
+            f"for this model"
+        )
