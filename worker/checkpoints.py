@@ -12,15 +12,16 @@ and writes the same files, so a state loads with any number of shards. Everythin
 JSON: loading a checkpoint never unpickles. Every directory is written
 beside its final place and renamed into it, so a crash never leaves one that looks complete but isn't.
 
-Names that come from messages (session ids, checkpoint names, paths to load) never become paths as they
-are: every path is built below the checkpoint directory one component at a time, each component a plain
-name, and nothing below the checkpoint directory is ever a symbolic link that gets followed (the directory
-itself may be a link the operator configured). Whoever can send messages must not be able to make a worker
-write, replace or read anything outside it.
+Names that come from messages never become paths as they are, and nothing below the checkpoint directory is
+ever a symbolic link that gets followed (worker/checkpoint_paths.py).
 
 A save with ``ttl_seconds`` records ``expires_at`` (unix seconds) in its marker (tinkerq_state.json /
 tinkerq_weights.json). An expired checkpoint is refused, and deleted, when a request names it; workers also
 delete expired ones at start and after each save (:func:`remove_expired`).
+
+Here: writing a checkpoint atomically, resolving a path a request names, and expiry. Where checkpoints lie
+(worker/checkpoint_paths.py) and what their files hold (worker/checkpoint_files.py) are re-exported, so
+callers import ``tinkerq.worker.checkpoints`` alone.
 """
 
 from __future__ import annotations
@@ -29,147 +30,62 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import stat
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from tinkerq.errors import ValidationError
+from tinkerq.worker.checkpoint_files import (
+    ADAPTER_FILE,
+    PEFT_PREFIX,
+    STATE_FILE,
+    STATE_FORMAT,
+    WEIGHTS_FILE,
+    SavedState,
+    check_state,
+    copy_tokenizer_files,
+    optimizer_entries,
+    read_state,
+    write_state,
+    write_weights_marker,
+)
+from tinkerq.worker.checkpoint_paths import (
+    AUTO_SNAPSHOT,
+    _refuse_link,
+    _remove_tree,
+    _saved_directory,
+    check_name,
+    checkpoint_root,
+    path_below,
+    previous_path,
+    refuse_links_inside,
+    remove_auto_snapshot,
+    state_path,
+    weights_path,
+)
+
+__all__ = [  # where checkpoints lie and what they hold (their modules); writing, resolving and expiry (here)
+    "ADAPTER_FILE", "AUTO_SNAPSHOT", "PEFT_PREFIX", "STATE_FILE", "STATE_FORMAT", "WEIGHTS_FILE", "SavedState",
+    "check_name", "check_state", "checkpoint_root", "copy_tokenizer_files", "expiry", "now", "optimizer_entries",
+    "path_below", "previous_path", "read_state", "refuse_existing", "refuse_links_inside", "remove_auto_snapshot",
+    "remove_expired", "resolve_state_path", "resolve_weights_path", "state_path", "weights_path",
+    "write_atomically", "write_state", "write_weights_marker",
+]
 
 log = logging.getLogger("tinkerq.worker")
-STATE_FORMAT = 1
-STATE_FILE = "tinkerq_state.json"
-ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA session's weights (PEFT's layout)
-PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in adapter_model.safetensors
-WEIGHTS_FILE = "tinkerq_weights.json"  # in save_weights_for_sampler directories: the base model's name
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-# Files that make a saved directory a complete model for from_pretrained (weights come from the session).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 # How deep checkpoints lie below the checkpoint directory: <model_id>/<name> and <model_id>/state/<name>.
 _CHECKPOINT_DEPTH = 3
-
-
-# A session's automatic snapshot (docs/reliability.md): save_state's layout under a name no user picks
-# (check_name refuses a leading dot for users' names).
-AUTO_SNAPSHOT = ".auto"
 # Dot-names the expiry sweep looks into (it skips the others: saves in progress are built under dot-names).
 _SWEPT_DOT_NAMES = (AUTO_SNAPSHOT, f".{AUTO_SNAPSHOT}.previous")
-
-
-def remove_auto_snapshot(checkpoint_dir: str, model_id: str) -> None:
-    """Delete a closed session's automatic snapshot, if any (never following a link)."""
-    try:
-        directory = path_below(checkpoint_dir, _check_model_id(model_id), "state", AUTO_SNAPSHOT)
-        # With it go the directory a write was replacing and the temporary ones of writes killed midway.
-        for path in [directory, *directory.parent.glob(f".{AUTO_SNAPSHOT}.*")]:
-            _remove_tree(path)
-    except (ValidationError, OSError) as exc:  # best effort: the expiry sweep removes the snapshot later
-        log.warning("could not remove the automatic snapshot of %s: %s", model_id, exc)
 
 
 def now() -> float:
     """The clock expiry is judged by (unix seconds); one place for tests to move it."""
     return time.time()
-
-
-def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name.startswith("."):
-        raise ValidationError(f"checkpoint name {name!r} must be 1-128 characters of [A-Za-z0-9_.-], not starting "
-                              f"with '.'")
-    return name
-
-
-def _check_component(part: Any, what: str) -> str:
-    """One path component: a plain name, never empty, '.', '..', absolute or holding a separator."""
-    if not isinstance(part, str) or not _NAME_RE.match(part) or part in (".", ".."):
-        raise ValidationError(f"{what} {part!r} cannot name a directory: it must be 1-128 characters of "
-                              f"[A-Za-z0-9_.-] and not '.' or '..'")
-    return part
-
-
-def _refuse_link(path: Path) -> os.stat_result | None:
-    """``lstat`` of ``path`` (None if missing); a ValidationError if it is a symbolic link, never followed."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        raise ValidationError(
-            f"{path} is a symbolic link below the checkpoint directory; tinkerq never follows links there "
-            f"(they could point anywhere): an operator should remove it (only the checkpoint directory itself "
-            f"may be a link)")
-    return st
-
-
-def checkpoint_root(checkpoint_dir: str) -> Path:
-    """The configured checkpoint directory, absolute. The operator may make it a symlink; below it, none."""
-    if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
-        raise ValidationError("no checkpoint directory is configured: set TINKERQ_CHECKPOINT_DIR")
-    return Path(os.path.abspath(os.path.expanduser(checkpoint_dir)))
-
-
-def path_below(checkpoint_dir: str, *parts: str, create_parents: bool = False, what: str = "name") -> Path:
-    """``<checkpoint_dir>/<parts...>``, built and checked one component at a time.
-
-    Each component must be a plain name (no '..', no separator, not absolute), and each that exists must
-    not be a symbolic link (checked with ``lstat``, so a planted link is refused instead of followed).
-    With ``create_parents`` the missing directories above the last component are created, owner-only
-    (0o700). The result is verified to lie inside the resolved checkpoint directory.
-    """
-    root = checkpoint_root(checkpoint_dir)
-    if create_parents:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-    path = root
-    missing = False  # below a missing directory nothing exists, so there is nothing left to lstat
-    for i, part in enumerate(parts):
-        path = path / _check_component(part, what)
-        if missing:
-            continue
-        st = _refuse_link(path)
-        last = i == len(parts) - 1
-        if st is None and create_parents and not last:
-            with contextlib.suppress(FileExistsError):  # a concurrent save may create it too
-                os.mkdir(path, 0o700)
-            st = _refuse_link(path)
-        if st is None:
-            missing = True
-        elif not last and not stat.S_ISDIR(st.st_mode):
-            raise ValidationError(f"{path} inside the checkpoint directory is not a directory; an operator "
-                                  f"should move it away")
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:  # defence in depth
-        raise ValidationError(f"{path} is outside this fleet's checkpoint directory {root}")
-    return path
-
-
-def _check_model_id(model_id: Any) -> str:
-    if not isinstance(model_id, str) or not _NAME_RE.match(model_id) or model_id in (".", ".."):
-        raise ValidationError(f"session id {model_id!r} is not one this worker minted; open a session with "
-                              f"create_training_client() and use the client it returns")
-    return model_id
-
-
-def weights_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
-    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>`` (parents created,
-    owner-only; a symlink anywhere below the checkpoint directory is a ValidationError)."""
-    check_name(name)
-    return path_below(checkpoint_dir, _check_model_id(model_id), name, create_parents=True)
-
-
-def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
-    """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>`` (as weights_path)."""
-    if name != AUTO_SNAPSHOT:  # users' names are checked; the automatic snapshot's is ours
-        check_name(name)
-    return path_below(checkpoint_dir, _check_model_id(model_id), "state", name, create_parents=True)
 
 
 def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bool = True) -> Path:
@@ -206,67 +122,12 @@ def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bo
     return final
 
 
-def previous_path(final: Path) -> Path:
-    """Where write_atomically keeps the directory it replaces until the new one is in place (a crash between
-    the two renames leaves only this one: an adopter loads the automatic snapshot from it then)."""
-    return final.with_name(f".{final.name}.previous")
-
-
-def _remove_tree(path: Path) -> None:
-    st = _refuse_link(path)
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)  # never follows links inside the tree
-
-
 def refuse_existing(final: Path) -> None:
     """A ValidationError if checkpoint ``final`` exists (an expired one is deleted instead: its name is free)."""
     if _refuse_link(final) is None or _delete_if_expired(final, now()):
         return
     raise ValidationError(f"checkpoint {final.name!r} already exists ({final}): pass overwrite=True or choose "
                           f"another name")
-
-
-def copy_tokenizer_files(model_dir: str, directory: Path) -> None:
-    """Copy the base model's tokenizer files, so the saved directory is a complete model."""
-    for fname in _TOKENIZER_FILES:
-        src = Path(model_dir) / fname
-        if src.is_file():
-            shutil.copy2(src, directory / fname)
-
-
-@dataclass
-class SavedState:
-    """A training state as full (unsharded) CPU tensors, keyed by parameter name."""
-
-    weights: dict[str, torch.Tensor]
-    moments: dict[str, torch.Tensor]  # "<name>::exp_avg" / "::exp_avg_sq" / "::step"
-    grads: dict[str, torch.Tensor]  # empty when no gradient is pending
-    meta: dict[str, Any]
-
-
-def optimizer_entries(name: str, state: dict[str, Any], full: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """One parameter's AdamW state as ``{"<name>::<key>": tensor}`` (``full`` gathers a shard, if any)."""
-    return {f"{name}::{key}": full(state[key]) for key in ("exp_avg", "exp_avg_sq", "step") if key in state}
-
-
-def write_state(directory: Path, *, write_weights: Callable[[Path], None], shapes: dict[str, list[int]],
-                moments: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], base_model: str,
-                model_id: str, steps: int, seq_id: int, shards: int = 1, lora: dict[str, Any] | None = None,
-                expires_at: float | None = None) -> None:
-    """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json."""
-    write_weights(directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in moments.items()},
-              str(directory / "optimizer.safetensors"))
-    if grads:
-        save_file({k: v.detach().cpu().contiguous() for k, v in grads.items()},
-                  str(directory / "gradients.safetensors"))
-    meta = {"format": STATE_FORMAT, "base_model": base_model, "model_id": model_id, "optimizer_steps": steps,
-            "seq_id": seq_id, "created": time.time(), "saved_by_shards": shards, "parameters": shapes}
-    if lora is not None:
-        meta["lora"] = lora
-    if expires_at is not None:
-        meta["expires_at"] = expires_at
-    (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
 
 
 def resolve_state_path(path: Any, checkpoint_dir: str) -> Path:
@@ -293,18 +154,6 @@ def resolve_weights_path(path: Any, checkpoint_dir: str) -> Path:
     refuse_links_inside(directory)
     _refuse_expired(directory, path)
     return directory
-
-
-def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] | None = None,
-                         expires_at: float | None = None) -> None:
-    """Name the base model in a saved weights directory, so a sampling client can be made from the path alone
-    (and, for a LoRA adapter, its configuration; with a ttl, when it expires)."""
-    marker: dict[str, Any] = {"format": STATE_FORMAT, "base_model": base_model}
-    if lora is not None:
-        marker["lora"] = lora
-    if expires_at is not None:
-        marker["expires_at"] = expires_at
-    (directory / WEIGHTS_FILE).write_text(json.dumps(marker))
 
 
 # -- expiry ------------------------------------------------------------------------------------------------
@@ -403,100 +252,3 @@ def remove_expired(checkpoint_dir: str, at: float | None = None) -> list[Path]:
         return deleted
     walk(root, 1)
     return deleted
-
-
-def _saved_directory(path: Any, checkpoint_dir: str, returned_by: str) -> Path:
-    """An existing directory below the checkpoint directory named by ``path`` (absolute, or relative to it)."""
-    if not isinstance(path, str) or not path:
-        raise ValidationError(f"checkpoint path must be a non-empty string, got {path!r}")
-    root = checkpoint_root(checkpoint_dir)
-    given = Path(path) if os.path.isabs(path) else root / path  # relative: to the checkpoint directory
-    outside = (f"checkpoint path {path!r} is outside this fleet's checkpoint directory {root}: pass a path "
-               f"returned by {returned_by}")
-    if ".." in given.parts or "\0" in path:  # judged on the text: '..' after a link could lead anywhere
-        raise ValidationError(outside)
-    # The path save_state() returned starts with the configured root; accept the resolved root as well.
-    rel = None
-    for prefix in (root, Path(os.path.realpath(root))):
-        with contextlib.suppress(ValueError):
-            rel = given.relative_to(prefix)
-            break
-    if rel is None:
-        raise ValidationError(outside)
-    if not rel.parts:
-        raise ValidationError(f"{path!r} is the checkpoint directory itself: pass a path returned by {returned_by}")
-    directory = path_below(checkpoint_dir, *rel.parts, what="checkpoint path component")
-    st = _refuse_link(directory)
-    if st is None:
-        raise ValidationError(f"checkpoint {path!r} does not exist")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValidationError(f"checkpoint {path!r} is not a directory: pass a path returned by {returned_by}")
-    return directory
-
-
-def refuse_links_inside(directory: Path) -> None:
-    """A ValidationError if any entry of a saved directory is a symlink (a planted model.safetensors -> /etc/…
-    would otherwise be read, and its content could leak through the loaded weights)."""
-    for entry in os.scandir(directory):
-        if entry.is_symlink():
-            raise ValidationError(
-                f"{Path(directory) / entry.name} is a symbolic link; a checkpoint holds only plain files and "
-                f"tinkerq never follows links below the checkpoint directory: save the state again")
-
-
-def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, Any] | None = None,
-                base_model: str | None = None) -> dict[str, Any]:
-    """The state's metadata, after checking it fits a session with these parameter shapes (``lora``: the LoRA
-    session's configuration; None for a full-parameter session; ``base_model``: checked when given)."""
-    try:
-        meta = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValidationError(f"cannot read {directory / STATE_FILE}: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise ValidationError(f"checkpoint format {found!r} is not supported (expected {STATE_FORMAT})")
-    saved_lora = meta.get("lora")
-    if (saved_lora is None) != (lora is None):
-        what = "a LoRA adapter's state" if saved_lora is not None else "a full-parameter state"
-        here = "a LoRA session" if lora is not None else "a full-parameter session"
-        raise ValidationError(f"{directory} is {what} and cannot load into {here}: resume it with "
-                              f"ServiceClient.create_training_client_from_state({str(directory)!r}), which opens "
-                              f"the right kind of session")
-    if base_model is not None and meta.get("base_model") != base_model:
-        raise ValidationError(f"{directory} was saved from base model {meta.get('base_model')!r}, not {base_model!r}: "
-                              f"load it into a session on that base model")
-    if lora is not None and isinstance(saved_lora, dict):
-        for key in ("rank", "train_attn", "train_mlp", "train_unembed"):
-            if saved_lora.get(key) != lora.get(key):
-                raise ValidationError(f"{directory} holds a LoRA adapter with {key}={saved_lora.get(key)!r}; this "
-                                      f"session has {key}={lora.get(key)!r}: resume it with "
-                                      f"create_training_client_from_state(path)")
-    if meta.get("parameters") != shapes:
-        saved = meta.get("parameters") or {}
-        diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), None)
-        raise ValidationError(
-            f"checkpoint was saved from a model with other parameters than this worker serves "
-            f"(first difference: {diff}: saved {saved.get(diff)}, here {shapes.get(diff)})"
-        )
-    return meta
-
-
-def read_state(directory: Path, shapes: dict[str, list[int]], tied: dict[str, str],
-               lora: dict[str, Any] | None = None, *, optimizer: bool = True) -> SavedState:
-    """Every tensor of a training state (full tensors, on the CPU). ``tied`` maps a parameter that shares
-    its storage with another to the other's name (tied embeddings are stored once). Without ``optimizer``
-    only the weights are read (no AdamW state, no pending gradients)."""
-    refuse_links_inside(directory)  # again: every rank of a sharded worker reads the files itself
-    meta = check_state(directory, shapes, lora)
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob(ADAPTER_FILE if lora is not None else "model*.safetensors")):
-        weights.update({k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(file)).items()})
-    for name in shapes:
-        if name not in weights and tied.get(name) not in weights:
-            raise ValidationError(f"checkpoint {directory} has no weights for {name}")
-    if not optimizer:
-        return SavedState(weights, {}, {}, meta)
-    moments = load_file(str(directory / "optimizer.safetensors"))
-    grads_file = directory / "gradients.safetensors"
-    grads = load_file(str(grads_file)) if grads_file.is_file() else {}
-    return SavedState(weights, moments, grads, meta)
