@@ -1,12 +1,14 @@
 """The gateway's logic: Tinker's HTTP requests turned into producer calls on the fleet, per tenant.
 
 The gateway is a producer (one :class:`producer.ServiceClient`, one Redis connection, shared by every
-tenant). Training requests keep the SDK's ``seq_id``: a model's request ``n`` is posted as the worker
+tenant), and uses its public API only (tests/test_layering.py): ``open_training_client`` /
+``attach_training_client`` for worker sessions, ``TrainingClient.submit(op, body, seq_id=...)`` and ``skip``
+for requests. Training requests keep the SDK's ``seq_id``: a model's request ``n`` is posted as the worker
 session's sequence number ``n + offset`` (offset 1 for a model made by create-via-load, whose first
 request was the load), so the worker's own ordering (worker/ordering.py) applies them in the SDK's order,
 buffers what arrives early (the SDK sends a forward_backward's chunks last-first) and fails a gap after the
 gap timeout. A resend of ``(model_id, seq_id)`` gets the original request id and is never applied twice.
-A request the gateway refuses after reading its ``seq_id`` still fills that position (an ``echo``), so
+A request the gateway refuses after reading its ``seq_id`` still fills that position (``skip``: an ``echo``), so
 the model's later requests are not held up by the hole.
 
 Every id and path belongs to the tenant whose API key made it (gateway/records.py); anything else is 404.
@@ -66,7 +68,7 @@ def submit_error(exc: TinkerqError) -> HTTPError:
 class Run:
     """A live training run: the producer's client for its worker session, and its recent sequence ids."""
 
-    model_id: str
+    model_id: str  # the SDK's: the training run's id, <session>:train:<n> (the worker session's is client.model_id)
     record: dict[str, Any]
     client: TrainingClient
     offset: int  # worker sequence number = SDK seq_id + offset
@@ -75,6 +77,9 @@ class Run:
 
 @dataclass
 class Sampler:
+    """A sampling session: the SDK's ``sampling_session_id``, a sampler id (``<session>:sample:<n>``, or
+    ``<run>:sample:<seq_id>`` for save_weights_and_get_sampling_client), never a model_id."""
+
     sampler_id: str
     record: dict[str, Any]
     client: SamplingClient
@@ -299,9 +304,9 @@ class Gateway:
         return self._save(tenant, body, "weights", "SaveWeights")
 
     def save_weights_for_sampler(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("path") is None:  # save_weights_and_get_sampling_client: an in-memory snapshot
+        if body.get("path") is None:  # save_weights_and_get_sampling_client: a sampling snapshot, in memory
             return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), "SaveWeightsForSampler",
-                                 lambda run, worker_seq: self._snapshot(tenant, run, worker_seq, body))
+                                 lambda run, worker_seq: self._sampling_snapshot(tenant, run, worker_seq, body))
         return self._save(tenant, body, "sampler_weights", "SaveWeightsForSampler")
 
     def _save(self, tenant: str, body: dict[str, Any], segment: str, kind: str) -> dict[str, Any]:
@@ -331,14 +336,16 @@ class Gateway:
 
         return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), kind, prepare)
 
-    def _snapshot(self, tenant: str, run: Run, worker_seq: int, body: dict[str, Any]) -> Awaitable[Answer]:
+    def _sampling_snapshot(self, tenant: str, run: Run, worker_seq: int,
+                           body: dict[str, Any]) -> Awaitable[Answer]:
+        """Freeze the run's weights on its worker (create_sampler) and open a sampling session on them."""
         seq_id = body["seq_id"]
         future = run.client.submit("create_sampler", {}, seq_id=worker_seq, decode=lambda b: str(b["sampler_id"]))
 
         async def answer() -> Answer:
-            snapshot = await future
+            snapshot_id = await future  # the worker's name for the frozen weights
             sampler_id = f"{run.model_id}:sample:{seq_id}"
-            await self._add_sampler(tenant, sampler_id, run.record["base_model"], {"snapshot": snapshot}, None)
+            await self._add_sampler(tenant, sampler_id, run.record["base_model"], {"snapshot": snapshot_id}, None)
             return Answer(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
         return answer()

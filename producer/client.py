@@ -569,7 +569,8 @@ class TrainingClient:
                                              record_stability_info: bool = False,
                                              kind: Literal["snapshot", "inflight"] = "snapshot",
                                              ) -> SamplingClientFuture:
-        """Freeze the weights as of every request submitted so far; the future gives a client that samples them.
+        """Freeze the weights as of every request submitted so far (a sampling snapshot, kept in the worker's
+        memory); the future gives a client that samples them (its ``sampler_id`` names the snapshot).
 
         Returns at once (the snapshot is ordered with the training requests; later ones do not wait for it or
         its samples). Any worker of the model can serve the snapshot (docs/sampling.md). ``name`` is ignored,
@@ -584,7 +585,7 @@ class TrainingClient:
         return SamplingClientFuture(
             _background(lambda: SamplingClient(service, {"snapshot": future.result()}, base_model,
                                                retry_config=retry_config)),
-            f"snapshot of training client {self.model_id[:8]}")
+            f"sampling snapshot of training client {self.model_id[:8]}")
 
     async def save_weights_and_get_sampling_client_async(
         self, name: str | None = None, retry_config: Any = None, record_stability_info: bool = False,

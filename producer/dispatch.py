@@ -48,6 +48,8 @@ WAKE = b"wake"  # pushed to a client's own inbox by close(), so its listener sto
 @dataclass
 class Request:
     op: str
+    # The envelope's model_id: the training session the request belongs to. A sample belongs to none: it carries
+    # its sampling client's own id there (SamplingClient.client_id), only to name it in logs.
     model_id: str
     seq_id: int
     body: bytes  # kept until answered: a re-post after an outage writes the claim check again
@@ -110,7 +112,10 @@ class Dispatcher:
                decode: Callable[[Any], Any], worker: str | None = None, heartbeat_s: float | None = None,
                describe: str | None = None, sequenced: bool = True,
                reroute: Callable[[], tuple[str, str, float] | None] | None = None) -> APIFuture[Any]:
-        """Post one request (now, or as soon as Redis is reachable) and return its future."""
+        """Post one request (now, or as soon as Redis is reachable) and return its future.
+
+        ``model_id`` and ``seq_id``: the training session and the request's position in it (``create_model``
+        is 0); a sample (``sequenced=False``) gives its sampling client's id and 0."""
         future: APIFuture[Any] = APIFuture(decode, claim_check=self.connection.claim_check(),
                                            describe=describe or f"{op} seq={seq_id}")
         request = Request(op, model_id, seq_id, body, queue, argsrepr, future, worker,
@@ -417,9 +422,9 @@ class Dispatcher:
         if snapshot is None:
             return ("Create a new training client, or resume from your last checkpoint "
                     "(create_training_client_from_state_with_optimizer)")
-        return (f"Its latest automatic training snapshot holds the state after its request {snapshot.seq_id}: "
-                f"resume with sc.create_training_client_from_state_with_optimizer({snapshot.path!r}) and send "
-                f"again the requests after that one")
+        return (f"Its latest automatic snapshot holds the state after its request {snapshot.seq_id}: resume "
+                f"with sc.create_training_client_from_state_with_optimizer({snapshot.path!r}) and send again "
+                f"the requests after that one")  # as docs/reliability.md quotes it
 
     def _reroute(self, requests: list[Request]) -> int:
         """Send the requests that may run anywhere (sampling) to another worker; returns how many moved."""

@@ -1,4 +1,9 @@
-"""SamplingClient: samples from a snapshot, saved weights, or the base model, on any worker of the model.
+"""SamplingClient: samples from a sampling snapshot, saved weights, or the base model, on any worker of the model.
+
+A *sampling snapshot* is the frozen copy of a training session's weights that
+``save_weights_and_get_sampling_client()`` makes (source ``{"snapshot": id}``; its id is the client's
+``sampler_id``). It has nothing to do with a session's *automatic training snapshot* (the state a worker saves
+so that another worker can adopt the session, docs/reliability.md).
 
 Sample requests are not part of a training client's ordered stream: each goes to one worker of the base
 model (round robin over every live worker, trainers and ``--role sampler`` ones alike), straight to that
@@ -50,9 +55,11 @@ class SamplingClient:
         self.source = source
         self.base_model = base_model
         self.retry_config = retry_config  # Tinker's; unused: lost workers' requests are resent (MAX_ATTEMPTS)
-        self.client_id = uuid.uuid4().hex  # names this client's requests (Flower, logs)
-        self.model_path = source.get("path")
-        self.sampler_id = source.get("snapshot")
+        # Names this client's requests (Flower, logs); sent in the envelope field a training request fills with
+        # its session's model_id (a sample belongs to no training session).
+        self.client_id = uuid.uuid4().hex
+        self.model_path = source.get("path")  # saved weights (save_weights_for_sampler), or None
+        self.sampler_id = source.get("snapshot")  # the sampling snapshot's id, or None (saved weights, base model)
         record = service._sampling_workers.pick(base_model, exclude=())
         self.vocab_size = record.get("vocab_size")
         self.max_seq_len = record.get("max_seq_len")
