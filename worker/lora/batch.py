@@ -1,9 +1,27 @@
-"""One forward (and backward) pass over the loss requests of many LoRA sessions at once.
+"""One forward (and backward) pass over the loss requests of many LoRA sessions at once, batch-invariant.
 
-The requests' datums are laid out request after request (rows of one adapter are contiguous), cut into
-micro-batches of at most ``microbatch_tokens`` padded tokens, and routed to their adapters
-(worker/lora/routing.py). Each request keeps Tinker's semantics on its own rows: its loss is the sum of its
-own per-token losses, its outputs and metrics are its own, and only its own adapter gets its gradients.
+A request's numbers in a mixed pass are bitwise the numbers it gets alone in a pass (``tests/test_lora_invariance.py``:
+outputs, loss, metrics and adapter gradients, dense and MoE models, float32 on the CPU). The layout:
+
+* **Micro-batches per request.** Each request's datums are cut into micro-batches from its own rows only, as if
+  it were alone (:func:`tinkerq.worker.batching.microbatch_ranges` on its own padded lengths). A micro-batch is
+  padded to :func:`padded_length` of its longest row: a function of that micro-batch alone (rounded up to a
+  bucket, so micro-batches of different requests share a length more often).
+* **Steps stack micro-batches of different requests along the batch dimension.** Micro-batches of the same
+  padded length (and the same "has padding or not", which decides the model's attention-mask path) run as one
+  forward, at most one micro-batch per request per step, each request's micro-batches in their own order, and
+  at most ``microbatch_tokens`` padded tokens per step (a micro-batch that fills the budget runs alone).
+* **Every product a request's rows go through is its own** (worker/lora/routing.py, worker/lora/experts.py):
+  the base's matrix products on token rows run per request (a BLAS picks its kernel, and on several threads
+  how it splits the sum, by the number of rows: measured on this CPU), so do the experts' dispatch and the loss
+  head; what the stacked rows share are the operations computed row by row (attention, norms, activations).
+* **Every reduction is per request, in the order it has alone:** its loss and metrics are summed per micro-batch
+  (:func:`tinkerq.worker.losses.score` on its own rows) and merged micro-batch after micro-batch
+  (:class:`tinkerq.worker.training.RequestPart`); its gradients accumulate micro-batch after micro-batch (one
+  backward per step: another request's loss adds nothing to this adapter's gradient).
+
+Each request keeps Tinker's semantics on its own rows: its loss is the sum of its own per-token losses, its
+outputs and metrics are its own, and only its own adapter gets its gradients.
 
 Isolation of failures: a request whose loss is not finite leaves the backward sum; its adapter's fresh
 gradients, and those of a request whose gradients are not finite, are discarded by its engine's
@@ -17,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
@@ -26,6 +45,12 @@ from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.routing import routed
 from tinkerq.worker.losses import LOSSES, score
 from tinkerq.worker.training import RequestPart, SingleProcess, TrainingEngine
+
+# Padded lengths are rounded up to a multiple of max(PAD_MIN, 2**floor(log2(n)) / PAD_STEPS_PER_OCTAVE): 16 up to
+# 128 tokens, then 8 buckets per doubling (at most 1/8 more tokens), so micro-batches of different requests share
+# a length (and stack) more often. Alone or mixed, the same rounding.
+PAD_MIN = 16
+PAD_STEPS_PER_OCTAVE = 8
 
 
 class LoraTarget(Protocol):
@@ -45,6 +70,70 @@ class LossItem:
     error: TinkerqError | None = None
     problem: str | None = None
     part: RequestPart = field(default_factory=RequestPart)
+
+
+@dataclass
+class Micro:
+    """One request's micro-batch: its datums ``start..stop - 1``, padded to ``length`` tokens."""
+
+    item: LossItem
+    start: int
+    stop: int
+    length: int
+    padded: bool  # some row is shorter than ``length`` (the model then gets a padding mask)
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        """Micro-batches with equal keys may share a forward."""
+        return self.length, self.padded
+
+
+def padded_length(n: int, cap: int | None = None) -> int:
+    """The padded length of a micro-batch whose longest row has ``n`` tokens: ``n`` rounded up to its bucket, at
+    most ``cap`` (the model's positions, the token budget) but never below ``n``."""
+    step = max(PAD_MIN, (1 << (max(n, 1).bit_length() - 1)) // PAD_STEPS_PER_OCTAVE)
+    rounded = -(-n // step) * step
+    return max(n, min(rounded, cap)) if cap is not None else rounded
+
+
+def plan(items: list[LossItem], microbatch_tokens: int, cap: int | None = None) -> list[list[Micro]]:
+    """The pass's steps: each a list of micro-batches of one key, at most one per request, in request order.
+
+    Each request's micro-batches are cut from its own rows and come in its own order; which ones share a step
+    changes nothing in any request's numbers, only the number of forwards. At each step the key held by the most
+    requests' next micro-batches runs (ties: the earliest request's), filling up to ``microbatch_tokens``."""
+    queues: list[list[Micro]] = []
+    for item in items:
+        lengths = [d.model_input.length for d in item.data]
+        rounded = [padded_length(n, cap) for n in lengths]  # monotone: the budget counts padded tokens
+        micros = []
+        for start, stop in microbatch_ranges(rounded, microbatch_tokens):
+            longest = max(lengths[start:stop])
+            length = padded_length(longest, cap)
+            micros.append(Micro(item, start, stop, length, any(n < length for n in lengths[start:stop])))
+        queues.append(micros)
+    steps: list[list[Micro]] = []
+    at = [0] * len(queues)
+    while True:
+        heads = [(r, q[i]) for r, (q, i) in enumerate(zip(queues, at, strict=True)) if i < len(q)]
+        if not heads:
+            return steps
+        counts: dict[tuple[int, bool], int] = {}
+        for _, m in heads:
+            counts[m.key] = counts.get(m.key, 0) + 1
+        key = max(counts, key=lambda k: counts[k])  # first-seen wins ties: dicts keep insertion order
+        step: list[Micro] = []
+        tokens = 0
+        for r, m in heads:
+            if m.key == key and (not step or tokens + m.rows * m.length <= microbatch_tokens):
+                step.append(m)
+                tokens += m.rows * m.length
+                at[r] += 1
+        steps.append(step)
 
 
 def run_pass(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobComputer, *, head: str,
@@ -77,34 +166,44 @@ def run_pass(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCom
         item.output = item.part.merged(SingleProcess(), len(item.data), item.loss_fn)
 
 
+def _cap(model: torch.nn.Module, microbatch_tokens: int) -> int:
+    """The longest padding: the token budget, and the model's positions (absolute position embeddings)."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(microbatch_tokens, positions) if isinstance(positions, int) and positions > 0 else microbatch_tokens
+
+
+def _padded(m: Micro, device: torch.device) -> dict[str, Any]:
+    """``m``'s rows as a padded batch of ``m.length`` tokens (:func:`tinkerq.worker.batching.pad_batch`)."""
+    batch = pad_batch(m.item.data[m.start:m.stop], device)
+    extra = m.length - batch["tokens"].shape[1]
+    if extra:
+        batch = {k: F.pad(v, (0, extra)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
+
+
 def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobComputer, head: str,
          microbatch_tokens: int, device: torch.device, backward: bool) -> None:
-    rows = [(item, index) for item in items for index in range(len(item.data))]  # request after request
-    lengths = [item.data[index].model_input.length for item, index in rows]
-    for start, stop in microbatch_ranges(lengths, microbatch_tokens):
-        chunk = rows[start:stop]
-        batch = pad_batch([item.data[index] for item, index in chunk], device)
-        groups: list[tuple[LossItem, slice, int]] = []  # (item, its rows in this micro-batch, first datum index)
-        for r, (item, index) in enumerate(chunk):
-            if groups and groups[-1][0] is item:
-                groups[-1] = (item, slice(groups[-1][1].start, r + 1), groups[-1][2])
-            else:
-                groups.append((item, slice(r, r + 1), index))
-        with torch.set_grad_enabled(backward), routed([(g[0].target.adapter, g[1]) for g in groups], head):
-            lp = logprobs(model, batch["tokens"], batch["mask"].long(), batch["target_tokens"])  # (B, T)
+    for step in plan(items, microbatch_tokens, _cap(model, microbatch_tokens)):
+        batches = [_padded(m, device) for m in step]
+        tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
+                                 for k in ("tokens", "mask", "target_tokens"))
+        groups, at = [], 0
+        for m in step:
+            groups.append((m.item.target.adapter, slice(at, at + m.rows)))
+            at += m.rows
+        with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
+            lp = logprobs(model, tokens, mask.long(), targets)  # (B, T)
         total = None
-        sizes = [g[1].stop - g[1].start for g in groups]
-        lps = torch.split(lp, sizes)  # views; one concatenated gradient on the way back (not one per group)
-        for (item, span, first), lp_item in zip(groups, lps, strict=True):
-            sub = {k: v[span] for k, v in batch.items()}  # tensors (B, T) and the lengths list
+        lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back
+        for m, batch, lp_m in zip(step, batches, lps, strict=True):
+            item = m.item
             with torch.set_grad_enabled(backward):
-                scored = score(lp_item, sub, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
+                scored = score(lp_m, batch, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
             if not torch.isfinite(scored.loss):
                 if item.problem is None:
-                    item.problem = (f"{item.loss_fn} loss is {scored.loss.item()} on datums "
-                                    f"{first}..{first + span.stop - span.start - 1}")
+                    item.problem = f"{item.loss_fn} loss is {scored.loss.item()} on datums {m.start}..{m.stop - 1}"
             elif backward and item.problem is None:
                 total = scored.loss if total is None else total + scored.loss
-            item.part.add(first, scored, sub["lengths"])
+            item.part.add(m.start, scored, batch["lengths"])
         if backward and total is not None:
             total.backward()

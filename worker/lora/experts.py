@@ -104,6 +104,7 @@ def register(module: torch.nn.Module, name: str) -> None:
 
             cls.forward = forward  # type: ignore[method-assign]
             cls._tinkerq_lora = True  # type: ignore[attr-defined]
+            cls._tinkerq_original_forward = original  # type: ignore[attr-defined]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], transposed: bool = False) -> torch.Tensor:
@@ -177,9 +178,31 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     route = routing.current()
     if route is None:
         return None
-    n_tokens, top_k = top_k_index.shape
+    n_tokens = top_k_index.shape[0]
     # G adapters (or None), and the group of each token (N,)
     adapters, token_group = route.token_groups(n_tokens, hidden_states.device)
+    sizes = route.token_sizes(n_tokens)
+    if sizes is not None and routing.PER_GROUP_PRODUCTS:
+        # A training pass (contiguous groups): each group's tokens through a dispatch of their own, so its slots'
+        # products per expert have the shapes they have alone (batch invariance, worker/lora/batch.py). One group
+        # takes the same path: its gradient then sums the dispatch's uses of its tokens in the same order.
+        outs = []
+        with route.whole():
+            for adapter, h, k, w in zip(adapters, torch.split(hidden_states, sizes), torch.split(top_k_index, sizes),
+                                        torch.split(top_k_weights, sizes), strict=True):
+                zeros = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+                out = _dispatch(module, name, h, k, w, [adapter], zeros, [h.shape[0]])
+                outs.append(out if out is not None else type(module)._tinkerq_original_forward(module, h, k, w))
+        return torch.cat(outs)
+    return _dispatch(module, name, hidden_states, top_k_index, top_k_weights, adapters, token_group, sizes)
+
+
+def _dispatch(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor, adapters: list[Any], token_group: torch.Tensor,
+              sizes: list[int] | None) -> torch.Tensor | None:
+    """The experts' output (N, H) for tokens of ``adapters`` (group g's tokens: ``token_group == g``; contiguous
+    runs of ``sizes`` when given); None when no adapter targets ``name``."""
+    n_tokens, top_k = top_k_index.shape
     pairs = {p: [a.pair(f"{name}.{p}") if a is not None else None for a in adapters] for p in (GATE, UP, DOWN)}
     if all(pair is None for group in pairs.values() for pair in group):
         return None
@@ -187,7 +210,7 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     dtype, device = hidden_states.dtype, hidden_states.device
     groups, experts = len(adapters), lay.num_experts
     scalings = [a.scaling if a is not None else 0.0 for a in adapters]
-    members = _Members(route.token_sizes(n_tokens), token_group, groups)  # each group's tokens
+    members = _Members(sizes, token_group, groups)  # each group's tokens
 
     expert = top_k_index.reshape(-1)  # (S,) S = N * K slots
     segment = expert * groups + token_group.repeat_interleave(top_k)  # (S,) the slot's (expert, group)

@@ -12,6 +12,13 @@ in the sampling engine, whose rows of many snapshots interleave. A module that s
 (B * T) tokens (a MoE block's experts and shared experts) is routed by token (:meth:`Routing.token_groups`).
 A hooked Linear may carry several adapters on parts of its output rows (a fused q/k/v projection: Tinker adapts
 its parts separately; worker/lora/adapter.py); fused experts add their deltas in worker/lora/experts.py.
+
+Batch invariance (worker/lora/batch.py): while contiguous groups of several requests share a forward, every
+``torch.nn.functional.linear`` over the batch's rows (B, ...) or tokens (B * T, ...) runs once per group, on that
+group's rows (:class:`_PerGroupProducts`), the experts dispatch per group, and the loss head runs per group
+(:meth:`Routing.head_groups`). A BLAS chooses its kernel, and on several threads how it splits a sum, by the
+number of rows of a product (measured with MKL on 2 threads: a 128-row product's rows differ in the last bits
+from the same rows inside a 2,048-row one), so a request's products must have the shapes they have alone.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tinkerq.worker.lora import experts
 from tinkerq.worker.lora.adapter import Part, adaptable
 
 _local = threading.local()
+
+# Whether the products over the rows of several contiguous groups run per group (batch invariance, above). Only
+# benchmarks/lora.py turns it off, to measure what it costs; a pass is then no longer bitwise its requests alone.
+PER_GROUP_PRODUCTS = True
 
 
 class AdapterWeights(Protocol):
@@ -41,10 +53,12 @@ Rows = slice | torch.Tensor  # a contiguous range, or row indices (B',)
 
 class Routing:
     def __init__(self, groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
-                 batch: int | None = None) -> None:
+                 batch: int | None = None, length: int | None = None) -> None:
         self.groups = groups
         self.head = head  # the output projection's name: the fused loss head asks for its pairs
         self.batch = batch  # rows in the forward (row-index groups need it; contiguous groups cover the batch)
+        self.length = length  # tokens per row, when known: products over (B * T) flattened tokens run per group
+        self.suspended = 0  # inside :meth:`whole`
         self._token_groups: tuple[int, tuple[list[AdapterWeights | None], torch.Tensor]] | None = None
         self.contiguous = all(isinstance(rows, slice) for _, rows in groups)
         if self.contiguous:  # then the groups must cover the batch, in order
@@ -56,12 +70,42 @@ class Routing:
 
     def head_groups(self) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor] | None]] | None:
         """For the fused loss head (worker/logprobs.py): each contiguous group's scaling and output projection
-        pair (rows: :meth:`split`); None when no group adapts the output projection."""
+        pair (rows: :meth:`split`); None when one group holds the batch and does not adapt the output projection
+        (the head then runs once over the batch). Several groups always get one head each: its chunks' products
+        then have the shapes they have alone."""
         if self.head is None or not self.contiguous:
             return None
         out = [(adapter.scaling if adapter else 0.0, adapter.pair(self.head) if adapter else None)
                for adapter, _ in self.groups]
+        if len(out) > 1 and PER_GROUP_PRODUCTS:
+            return out
         return out if any(pair is not None for _, pair in out) else None
+
+    def per_group(self) -> bool:
+        """Whether products over the batch run per group: contiguous groups of several requests."""
+        return PER_GROUP_PRODUCTS and self.contiguous and len(self.groups) > 1
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Products in this block run as called (a group's own work on its own tensors: the experts' dispatch,
+        whose slot tensors could have as many rows as the batch by chance)."""
+        self.suspended += 1
+        try:
+            yield
+        finally:
+            self.suspended -= 1
+
+    def row_sizes(self, t: torch.Tensor) -> list[int] | None:
+        """The groups' shares of ``t``'s first dimension when it runs over the batch's rows (B, ...) or, the row
+        length known, its flattened tokens (B * T, ...); None otherwise (a group's own tensor, expert slots)."""
+        if t.dim() == 0 or self.suspended:
+            return None
+        rows = sum(self.sizes)
+        if t.shape[0] == rows and t.dim() >= 2:
+            return self.sizes
+        if self.length is not None and t.dim() == 2 and t.shape[0] == rows * self.length:
+            return [n * self.length for n in self.sizes]
+        return None
 
     def apply(self, parts: list[tuple[str, tuple[int, int] | None]], x: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor | None:
@@ -176,15 +220,35 @@ def current() -> Routing | None:
 
 @contextlib.contextmanager
 def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
-           batch: int | None = None) -> Iterator[Routing]:
+           batch: int | None = None, length: int | None = None) -> Iterator[Routing]:
     """Route this thread's forwards through ``groups`` (adapter, rows) until the block ends; ``batch``: the rows
-    in the forward, needed when groups are row indices."""
+    in the forward, needed when groups are row indices; ``length``: tokens per row (B, T), so that products over
+    the flattened tokens of several contiguous groups run per group too."""
     previous = current()
-    _local.routing = routing = Routing(groups, head, batch)
+    _local.routing = routing = Routing(groups, head, batch, length)
     try:
-        yield routing
+        with _PerGroupProducts(routing) if routing.per_group() else contextlib.nullcontext():
+            yield routing
     finally:
         _local.routing = previous
+
+
+class _PerGroupProducts(TorchFunctionMode):
+    """``F.linear`` over the batch's rows or tokens, one call per contiguous group, concatenated: each group's
+    product has the shape it has alone (its gradient too: the backward runs per piece)."""
+
+    def __init__(self, routing: Routing) -> None:
+        super().__init__()
+        self.routing = routing
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and args and isinstance(args[0], torch.Tensor):
+            sizes = self.routing.row_sizes(args[0])
+            if sizes is not None:
+                pieces = [func(x, *args[1:], **kwargs) for x in torch.split(args[0], sizes)]
+                return torch.cat(pieces)
+        return func(*args, **kwargs)
 
 
 def install(model: torch.nn.Module) -> str:

@@ -1,0 +1,215 @@
+"""Batch invariance of mixed LoRA passes (worker/lora/batch.py): a request's logprobs, per-token losses, loss,
+metrics and adapter gradients in a pass shared with other tenants are bitwise (``torch.equal``) what it gets
+alone in a pass, on dense and MoE models (float32, CPU); and micro-batches of different tenants that can share a
+forward do share it.
+
+Tenants differ in rank, targets, loss and datum lengths (prompt positions weighted zero, a fully masked RL datum,
+one-token datums), so their rows pad, micro-batch and route differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinkerq import types
+from tinkerq.recipes.families import build_model
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora import routing
+from tinkerq.worker.lora.batch import LossItem, padded_length, plan, run_pass
+from tinkerq.worker.lora.session import LoraBase, LoraSession
+
+pytestmark = pytest.mark.timeout(120)
+VOCAB = 101  # the families' tiny vocabulary
+MICROBATCH_TOKENS = 96
+PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# (rank, flags, loss): every tenant a different rank; targets and losses differ too
+TENANTS = [(4, {}, "cross_entropy"), (2, dict(train_unembed=False), "ppo"),
+           (8, dict(train_attn=False), "importance_sampling"), (3, dict(train_mlp=False), "cross_entropy")]
+VARIED = [[5, 17, 9, 30, 1], [12], [40, 3, 25, 7], [1, 14]]  # per tenant: several micro-batches, or one short datum
+STACKED = [[20, 31, 18, 25, 29], [24], [19, 32, 27], [30, 17]]  # every micro-batch pads to 32: one forward of 352
+# model -> (config overrides, micro-batch tokens, datum lengths per tenant): dense families, and MoE ones; the wide
+# one stacks 352-row products where each tenant alone has 32-160 (MKL on 2 threads sums a (M, 1024) x (1024, 256)
+# product's rows differently for M = 32..64 and M >= 192: the case per-group products are for)
+MODELS = {
+    "llama": (dict(), MICROBATCH_TOKENS, VARIED),
+    "llama-wide": (dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=32), 512, STACKED),
+    "qwen3_moe": (dict(), MICROBATCH_TOKENS, VARIED),
+    "gpt_oss": (dict(), MICROBATCH_TOKENS, VARIED),
+    "deepseek_v3": (dict(), MICROBATCH_TOKENS, VARIED),
+    "qwen3_5_moe": (dict(), MICROBATCH_TOKENS, VARIED),
+}
+
+
+def lora_base(name: str) -> LoraBase:
+    overrides, budget, _ = MODELS[name]
+    model = build_model(name.split("-")[0], 0, **overrides)
+    return LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=budget)
+
+
+def tenants(base: LoraBase) -> list[LoraSession]:
+    out = []
+    for i, (rank, flags, _) in enumerate(TENANTS):
+        s = LoraSession(f"t{i}", base, types.LoraConfig(rank=rank, seed=40 + i, **flags), base_model="tiny")
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():  # nonzero B: every adapter changes its own rows
+            for p in s.engine.params:
+                p.add_(torch.randn(p.shape, generator=gen), alpha=0.05)
+        out.append(s)
+    return out
+
+
+def datum(rng: np.random.Generator, n: int, loss: str, masked: bool = False) -> types.Datum:
+    seq = rng.integers(3, VOCAB, size=n + 1)
+    prompt = int(rng.integers(0, n))  # prompt positions: weight (advantage, sampler logprob) zero
+    live = np.arange(n) >= prompt
+    if masked:
+        live[:] = False
+    inputs: dict = {"target_tokens": seq[1:].tolist()}
+    if loss == "cross_entropy":
+        inputs["weights"] = np.where(live, rng.uniform(0.5, 1.5, n), 0.0).astype(np.float32)
+    else:
+        inputs["logprobs"] = np.where(live, rng.uniform(-6.0, -2.0, n), 0.0).astype(np.float32)
+        inputs["advantages"] = np.where(live, rng.normal(size=n), 0.0).astype(np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs=inputs)
+
+
+def requests(seed: int, lengths: list[list[int]] = VARIED) -> list[list[types.Datum]]:
+    """Per tenant, datums of ``lengths``; RL tenants' second datum is fully masked."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for (_, _, loss), ns in zip(TENANTS, lengths, strict=True):
+        out.append([datum(rng, n, loss, masked=(loss != "cross_entropy" and i == 1)) for i, n in enumerate(ns)])
+    return out
+
+
+def run(base: LoraBase, sessions: list[LoraSession], data: list[list[types.Datum]],
+        backward: bool) -> list[tuple[types.ForwardBackwardOutput, list[torch.Tensor]]]:
+    items = [LossItem(s, d, loss, PPO if loss == "ppo" else None)
+             for s, d, (_, _, loss) in zip(sessions, data, TENANTS, strict=True)]
+    run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
+             device=base.device, backward=backward)
+    out = []
+    for item in items:
+        assert item.error is None, item.error
+        out.append((item.output, [p.grad.clone() for p in item.target.engine.params]))
+        for p in item.target.engine.params:
+            p.grad.zero_()
+    return out
+
+
+def assert_bitwise(mixed, alone) -> None:
+    (out, grads), (solo, solo_grads) = mixed, alone
+    assert out.metrics == solo.metrics  # exact floats: loss:sum and every metric
+    for a, b in zip(out.loss_fn_outputs, solo.loss_fn_outputs, strict=True):
+        for key in ("logprobs", "elementwise_loss"):
+            assert np.array_equal(a[key].to_numpy(), b[key].to_numpy()), key
+    for g, h in zip(grads, solo_grads, strict=True):
+        assert torch.equal(g, h), float((g - h).abs().max())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_mixed_pass_is_bitwise_each_tenant_alone(name):
+    base = lora_base(name)
+    sessions = tenants(base)
+    data = requests(1, MODELS[name][2])
+    for backward in (True, False):
+        mixed = run(base, sessions, data, backward)
+        for i, s in enumerate(sessions):
+            assert_bitwise(mixed[i], _alone(base, s, data[i], TENANTS[i][2], backward)[0])
+        if not backward:
+            for s in sessions:  # a forward leaves no gradient
+                assert all(not p.grad.any() for p in s.engine.params)
+
+
+def _alone(base, session, data, loss, backward):
+    items = [LossItem(session, data, loss, PPO if loss == "ppo" else None)]
+    run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
+             device=base.device, backward=backward)
+    assert items[0].error is None, items[0].error
+    out = [(items[0].output, [p.grad.clone() for p in session.engine.params])]
+    for p in session.engine.params:
+        p.grad.zero_()
+    return out
+
+
+def test_micro_batches_of_equal_length_share_a_forward():
+    """Two tenants whose micro-batches pad to the same length run them in one forward (the speed-up of mixed
+    passes); a tenant of another length runs its own; each still gets its numbers alone."""
+    base = lora_base("llama")
+    sessions = tenants(base)[:3]
+    rng = np.random.default_rng(2)
+    data = [[datum(rng, 20, "cross_entropy"), datum(rng, 27, "cross_entropy")],  # both pad to 32
+            [datum(rng, 32, "ppo")],
+            [datum(rng, 50, "importance_sampling")]]  # pads to 64
+    forwards = []
+    hook = base.model.base_model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape),
+                                                           with_kwargs=True)
+    try:
+        items = [LossItem(s, d, TENANTS[i][2], PPO if i == 1 else None) for i, (s, d) in
+                 enumerate(zip(sessions, data, strict=True))]
+        run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=MICROBATCH_TOKENS,
+                 device=base.device, backward=True)
+    finally:
+        hook.remove()
+    # tenant 0 (2 rows, padded) and 1 (1 row, unpadded) differ in padding: 32 and 32 do not stack unless both
+    # are padded or both are not; tenant 0's rows are padded, tenant 1's is not
+    assert sorted(tuple(s) for s in forwards) == [(1, 32), (1, 64), (2, 32)]
+    for s in sessions:
+        for p in s.engine.params:
+            p.grad.zero_()
+    data[1] = [datum(rng, 31, "ppo")]  # now padded to 32 too: one forward for tenants 0 and 1
+    forwards.clear()
+    hook = base.model.base_model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape),
+                                                           with_kwargs=True)
+    try:
+        items = [LossItem(s, d, TENANTS[i][2], PPO if i == 1 else None) for i, (s, d) in
+                 enumerate(zip(sessions, data, strict=True))]
+        run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=MICROBATCH_TOKENS,
+                 device=base.device, backward=True)
+    finally:
+        hook.remove()
+    assert sorted(tuple(s) for s in forwards) == [(1, 64), (3, 32)]
+    mixed = [(item.output, [p.grad.clone() for p in item.target.engine.params]) for item in items]
+    for s in sessions:
+        for p in s.engine.params:
+            p.grad.zero_()
+    for i, s in enumerate(sessions):
+        assert_bitwise(mixed[i], _alone(base, s, data[i], TENANTS[i][2], True)[0])
+
+
+def test_the_plan_keeps_each_tenants_micro_batches_and_order():
+    """Each tenant's micro-batches are those it has alone, in its order, at most one per step; a step holds one
+    padded length and stays within the token budget unless one micro-batch alone exceeds it."""
+    rng = np.random.default_rng(4)
+    items = [LossItem(None, [datum(rng, int(n), "cross_entropy") for n in rng.integers(1, 70, size=k)],  # type: ignore[arg-type]
+                      "cross_entropy", None) for k in (1, 3, 6, 2, 9)]
+    steps = plan(items, MICROBATCH_TOKENS)
+    for item in items:
+        mine = [(m.start, m.stop, m.length) for step in steps for m in step if m.item is item]
+        alone = [(m.start, m.stop, m.length) for step in plan([item], MICROBATCH_TOKENS) for m in step]
+        assert mine == alone
+        assert mine[0][0] == 0 and mine[-1][1] == len(item.data)
+    for step in steps:
+        assert len({id(m.item) for m in step}) == len(step)
+        assert len({m.key for m in step}) == 1
+        assert len(step) == 1 or sum(m.rows * m.length for m in step) <= MICROBATCH_TOKENS
+    assert [padded_length(n) for n in (1, 16, 17, 100, 128, 129, 144, 145, 300, 1000, 1025)] == \
+        [16, 16, 32, 112, 128, 144, 144, 160, 320, 1024, 1152]
+    assert padded_length(250, cap=240) == 250 and padded_length(230, cap=240) == 240
+
+
+def test_per_group_products_split_only_the_batch():
+    """The products over the batch's rows or flattened tokens are the ones split per tenant."""
+    a, b = object(), object()
+    with routing.routed([(a, slice(0, 2)), (b, slice(2, 5))], length=4) as route:
+        assert route.row_sizes(torch.zeros(5, 4, 3)) == [2, 3]
+        assert route.row_sizes(torch.zeros(20, 3)) == [8, 12]
+        assert route.row_sizes(torch.zeros(8, 3)) is None  # a group's own tokens
+        with route.whole():
+            assert route.row_sizes(torch.zeros(5, 4, 3)) is None
+        x, w = torch.randn(5, 4, 3), torch.randn(6, 3)
+        split = torch.nn.functional.linear(x, w)
+    assert torch.equal(split, torch.cat([torch.nn.functional.linear(x[:2], w), torch.nn.functional.linear(x[2:], w)]))
