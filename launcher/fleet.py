@@ -391,13 +391,14 @@ def fleet_status(args: argparse.Namespace) -> int:
         return 1
     try:
         registrations = conn.workers_serving()
-        # safe=True: each task's argsrepr (what the producer wrote for people, as Flower shows it), not its raw
-        # arguments (the request envelope: blob keys, timestamps).
-        active = conn.app.control.inspect(timeout=1.0).active(safe=True) or {}
+        # What each worker's compute loop runs now (its `inspect stats` block): each request by its argsrepr (what
+        # the producer wrote for people, as Flower shows it), never its raw arguments (blob keys, timestamps).
+        stats = conn.app.control.inspect(timeout=1.0).stats() or {}
         print(f"  {len(registrations)} registered worker(s):")
         for r in sorted(registrations, key=lambda r: r["worker"]):
-            node = next((n for n in active if r["worker"] in n), None)
-            doing = ", ".join(running_task(t) for t in (active.get(node) or [] if node else [])) or "idle"
+            node = next((n for n in stats if r["worker"] in n), None)
+            running = ((stats.get(node) or {}).get("tinkerq") or {}).get("running") or [] if node else []
+            doing = ", ".join(running_task(t) for t in running) or "idle"
             shards = f"  {r['shards']} shards" if r.get("shards", 1) > 1 else ""
             print(f"    {r['worker']}  {r['base_model']}{shards}  loss head {r.get('loss_backend', '?')}  -> {doing}")
         sessions = session_lines(conn.store)
@@ -410,8 +411,8 @@ def fleet_status(args: argparse.Namespace) -> int:
 
 
 def running_task(task: dict[str, Any]) -> str:
-    """'forward_backward(model_id=1a2b3c4d seq=3 loss_fn=cross_entropy datums=8 tokens=512)' from a task of
-    ``inspect().active(safe=True)``."""
+    """'forward_backward(model_id=1a2b3c4d seq=3 loss_fn=cross_entropy datums=8 tokens=512)' from a request of
+    a worker's ``inspect().stats()["tinkerq"]["running"]``."""
     return f"{str(task.get('name', '?')).split('.')[-1]}({task.get('args') or ''})"
 
 

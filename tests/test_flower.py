@@ -161,3 +161,39 @@ def test_worker_prometheus_metrics(worker, training_client):
     train_s = float(text.split('tinkerq_compute_turn_seconds{kind="train"} ')[1].split()[0])
     sample_s = float(text.split('tinkerq_compute_turn_seconds{kind="sample"} ')[1].split()[0])
     assert train_s > 0 and sample_s > 0
+
+
+def test_lora_passes_and_samples_reach_their_real_end_in_flower(flower, service, model_dir):
+    """A LoRA forward_backward and optim_step, and a sample request, end SUCCESS with a runtime in Flower; the
+    result names the pass or decode batch the request shared (worker/events.py). They used to stay STARTED
+    (LoRA) or not appear at all (sampling)."""
+    tc = service.create_lora_training_client(str(model_dir), rank=4, seed=3)
+    try:
+        sampler = None
+        wanted = {"tinkerq.forward_backward", "tinkerq.optim_step", "tinkerq.sample"}
+
+        def ours():
+            tasks = requests.get(f"{flower}/api/tasks", auth=AUTH, timeout=10).json()
+            return {t["name"]: t for t in tasks.values() if t.get("name") in wanted
+                    and t.get("uuid") in sent and t.get("state") == "SUCCESS"}
+
+        sent: set[str] = set()
+        found: dict = {}
+        deadline = time.monotonic() + 90
+        while set(found) != wanted and time.monotonic() < deadline:
+            fb = tc.forward_backward(make_batch(np.random.default_rng(30), 2))
+            step = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+            sampler = sampler or tc.save_weights_and_get_sampling_client()
+            sample = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2))
+            for future in (fb, step, sample):
+                future.result(timeout=60)
+                sent.add(future.task_id)
+            found = _poll(lambda: (lambda f: f if set(f) == wanted else None)(ours()), timeout=5) or {}
+        assert set(found) == wanted, found
+        for name, task in found.items():
+            assert task.get("runtime") is not None and task["runtime"] >= 0, task
+        assert "[pass " in str(found["tinkerq.forward_backward"]["result"]), found["tinkerq.forward_backward"]
+        assert "[decode batch" in str(found["tinkerq.sample"]["result"]), found["tinkerq.sample"]
+        assert str(found["tinkerq.optim_step"]["result"]).startswith("'ok"), found["tinkerq.optim_step"]
+    finally:
+        tc.close()

@@ -36,6 +36,7 @@ class ComputeLoop:
         self._cond = service.cond
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.current: Work | None = None  # what runs now (`inspect stats`, `tinkerq fleet status`)
         self.passes = 0  # LoRA passes run, and the requests they held (metrics, tests, benchmarks)
         self.pass_requests = 0
 
@@ -45,10 +46,12 @@ class ComputeLoop:
             self._thread.start()
 
     def stop(self, drain_s: float = 30.0) -> None:
-        """Run what is already queued (up to ``drain_s``), then stop; the engine fails what is left."""
+        """Finish the running unit and what is already queued (queued work for up to ``drain_s``), then stop;
+        the caller answers what is left."""
+        deadline = time.monotonic() + drain_s
         with self._cond:
-            deadline = time.monotonic() + drain_s
-            while self.scheduler.has_work() and self._thread is not None and time.monotonic() < deadline:
+            while self.alive and ((self.scheduler.has_work() and time.monotonic() < deadline)
+                                  or self.current is not None):
                 self._cond.wait(0.1)
             self._stopping = True
             self._cond.notify_all()
@@ -66,13 +69,14 @@ class ComputeLoop:
                     self._cond.wait(1.0)
                 if self._stopping:
                     return
-            assert work is not None
+                self.current = work
             started = time.perf_counter()
             try:
                 self.run(work)
             except Exception:  # run() answers every request itself; this is a last resort
                 log.exception("the compute loop failed on a %s", work.kind)
             with self._cond:
+                self.current = None
                 self.scheduler.finished(work, "sample" if work.kind == "sample" else "train",
                                         time.perf_counter() - started)
                 self.scheduler.sampling_busy = self.service.engine.has_work()
@@ -252,6 +256,16 @@ class ComputeLoop:
                                          f"nothing was applied")
         self.passes += 1
         self.pass_requests += len(items)
+
+    def pass_alone(self, session: Any, body: Any, *, backward: bool) -> bytes:
+        """A LoRA loss request replayed by an adopter: the same pass code as it ran in, one request alone
+        (batch-invariant, so its numbers are those of the mixed pass it ran in); raises its refusal."""
+        item = self.service.operations.checked_loss(body, backward=backward, lora=True)
+        item.target = session
+        self._run_pass([item], backward)
+        if item.output is None:
+            raise item.error or WorkerError("the LoRA pass gave no answer")
+        return codec.packb(messages.encode_forward_backward_output(item.output))
 
     def _settle(self, request: Request, slot: Slot, raw: bytes | None, outcome: Outcome, started: float,
                 shared: str = "") -> None:

@@ -72,15 +72,15 @@ class TaskEvents:
         if self._dispatcher is None:
             return
         summary = reply_summary(reply)
-        if shared:
-            summary = f"{summary} [{shared}]"[:SUMMARY_CHARS + 80]
-        for caller in request.callers:
-            self._send("task-succeeded", uuid=caller.task_id, result=summary, runtime=runtime)
+        if shared:  # what the request shared, kept whole at the end of the line
+            summary = f"{summary[:SUMMARY_CHARS - len(shared) - 3]} [{shared}]"
+        for caller in request.callers:  # as Celery reports a task's return value: its repr
+            self._send("task-succeeded", uuid=caller.task_id, result=repr(summary), runtime=runtime)
 
     def dropped(self, request: Any, why: str) -> None:
         """A request this worker does not answer (another does): ended here, as Celery would show a revoke."""
         for caller in request.callers:
-            self._send("task-succeeded", uuid=caller.task_id, result=f"not applied here: {why}", runtime=0.0)
+            self._send("task-succeeded", uuid=caller.task_id, result=repr(f"not applied here: {why}"), runtime=0.0)
 
 
 def reply_summary(reply: dict[str, Any]) -> str:

@@ -90,7 +90,7 @@ class Operations:
     def optim_step(self, session: Session, body: Any) -> tuple[bytes, int]:
         adam = messages.decode_adam(body)
         validate_adam(adam)
-        metrics = session.optim_step(adam).metrics
+        metrics = session.optim_step(adam).metrics or {}
         self._on_metrics(metrics)  # the automatic snapshot, if due, follows once the step is journaled
         return codec.packb({"metrics": metrics}), 0
 
@@ -117,7 +117,7 @@ class Operations:
                             "seq_id": meta["seq_id"]}), 0
 
     def save_weights(self, session: Session, body: Any) -> tuple[bytes, int]:
-        name = body.get("name") if isinstance(body, dict) else None
+        name: Any = body.get("name") if isinstance(body, dict) else None  # checked where the path is built
         merged = flag(body, "merged", False, "save_weights_for_sampler")
         expires_at = expires_at_of(body)
         path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged,

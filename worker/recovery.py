@@ -25,6 +25,7 @@ from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
 from tinkerq.worker.operations import STATELESS_OPS
 from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
+from tinkerq.worker.scheduler import PASS_OPS
 from tinkerq.worker.session import Session
 from tinkerq.worker.sessions import Slot
 
@@ -255,7 +256,11 @@ class Recovery:
             self.service.snapshots.add(session.snapshot(), session.model_id, snapshot_id=str(answer["sampler_id"]))
             return
         assert entry.body is not None
-        out, _ = self.service.operations.ops[entry.op](session, self.service.unpack(entry.body))
+        body = self.service.unpack(entry.body)
+        if entry.op in PASS_OPS and session.pass_group is not None:  # as it ran: in a pass (of its own)
+            out = self.service.compute.pass_alone(session, body, backward=entry.op == "forward_backward")
+        else:
+            out, _ = self.service.operations.ops[entry.op](session, body)
         if entry.op == "forward_backward" and out != value:
             log.warning("replayed forward_backward of %s differs from the lost worker's answer", session.model_id)
 

@@ -173,8 +173,15 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     if settings.metrics_port:
         w.service.metrics.serve(settings.metrics_port)
         log.info("Prometheus metrics on :%d/metrics", settings.metrics_port)
+
+    def stop_serving(**_: Any) -> None:
+        w.sampling.stop()
+        w.service.close()  # runs what is queued (bounded), answers the rest
+
+    # Queued work is finished first, while the worker still beats (producers would take it for lost); then
+    # its registration is withdrawn.
+    signals.worker_shutdown.connect(stop_serving, weak=False)
     signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
-    signals.worker_shutdown.connect(lambda **_: (w.sampling.stop(), w.service.close()), weak=False)
     app.worker_main([
         "worker",
         # One request at a time, in a thread: the model is not shared across processes, CUDA is never

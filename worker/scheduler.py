@@ -52,6 +52,7 @@ class Request:
     model_id: str | None = None
     seq_id: int | None = None
     received: float = field(default_factory=time.monotonic)
+    label: str = ""  # what the producer wrote for people (the task's argsrepr): `fleet status`, Flower
     done: bool = False  # answered (set by the owner; a create_model's transport thread waits for it)
 
 

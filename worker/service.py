@@ -100,13 +100,14 @@ class WorkerService:
 
     # -- intake (transport threads) --------------------------------------------------------------------------
 
-    def submit(self, op: str, envelope: Any, task_id: str, inbox: str | None = None) -> dict[str, Any] | None:
+    def submit(self, op: str, envelope: Any, task_id: str, inbox: str | None = None,
+               label: str = "") -> dict[str, Any] | None:
         """The reply to send now (a repeat, a refusal), or None: queued, answered when it runs.
 
         ``inbox`` is the sender's reply list (our own format, checked): the answer is pushed there."""
         caller = Caller(task_id, inbox if inbox is not None and keys.REPLY_LIST_RE.match(inbox) else None)
         try:
-            outcome = self._take(op, envelope, caller)
+            outcome = self._take(op, envelope, caller, label[:512])
         except MalformedMessageError as exc:  # our own envelope or body layer: answered, and kept
             outcome = ("error", exc.to_wire(), {})
             self.dead_letter(op, envelope, task_id, exc)
@@ -117,10 +118,10 @@ class WorkerService:
             outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(), {})
         return None if outcome is None else self.reply(outcome)
 
-    def _take(self, op: str, envelope: Any, caller: Caller) -> Outcome | None:
+    def _take(self, op: str, envelope: Any, caller: Caller, label: str) -> Outcome | None:
         if op in ("sample", "create_model"):  # in no session's order
             model_id, _, _ = messages.check_envelope(envelope, op)
-            request = Request(op, envelope, [caller], model_id=model_id)
+            request = Request(op, envelope, [caller], model_id=model_id, label=label)
             with self.cond:
                 (self.scheduler.samples if op == "sample" else self.scheduler.creates).append(request)
                 self.cond.notify_all()
@@ -132,7 +133,7 @@ class WorkerService:
             self.events.taken(request)
             return None
         model_id, seq_id, _ = messages.check_envelope(envelope, op)
-        request = Request(op, envelope, [caller], model_id=model_id, seq_id=seq_id)
+        request = Request(op, envelope, [caller], model_id=model_id, seq_id=seq_id, label=label)
         with self.cond:
             while True:
                 if model_id in self.recovery.moved:  # its producer sent it to the adopter too: that one answers
@@ -244,7 +245,7 @@ class WorkerService:
         slot.session.close()
         self.snapshots.forget_session(model_id)
         self.recovery.forget(model_id)
-        gone = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), {})
+        gone: Outcome = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), {})
         for request in waiting:
             self.finish(request, gone)
 
@@ -335,8 +336,10 @@ class WorkerService:
 
     def stats(self) -> dict[str, Any]:
         """The ``tinkerq`` block of the Celery worker's ``inspect stats`` (Flower's worker page, Stats)."""
+        work = self.compute.current
+        running = [{"name": f"tinkerq.{r.op}", "args": r.label} for r in (work.requests if work else [])]
         return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
-                "sessions": self.session_stats()}
+                "sessions": self.session_stats(), "running": running}
 
     def _shard_metrics(self, metrics: dict[str, float]) -> None:
         if "shard_state_bytes:max" in metrics:

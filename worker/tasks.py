@@ -40,7 +40,9 @@ def _register(app: Celery, service: WorkerService, op: str) -> None:
         request = task.request
         inbox = getattr(request, REPLY_HEADER, None)
         inbox = inbox if isinstance(inbox, str) else None
-        reply = service.submit(op, envelope, task_id=request.id, inbox=inbox)
+        label = getattr(request, "argsrepr", None)
+        reply = service.submit(op, envelope, task_id=request.id, inbox=inbox,
+                               label=label if isinstance(label, str) else "")
         if reply is None:  # queued: answered (and its end reported) by the compute loop
             raise Ignore()
         service.answer(request.id, inbox, reply)
