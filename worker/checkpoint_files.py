@@ -112,7 +112,7 @@ def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, A
                                       f"create_training_client_from_state(path)")
     if meta.get("parameters") != shapes:
         saved = meta.get("parameters") or {}
-        diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), None)
+        diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), "")
         raise ValidationError(
             f"checkpoint was saved from a model with other parameters than this worker serves "
             f"(first difference: {diff}: saved {saved.get(diff)}, here {shapes.get(diff)})"

@@ -65,9 +65,10 @@ class ComputeLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
+                work = None
                 while not self._stopping and (work := self.scheduler.next()) is None:
                     self._cond.wait(1.0)
-                if self._stopping:
+                if self._stopping or work is None:
                     return
                 self.current = work
             started = time.perf_counter()

@@ -239,10 +239,10 @@ class GuardedChannel(kombu_redis.Channel):
             self._deliver_raw(item, dest)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             getattr(self, "_flush_brpop_reauth", lambda: None)()  # kombu >= 5.7 re-auth hook
 
-    def _get(self, queue: str) -> dict[str, Any]:
+    def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:
         # The polling path (basic_get): the same checks; a refused message is reported as "nothing there".
         with self.conn_or_acquire() as client:
             for pri in self.priority_steps:

@@ -43,9 +43,10 @@ class ModelShape:
     @classmethod
     def _measure(cls, model: torch.nn.Module) -> ModelShape:
         params = list(model.parameters())  # parameters() yields tied tensors once
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        embeddings = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else params[0]
+        lm: Any = model  # a transformers model, when it has input embeddings
+        embeddings = lm.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else params[0]
         vocab, hidden = (int(x) for x in embeddings.shape[-2:])
         heads = int(getattr(text, "num_attention_heads", 0) or 1)
         return cls(

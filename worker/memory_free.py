@@ -90,7 +90,8 @@ def cgroup_available(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2 unified hierarchy: "0::/path"
-            base, limit_file, usage_file, cache_keys = cgroup_root, "memory.max", "memory.current", ("inactive_file",)
+            cache_keys: tuple[str, ...] = ("inactive_file",)
+            base, limit_file, usage_file = cgroup_root, "memory.max", "memory.current"
         elif "memory" in controllers.split(","):  # v1 memory controller: "4:memory:/path"
             base, limit_file, usage_file = cgroup_root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
             cache_keys = ("total_inactive_file", "inactive_file")

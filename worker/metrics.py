@@ -6,6 +6,7 @@ own registry, so several services in one process (the embedded fleet, tests) nev
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,7 +64,7 @@ class WorkerMetrics:
                       "the worker started (their shares, when both have work, are balanced)", ["kind"],
                       registry=self.registry)
         for kind in ("train", "sample"):
-            turns.labels(kind=kind).set_function(lambda k=kind: compute_seconds()[k])
+            turns.labels(kind=kind).set_function(functools.partial(_seconds_of, compute_seconds, kind))
 
     def watch_lora(self, passes: Callable[[], tuple[int, int]]) -> None:
         """Counters read at scrape time from the LoRA pass loop: passes run, and the requests they held (their
@@ -143,3 +144,7 @@ def stats_step(stats: Callable[[], dict[str, Any]]) -> type:
             return out
 
     return TinkerqStats
+
+
+def _seconds_of(compute_seconds: Callable[[], dict[str, float]], kind: str) -> float:
+    return compute_seconds()[kind]

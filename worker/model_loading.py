@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -33,7 +34,7 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
-    model.to(device)
+    cast(Any, model).to(device)  # transformers types .to as a decorated method mypy cannot call with a device
     # Tenants share passes: nothing computed over the batch may couple their rows. Router logits feed MoE
     # auxiliary (load-balancing) losses, which are batch-level: never asked for. (No family here drops tokens at
     # an expert capacity: routing is per token.)
@@ -47,9 +48,9 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
 
 def vocab_size(model: PreTrainedModel) -> int:
     """Ids valid both as inputs and as targets."""
-    n_in = model.get_input_embeddings().weight.shape[0]
+    n_in = cast(torch.Tensor, model.get_input_embeddings().weight).shape[0]
     out = model.get_output_embeddings()
-    n_out = out.weight.shape[0] if out is not None else n_in
+    n_out = cast(torch.Tensor, out.weight).shape[0] if out is not None else n_in
     return int(min(n_in, n_out))
 
 

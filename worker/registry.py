@@ -237,8 +237,9 @@ def consumer_liveness_step(liveness: ConsumerLiveness) -> type:
             liveness.enabled = c.hub is not None
 
         def stop(self, c) -> None:
-            if getattr(self, "_timer", None) is not None:
-                self._timer.cancel()
+            timer = getattr(self, "_timer", None)
+            if timer is not None:
+                timer.cancel()
             # Stopped by Celery itself (reconnecting after a broker outage, or a warm shutdown): the worker is
             # not wedged, it waits for the broker or finishes its task. Judged again once the loop restarts.
             liveness.enabled = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -164,7 +164,7 @@ class FullSession:
             for name, p in snapshot.named_parameters():
                 p.copy_(weights[name])
         snapshot.requires_grad_(False)
-        return snapshot.to(self.device)
+        return cast(Any, snapshot).to(self.device)  # transformers types .to as a decorated method
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
                      expires_at: float | None = None) -> str:

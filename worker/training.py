@@ -21,9 +21,10 @@ What must match one unsharded run, and how it does:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -139,9 +140,15 @@ class TrainingEngine:
         if backward:
             loss.backward()
 
+    def grads(self) -> list[torch.Tensor]:
+        """The pending gradients (always allocated, but between :meth:`set_aside` and :meth:`commit`)."""
+        grads = [p.grad for p in self.params]
+        assert all(g is not None for g in grads)
+        return cast(list[torch.Tensor], grads)
+
     def set_aside(self) -> list[torch.Tensor]:
         """Take the pending gradients out of ``p.grad`` so the next backward fills fresh ones."""
-        pending = [p.grad for p in self.params]
+        pending = self.grads()
         for p in self.params:
             p.grad = None
         return pending
@@ -169,7 +176,7 @@ class TrainingEngine:
     # -- optim_step ---------------------------------------------------------------------------------------------
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
-        grads = [p.grad for p in self.params]
+        grads = self.grads()
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # a DTensor over shards: reduced below
         norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
         if not math.isfinite(norm):
@@ -231,9 +238,9 @@ class TrainingEngine:
         moments: dict[str, torch.Tensor] = {}
         for n, p in zip(self.param_names, self.params, strict=True):
             moments.update(optimizer_entries(n, self.optimizer.state.get(p, {}), self._full))
-        local_pending = float(any(bool(_local(p.grad).any()) for p in self.params))
+        local_pending = float(any(bool(_local(g).any()) for g in self.grads()))
         (pending,) = self.group.all_reduce([local_pending], op="max")
-        grads = {n: self._full(p.grad) for n, p in zip(self.param_names, self.params, strict=True)} if pending else {}
+        grads = {n: self._full(g) for n, g in zip(self.param_names, self.grads(), strict=True)} if pending else {}
         if not self.group.is_leader:
             return None
         assert weights is not None
@@ -255,13 +262,13 @@ class TrainingEngine:
 
         grads, moments = (saved.grads, saved.moments) if optimizer else ({}, {})
         with torch.no_grad():
-            for n, p in zip(self.param_names, self.params, strict=True):
+            for n, p, g in zip(self.param_names, self.params, self.grads(), strict=True):
                 p.copy_(place(saved.weights[n] if n in saved.weights else saved.weights[tied[n]], p))
                 if n in grads:
-                    p.grad.copy_(place(grads[n], p))
+                    g.copy_(place(grads[n], p))
                 else:
-                    p.grad.zero_()
-                state = adam_state(n, moments, lambda t, p=p: place(t, p))
+                    g.zero_()
+                state = adam_state(n, moments, functools.partial(place, like=p))
                 if state:
                     self.optimizer.state[p] = state
                 else:  # AdamW starts this parameter afresh at its next step, as in a new session

@@ -41,7 +41,7 @@ class StopRule:
     def done(self, tokens: list[int]) -> bool:
         if tokens[-1] in self.ids:
             return True
-        if self.strings:
+        if self.strings and self.tokenizer is not None:
             text = self.tokenizer.decode(tokens[-64:], skip_special_tokens=False)
             return any(s in text for s in self.strings)
         return False

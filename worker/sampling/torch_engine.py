@@ -177,7 +177,7 @@ class TorchEngine:
 
     def _step(self, group: Group, newcomers: list[Job]) -> None:
         """One token for every row of ``group``; an error fails this group's jobs only."""
-        logits = None
+        logits: torch.Tensor | None = None  # (B, V) of the running rows, once decoded
         if group.rows is not None:
             try:
                 logits = forwards.decode(group)  # (B, V)
@@ -200,16 +200,17 @@ class TorchEngine:
                 logits = new_logits[0]
                 group.refresh()
             if parts:  # merge the newcomers in; the finished rows go at the same time
-                if group.rows is not None and group.finished == 0:
+                if group.rows is not None and logits is not None and group.finished == 0:
                     parts.insert(0, group.rows)
                     new_logits.insert(0, logits)
-                elif group.rows is not None:
+                elif group.rows is not None and logits is not None:
                     keep = group.rows.t["active"].nonzero().squeeze(1)  # (B',)
                     parts.insert(0, group.rows.select(keep))
                     new_logits.insert(0, logits.index_select(0, keep))
                 group.rows, group.finished = Rows.cat(parts), 0
                 logits = torch.cat(new_logits)
                 group.refresh()
+            assert logits is not None  # the running rows' or the one newcomer chunk's
             self._sample(group, logits)
         except Exception as exc:
             for rows in parts:  # newcomers not merged yet
@@ -229,11 +230,12 @@ class TorchEngine:
     def _sample(self, group: Group, logits: torch.Tensor) -> None:
         """Pick one token per row from ``logits`` (B, V), record it, finish rows, report finished jobs."""
         rows = group.rows
+        assert rows is not None
         t = rows.t
         gen = t["gen"]
         greedy_tok = logits.argmax(-1) if group.any_greedy else None  # (B,)
         lse = None
-        if group.all_greedy:
+        if greedy_tok is not None and group.all_greedy:
             tok = greedy_tok
         else:
             scaled = logits if group.plain else logits / t["temp"][:, None]  # (B, V)
