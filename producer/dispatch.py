@@ -60,6 +60,7 @@ class Request:
     heartbeat_s: float = 5.0
     posted: bool = False
     posted_at: float = 0.0  # monotonic
+    posting: bool = False  # a thread is posting it now (under Dispatcher._lock): no other thread posts it as new
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     also: list[APIFuture[Any]] = field(default_factory=list)  # more futures for the same task id (tests)
     # A request outside any session's order (sampling) is pushed straight to its worker's intake list
@@ -123,7 +124,7 @@ class Dispatcher:
         future.task_id = request.task_id
         with self._lock:
             self._pending[request.task_id] = request
-        self._try_post(request)
+        self._try_post(request, unposted=True)
         return future
 
     def set_home(self, model_id: str, worker: str) -> None:
@@ -155,10 +156,19 @@ class Dispatcher:
             with self._lock:
                 self._pending.pop(future.task_id, None)
 
-    def _try_post(self, request: Request) -> bool:
-        """Post without waiting on an outage; False (and left for the monitor) if Redis is unreachable."""
+    def _try_post(self, request: Request, *, unposted: bool = False) -> bool:
+        """Post without waiting on an outage; False (and left for the monitor) if Redis is unreachable.
+
+        ``unposted``: only if it is not posted yet, nor being posted by another thread now. The submitting
+        thread and the monitor both post new requests; a request in ``_pending`` stays unposted until its post
+        returns, and a monitor that looked meanwhile posted it too: a ``create_model`` then reached two workers
+        (docs/reliability.md, "Exactly once")."""
         if self._outage_since is not None and threading.current_thread() not in self._threads:
             return False  # known to be down: the monitor posts it once Redis answers
+        with self._lock:
+            if unposted and (request.posted or request.posting):
+                return True  # posted, or being posted by the other thread
+            request.posting = True
         try:
             self._post(request, self.store.with_retry(0))
             return True
@@ -168,6 +178,8 @@ class Dispatcher:
                 return False
             self._lost(exc)
             return False
+        finally:
+            request.posting = False
 
     def _post(self, request: Request, store: Any) -> None:
         s = self.settings
@@ -314,7 +326,7 @@ class Dispatcher:
             self._fail_where(lambda r: True, lambda r: error)
             return
         for request in pending:
-            if not request.posted and not self._try_post(request):
+            if not request.posted and not self._try_post(request, unposted=True):
                 return
         self._resend_stalled(pending, now)
         owed = {r.worker: r.heartbeat_s for r in pending if r.worker and r.model_id not in self._adopting}
