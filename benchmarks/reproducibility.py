@@ -13,9 +13,11 @@ whose safetensors (weights, AdamW moments) are read back here.
 
 The whole thing runs twice, each time on a fresh fleet (new Redis, new workers, new checkpoint directory), with
 the same seeds and data. With ``--faults`` the second run also SIGKILLs, once ``--kill-at`` of all steps
-are answered, the worker holding the most sessions (another worker adopts them: automatic snapshot + journal
-replay, docs/reliability.md), and, once ``--redis-at`` are answered, SIGKILLs Redis and restarts it from its
-AOF after ``--redis-down`` seconds (producers and workers ride through).
+are answered, the worker holding the most sessions, as soon as each of its sessions has journaled
+``--min-journal`` requests since its automatic snapshot (another worker adopts them: automatic snapshot +
+journal replay, docs/reliability.md; right after a snapshot there would be nothing to replay), and, once
+``--redis-at`` are answered, SIGKILLs Redis and restarts it from its AOF after ``--redis-down`` seconds
+(producers and workers ride through).
 
 Per tenant it prints the largest |difference| between the two runs of the probe's logprobs, of the weights and
 of the AdamW moments, the first step whose loss differs, and whether everything is bitwise equal. Timings are
@@ -299,10 +301,18 @@ def faults(fleet: Fleet, clients: dict[str, Any], total: int, args: argparse.Nam
                 counts[worker] = counts.get(worker, 0) + 1
         lost = min(counts, key=lambda w: (-counts[w], fleet.label(w)))
         moved = sorted(name for name, w in homes.items() if w == lost)
-        fleet.kill_worker(lost)
-        events.append(f"SIGKILL {fleet.label(lost)} (holding {', '.join(moved)}) after {progress.done}/{total} steps")
-        t = time.monotonic()
+        # Kill once each of its sessions has journaled requests since its automatic snapshot (right after a
+        # snapshot an adoption replays nothing, which would test less); at most 30 s later.
         ids = [clients[n].model_id for n in moved]
+        deadline = time.monotonic() + 30
+        while (time.monotonic() < deadline and not stop.is_set()
+               and min(r.llen(keys.journal(i)) for i in ids) < args.min_journal):
+            time.sleep(0.02)
+        journals = [r.llen(keys.journal(i)) for i in ids]
+        fleet.kill_worker(lost)
+        events.append(f"SIGKILL {fleet.label(lost)} (holding {', '.join(moved)}; journals of "
+                      f"{', '.join(map(str, journals))} requests) after {progress.done}/{total} steps")
+        t = time.monotonic()
         wait_for(lambda: stop.is_set() or all(home(r, i) not in ("", lost) for i in ids), 120, "adoption")
         events.append(f"adopted within {time.monotonic() - t:.1f} s: "
                       + ", ".join(f"{n} -> {fleet.label(home(r, clients[n].model_id))}" for n in moved))
@@ -418,6 +428,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=4, help="pairs each tenant keeps in flight")
     p.add_argument("--faults", action="store_true", help="second run: SIGKILL a worker, then Redis")
     p.add_argument("--kill-at", type=float, default=0.4, help="fraction of all steps answered before the worker kill")
+    p.add_argument("--min-journal", type=int, default=4,
+                   help="the worker kill waits (up to 30 s) until each of its sessions journaled this many requests")
     p.add_argument("--redis-at", type=float, default=0.7, help="... before the Redis kill")
     p.add_argument("--redis-down", type=float, default=2.0, help="seconds Redis stays down")
     p.add_argument("--workers", type=int, default=3)
