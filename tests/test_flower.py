@@ -106,7 +106,8 @@ def test_flower_keeps_at_most_max_tasks(flower, training_client):
         return sum(t.get("name") == "tinkerq.forward" and t.get("state") == "SUCCESS"
                    and training_client.model_id[:8] in str(t.get("args")) for t in tasks().values())
 
-    assert _poll(lambda: ours() >= MAX_TASKS, timeout=30), tasks()
+    assert _poll(lambda: ours() >= MAX_TASKS, timeout=30), [
+        (t.get("name"), t.get("state"), str(t.get("args"))[:40]) for t in tasks().values()]
     assert len(tasks()) == MAX_TASKS  # the oldest went, this test's and the earlier tests'
 
 
@@ -190,7 +191,7 @@ def test_lora_passes_and_samples_reach_their_real_end_in_flower(flower, service,
                 sent.add(future.task_id)
             found = _poll(lambda: (lambda f: f if set(f) == wanted else None)(ours()), timeout=5) or {}
         assert set(found) == wanted, found
-        for name, task in found.items():
+        for task in found.values():
             assert task.get("runtime") is not None and task["runtime"] >= 0, task
         assert "[pass " in str(found["tinkerq.forward_backward"]["result"]), found["tinkerq.forward_backward"]
         assert "[decode batch" in str(found["tinkerq.sample"]["result"]), found["tinkerq.sample"]

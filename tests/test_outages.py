@@ -127,8 +127,12 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
             tc = sc.create_training_client("kill9-model")
             big = make_batch(np.random.default_rng(81), 200, min_len=100, max_len=150)
             tc.forward(big[:2]).result(timeout=60)
-            futures = [tc.forward_backward(big) for _ in range(42)]  # ~40 s of work queued
+            futures = [tc.forward_backward(big)]
             wait_for(lambda: "forward_backward" in log.read_text(), 30, "the first request to start")
+            # A worker takes every message off its queue into its scheduler at once: frozen first, it leaves the
+            # next 41 (~40 s of work) in its queue, where the reaper finds them once it is dead.
+            os.kill(proc.pid, signal.SIGSTOP)
+            futures += [tc.forward_backward(big) for _ in range(41)]
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             pending = [f for f in futures if not f.done()]

@@ -110,15 +110,20 @@ class ComputeLoop:
             log.exception("create_model failed")
             outcome = ("error", WorkerError(f"create_model failed in the worker: {type(exc).__name__}: "
                                             f"{exc}").to_wire(), {})
-        if outcome is None:  # a duplicate delivery: the worker that holds the claim answers
-            service.events.dropped(request, "a duplicate delivery: another worker built the session")
+        if isinstance(outcome, str) or outcome is None:  # not answered here (see _create_model)
+            why = ("a duplicate delivery: another worker built the session" if outcome is None
+                   else f"forwarded to worker {outcome}, which holds the session")
+            service.events.dropped(request, why)
             with service.cond:
                 request.done = True
                 service.cond.notify_all()
             return
         service.finish(request, outcome, runtime=time.time() - started)
 
-    def _create_model(self, request: Request) -> Outcome | None:
+    def _create_model(self, request: Request) -> Outcome | str | None:
+        """The answer; or, for a copy whose session another worker built (its claim), that worker's id once the
+        copy is forwarded to it (it answers: the answer may have been lost, say in a Redis outage); or None when
+        this is a forwarded copy already answered."""
         service = self.service
         model_id = request.model_id
         assert model_id is not None
@@ -135,14 +140,20 @@ class ComputeLoop:
             # a session nobody will use would only take a slot.
             raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
         lora = messages.decode_lora(body.get("lora"))
+        forwarded = isinstance(request.envelope.get("forwarded_by"), str)
         if model_id not in service.slots:
             holder = service.claim_creation(model_id)
             if holder != service.worker_id:
                 log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
-                return None
+                if forwarded:  # never forwarded twice
+                    return None
+                service.forward_create(request, holder)
+                return holder
             slot = service.open_session(model_id, lora)
             service.recovery.write_home(slot.session)
             log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
+        elif forwarded and service.answered(request):  # the holder's own copy was answered: once is enough
+            return None
         return ("ok", codec.packb(service.model_info(service.slots[model_id].session)), {})
 
     # -- training ----------------------------------------------------------------------------------------------

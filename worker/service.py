@@ -265,6 +265,20 @@ class WorkerService:
                                     f"create a new training client")
         return holder
 
+    def forward_create(self, request: Request, holder: str) -> None:
+        """Send a copy of a create_model to the worker that holds its session (same task id and inbox): that one
+        answers it, whichever worker the producer's copy reached."""
+        envelope = {**request.envelope, "forwarded_by": self.worker_id}
+        for caller in request.callers:
+            self.connection.app.send_task(
+                TASK_NAMES["create_model"], args=(envelope,), queue=keys.worker_queue(holder), task_id=caller.task_id,
+                headers={messages.REPLY_HEADER: caller.inbox}, argsrepr=request.label, kwargsrepr="{}")
+
+    def answered(self, request: Request) -> bool:
+        """Whether every caller of ``request`` has an answer stored already."""
+        store = self.connection.store.with_retry(self.settings.heartbeat_s)
+        return all(store.get(keys.reply(c.task_id)) is not None for c in request.callers)
+
     def model_info(self, session: Session) -> dict[str, Any]:
         extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
                  "shards": self.settings.shards, "heartbeat_s": self.settings.heartbeat_s, **session.describe()}
