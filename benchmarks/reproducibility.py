@@ -7,7 +7,10 @@ open training sessions: four LoRA (``create_lora_training_client``, ranks ``--ra
 two full-parameter (``create_training_client``). Each tenant, in its own thread and all at once, pipelines
 ``--steps`` forward_backward (cross_entropy) + optim_step pairs (``--window`` pairs in flight) on its own
 fixed-seed data: variable-length datums whose prompt positions weigh zero; AdamW with Tinker's default
-eps 1e-12. So LoRA tenants placed on the same worker share its passes, in combinations that depend on timing.
+eps 1e-12. So LoRA tenants placed on the same worker share its passes, in combinations that depend on timing:
+before a random fifth of its pairs a tenant waits for its pipeline to drain and pauses a random 0..``--pause``
+s (unseeded: timing only), so a request meets different partners, or none, from pass to pass and from run to
+run (without pauses, tenants on one worker kept their queues full and ran every pass together, in lockstep).
 At the end each tenant runs a forward on one fixed probe batch (per-token logprobs) and a ``save_state``,
 whose safetensors (weights, AdamW moments) are read back here.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -259,6 +263,7 @@ def train(tc: Any, tenant: Tenant, batches: list[list[types.Datum]], probe: list
     from safetensors.numpy import load_file
 
     try:
+        pace = random.Random()  # unseeded: timing only (which requests meet in a pass), never the data
         start.wait()
         t0 = time.monotonic()
         inflight: list[tuple[Any, Any]] = []
@@ -269,6 +274,10 @@ def train(tc: Any, tenant: Tenant, batches: list[list[types.Datum]], probe: list
             progress.step()
 
         for b in batches:
+            if args.pause and pace.random() < 0.2:  # now and then a tenant drains its pipeline and pauses
+                while inflight:
+                    finish(*inflight.pop(0))
+                time.sleep(pace.uniform(0, args.pause))
             inflight.append((tc.forward_backward(b, "cross_entropy"), tc.optim_step(adam(tenant))))
             while len(inflight) >= args.window:
                 finish(*inflight.pop(0))
@@ -379,7 +388,9 @@ def run(label: str, model_dir: Path, args: argparse.Namespace, with_faults: bool
         passes = sum(p for p, _ in fleet.lora_passes.values())
         requests = sum(q for _, q in fleet.lora_passes.values())
         info = {"label": label, "seconds": time.monotonic() - t0, "train_s": train_s, "events": events,
-                "replays": replays, "lora_passes": passes, "lora_requests": requests}
+                "replays": replays, "lora_passes": passes, "lora_requests": requests,
+                "by_worker": {f"w{fleet.index[pid]}": pr for pid, pr in sorted(fleet.lora_passes.items(),
+                                                                             key=lambda kv: fleet.index[kv[0]])}}
     finally:
         fleet.stop()
     return outcomes, info
@@ -426,6 +437,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=150, help="forward_backward + optim_step pairs per tenant")
     p.add_argument("--window", type=int, default=4, help="pairs each tenant keeps in flight")
+    p.add_argument("--pause", type=float, default=0.4,
+                   help="before a fifth of its pairs (random, unseeded) a tenant drains its pipeline and pauses "
+                        "0..PAUSE s: varying pass partners")
     p.add_argument("--faults", action="store_true", help="second run: SIGKILL a worker, then Redis")
     p.add_argument("--kill-at", type=float, default=0.4, help="fraction of all steps answered before the worker kill")
     p.add_argument("--min-journal", type=int, default=4,
@@ -463,7 +477,8 @@ def main() -> int:
         n_params = sum(v.size for f in model_dir.glob("*.safetensors") for v in load_file(str(f)).values())
         plan = tenants(args)
         print(f"model: Llama, {n_params / 1e6:.2f}M parameters ({config}); {len(plan)} tenants x {args.steps} "
-              f"steps, {args.window} pairs in flight each, {args.workers} workers --threads {args.threads}",
+              f"steps, {args.window} pairs in flight each (pauses up to {args.pause:g} s), {args.workers} workers "
+              f"--threads {args.threads}",
               flush=True)
         runs = []
         for i, label in enumerate(("run 1", "run 2 (faults)" if args.faults else "run 2")):
@@ -472,7 +487,9 @@ def main() -> int:
             mean = info["lora_requests"] / info["lora_passes"] if info["lora_passes"] else float("nan")
             print(f"{label}: {info['seconds']:.1f} s in all, training {info['train_s']:.1f} s "
                   f"({args.steps * len(plan) / info['train_s']:.1f} steps/s over all tenants); LoRA passes "
-                  f"{info['lora_passes']}, {mean:.2f} requests per pass; {machine()}", flush=True)
+                  f"{info['lora_passes']} for {info['lora_requests']} requests ({mean:.2f} per pass; "
+                  + ", ".join(f"{w} {p_}/{q}" for w, (p_, q) in info["by_worker"].items() if p_)
+                  + f"); {machine()}", flush=True)
             for line in info["events"] + info["replays"]:
                 print(f"  {line}")
             for name, o in outcomes.items():
