@@ -87,6 +87,12 @@ def main() -> None:
     version = importlib.metadata.version("tinker-cookbook")
     if args.expect_version and version != args.expect_version:
         sys.exit(f"expected tinker-cookbook {args.expect_version}, {sys.executable} has {version}")
+    # And the code imported is that distribution's (.venv-cookbook-061 also sees 0.5.8's copy, after its own).
+    import tinker_cookbook
+
+    own = importlib.metadata.distribution("tinker-cookbook").locate_file("tinker_cookbook/__init__.py")
+    if Path(tinker_cookbook.__file__).resolve() != Path(str(own)).resolve():
+        sys.exit(f"tinker_cookbook was imported from {tinker_cookbook.__file__}, not tinker-cookbook {version}'s {own}")
     args.steps = args.steps or (3 if args.mode == "sl" else 2)
 
     if args.mode == "sl":
