@@ -254,17 +254,18 @@ def test_without_an_adopter_the_futures_fail_naming_the_snapshot(fleet, redis_ur
         futures = _submit_pairs(tc, batches)
         wait_for(lambda: fleet.redis.get(keys.auto_snapshot(tc.model_id)) is not None, 120, "a snapshot")
         fleet.kill(fleet.holder(tc.model_id))
-        killed = time.monotonic()
         record = json.loads(fleet.redis.get(keys.auto_snapshot(tc.model_id)))
         failed = 0
         for f in futures:
             try:
-                f.result(timeout=60)
+                f.result(timeout=60)  # a hang guard only: the producer gives up after the bound (4 s)
             except errors.WorkerLostError as exc:
-                assert record["path"] in str(exc) and "TINKERQ_ADOPT_TIMEOUT_S" in str(exc)
+                # Failed by the adoption wait running out, not at once when the worker was seen lost, and it was
+                # this client's bound (4 s, not the 30 s default) that ran out.
+                assert f"within {bound:g} s (TINKERQ_ADOPT_TIMEOUT_S)" in str(exc), str(exc)
+                assert record["path"] in str(exc)
                 failed += 1
         assert failed > 0
-        assert time.monotonic() - killed < bound + 1.5 * 1 + 3  # the bound + detection + the monitor's period
     finally:
         sc.close()
 

@@ -4,7 +4,6 @@ the model is exactly as before and the worker keeps serving. Nothing is ever unp
 from __future__ import annotations
 
 import struct
-import time
 import uuid
 
 import msgpack
@@ -170,10 +169,10 @@ def test_non_finite_gradient_norm_refuses_the_step(tc, model_dir):
 
 
 def test_unknown_model_fails_fast(service):
-    start = time.monotonic()
+    """Refused from the registry in the call itself: create_training_client otherwise returns a future at once
+    and the refusal would come from its result(), after a create request had waited for an answer."""
     with pytest.raises(errors.UnknownModelError, match="no worker serves"):
-        service.create_training_client("/no/such/model")
-    assert time.monotonic() - start < 10
+        service.create_training_client("/no/such/model")  # no .result(): it raises before anything is posted
 
 
 class _Explosive:

@@ -298,10 +298,10 @@ def test_a_killed_worker_fails_waiting_futures_instead_of_hanging(tmp_path, mode
             tc = sc.create_training_client("killed-model")
             tc.forward(make_batch(np.random.default_rng(43), 2)).result(timeout=60)
             os.kill(proc.pid, signal.SIGKILL)
-            started = time.monotonic()
+            # The dead worker cannot answer: the producer sees its heartbeat stop (and, the session being
+            # adoptable, waits TINKERQ_ADOPT_TIMEOUT_S for another worker first). The timeout is a hang guard only.
             err = tc.forward(make_batch(np.random.default_rng(44), 2)).exception(timeout=120)
             assert isinstance(err, WorkerLostError) and "stopped" in err.message, err
-            assert time.monotonic() - started < 60  # registration TTL (3 s) + two checks, with CI slack
     finally:
         stop(proc.pid, timeout=10)
         conn.close()

@@ -84,19 +84,17 @@ def test_sessions_are_isolated(service, model_dir):
 
 def test_a_missing_request_fails_the_ones_after_it_within_the_bound(training_client):
     """If a request never arrives, the ones queued behind it fail clearly instead of hanging forever."""
-    import time
-
     from tests.conftest import WORKER_GAP_TIMEOUT_S
     from tinkerq import errors
 
     tc = training_client
     lost = tc.next_seq_id()  # taken, never sent: as if the broker lost the message
     later = tc.forward(make_batch(np.random.default_rng(10), 1))
-    start = time.monotonic()
-    err = later.exception(timeout=WORKER_GAP_TIMEOUT_S + 10)
+    err = later.exception(timeout=60)  # a hang guard only
     assert isinstance(err, errors.ServerError), err
     assert f"seq {lost}" in err.message and "never reached" in err.message
-    assert time.monotonic() - start < WORKER_GAP_TIMEOUT_S + 5
+    # Failed by the test worker's gap bound running out (not by some other, longer, timeout).
+    assert f"within {WORKER_GAP_TIMEOUT_S:g} s (TINKERQ_GAP_TIMEOUT_S)" in err.message, err.message
     # The session refuses further work with the same explanation.
     again = tc.forward(make_batch(np.random.default_rng(11), 1)).exception(timeout=30)
     assert isinstance(again, errors.ServerError) and "never reached" in again.message
@@ -105,7 +103,6 @@ def test_a_missing_request_fails_the_ones_after_it_within_the_bound(training_cli
 def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(training_client):
     """An operator (or a failure) removes a queued request: it and the requests after it fail, none hangs."""
     import json
-    import time
 
     import redis
 
@@ -123,11 +120,10 @@ def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(tra
             removed += r.lrem(tc._queue, 1, raw)
     assert removed == 1, "the worker took the request before the test could delete it"
     busy.result(timeout=120)
-    start = time.monotonic()
     for future in (after, doomed):
-        err = future.exception(timeout=WORKER_GAP_TIMEOUT_S + 30)
+        err = future.exception(timeout=60)  # a hang guard only
         assert isinstance(err, errors.ServerError) and "never reached" in err.message, err
-    assert time.monotonic() - start < WORKER_GAP_TIMEOUT_S + 10
+        assert f"within {WORKER_GAP_TIMEOUT_S:g} s (TINKERQ_GAP_TIMEOUT_S)" in err.message, err.message
 
 
 def test_futures_are_awaited_concurrently(training_client):

@@ -209,15 +209,14 @@ def test_training_over_tls(tls_worker, tls_settings, model_dir):
     assert loss1 < loss0
 
 
+@pytest.mark.timeout(60)  # a hang guard
 def test_tls_port_refuses_plain_and_unverified_clients(tls_redis):
     # Plain TCP to the TLS port: the server drops the connection. rediss:// without our CA: the system's
     # CAs do not vouch for the self-signed certificate, so the client refuses the server.
     for settings in (Settings(broker_url=f"redis://127.0.0.1:{tls_redis.port}/0", connect_timeout_s=1),
                      Settings(broker_url=tls_redis.url, connect_timeout_s=1)):
-        started = time.monotonic()
         with pytest.raises(BrokerUnavailableError, match="cannot reach Redis"):
             Connection.open(settings)
-        assert time.monotonic() - started < 30
 
 
 # -- Sentinel -------------------------------------------------------------------------------------------

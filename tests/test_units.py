@@ -109,29 +109,45 @@ def test_metric_totals_merged_across_ranks_equal_one_pass():
     assert merged.result() == pytest.approx(whole.result(), rel=1e-9)
 
 
-def test_a_worker_that_stops_consuming_stops_beating():
-    """Liveness means consuming: with the consumer loop silent and no task running, no heartbeat is sent."""
+def test_a_worker_that_stops_consuming_stops_beating(caplog):
+    """Liveness means consuming: with the consumer loop silent and no task running, no heartbeat is sent.
+    Counted, not timed: the beats the registration sends while the loop ticks, stops, and ticks again."""
+    import logging
     import time
 
     from tinkerq import keys
+    from tinkerq.launcher.processes import wait_for
     from tinkerq.store import MemoryStore
     from tinkerq.worker.registry import ConsumerLiveness, Registration
 
-    store = MemoryStore()
-    liveness = ConsumerLiveness(period_s=0.4)  # beats every 0.2 s; silent loop after 0.8 s
+    class CountingStore(MemoryStore):
+        beats = 0
+
+        def beat(self, zset: str, member: str) -> None:
+            super().beat(zset, member)
+            self.beats += 1
+
+    store = CountingStore()
+    liveness = ConsumerLiveness(period_s=0.4)  # beats every 0.2 s; silent loop after 0.8 s without a tick
     liveness.enabled = True  # as when the consumer's event loop has started
     registration = Registration(store, "m", "w1", 0.4, consuming=liveness)
+    caplog.set_level(logging.ERROR, logger="tinkerq.worker")
+    stopped = "consumer loop has stopped taking messages"
     registration.start()
     try:
-        for _ in range(6):  # the loop ticks: beats keep the age small
+        first = store.beats
+        while store.beats < first + 3:  # the loop ticks: the registration beats
             liveness.tick()
-            time.sleep(0.1)
-        assert store.ages(keys.HEARTBEATS)["w1"] < 0.6
-        time.sleep(2.5)  # no ticks (a wedged loop), no task running: the heartbeat goes stale
-        assert store.ages(keys.HEARTBEATS)["w1"] > 1.2
+            time.sleep(0.05)
+        assert stopped not in caplog.text
+        # No ticks (a wedged loop), no task running: it says so once, and from that check on sends no beat.
+        wait_for(lambda: stopped in caplog.text, 30, "the registration to notice the silent loop")
+        silent = store.beats
+        time.sleep(1.0)  # five of its checks
+        assert store.beats == silent and not liveness()
+        assert caplog.text.count(stopped) == 1
         liveness.tick()  # consuming again: beats resume
-        time.sleep(0.7)
-        assert store.ages(keys.HEARTBEATS)["w1"] < 0.6
+        wait_for(lambda: store.beats > silent, 30, "beats to resume")
     finally:
         registration.stop()
     assert "w1" not in store.ages(keys.HEARTBEATS)  # a stopped worker leaves the set at once
