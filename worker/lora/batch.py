@@ -32,7 +32,7 @@ the pass are unaffected: rows never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.worker.batching import microbatch_ranges, pad_batch
 from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.lora.routing import routed
+from tinkerq.worker.lora.routing import Rows, routed
 from tinkerq.worker.losses import LOSSES, score
 from tinkerq.worker.training import RequestPart, SingleProcess, TrainingEngine
 
@@ -187,12 +187,13 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
         batches = [_padded(m, device) for m in step]
         tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
                                  for k in ("tokens", "mask", "target_tokens"))
-        groups, at = [], 0
+        groups: list[tuple[Any, Rows]] = []
+        at = 0
         for m in step:
             groups.append((m.item.target.adapter, slice(at, at + m.rows)))
             at += m.rows
         with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
-            lp = logprobs(model, tokens, mask.long(), targets)  # (B, T)
+            lp = logprobs(cast(Any, model), tokens, mask.long(), targets)  # (B, T)
         total = None
         lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back
         for m, batch, lp_m in zip(step, batches, lps, strict=True):

@@ -192,7 +192,8 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
                                         torch.split(top_k_weights, sizes), strict=True):
                 zeros = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
                 out = _dispatch(module, name, h, k, w, [adapter], zeros, [h.shape[0]])
-                outs.append(out if out is not None else type(module)._tinkerq_original_forward(module, h, k, w))
+                original: Any = type(module)._tinkerq_original_forward  # type: ignore[attr-defined]  # set by install
+                outs.append(out if out is not None else original(module, h, k, w))
         return torch.cat(outs)
     return _dispatch(module, name, hidden_states, top_k_index, top_k_weights, adapters, token_group, sizes)
 
@@ -207,6 +208,7 @@ def _dispatch(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, t
     if all(pair is None for group in pairs.values() for pair in group):
         return None
     lay = layout(module, name)
+    experts_module: Any = module  # an HF experts block: its weights and activation are attributes
     dtype, device = hidden_states.dtype, hidden_states.device
     groups, experts = len(adapters), lay.num_experts
     scalings = [a.scaling if a is not None else 0.0 for a in adapters]
@@ -220,18 +222,18 @@ def _dispatch(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, t
     per_segment = torch.bincount(segment, minlength=experts * groups).tolist()
     x = hidden_states[token]  # (S, H)
 
-    up_weight = module.gate_up_proj if lay.gated else module.up_proj
+    up_weight = experts_module.gate_up_proj if lay.gated else experts_module.up_proj
     h = grouped_linear(x, up_weight, per_expert, lay.transposed)  # (S, 2I or I)
     if lay.has_bias:
-        h = h + (module.gate_up_proj_bias if lay.gated else module.up_proj_bias)[expert[order]]
+        h = h + (experts_module.gate_up_proj_bias if lay.gated else experts_module.up_proj_bias)[expert[order]]
     factors = [_input_factors(pairs[GATE][g], pairs[UP][g], lay, dtype) for g in range(groups)]
     if any(f is not None for f in factors):
         h = h + _inner_delta(hidden_states, factors, members, scalings, token, per_segment, experts, h.shape[1])
-    h = module._apply_gate(h) if lay.gated else module.act_fn(h)  # (S, I)
+    h = experts_module._apply_gate(h) if lay.gated else experts_module.act_fn(h)  # (S, I)
 
-    out = grouped_linear(h, module.down_proj, per_expert, lay.transposed)  # (S, H)
+    out = grouped_linear(h, experts_module.down_proj, per_expert, lay.transposed)  # (S, H)
     if lay.has_bias:
-        out = out + module.down_proj_bias[expert[order]]
+        out = out + experts_module.down_proj_bias[expert[order]]
     weights = top_k_weights.reshape(-1)[order].to(out.dtype)[:, None]  # (S, 1)
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=device)

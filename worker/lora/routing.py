@@ -125,6 +125,7 @@ class Routing:
                 index = [(token_group == g).nonzero().squeeze(1) for g in range(len(self.groups))]
             for rows, delta in zip(index, deltas, strict=True):
                 if delta is not None and delta.active:
+                    assert isinstance(rows, torch.Tensor)  # sampling routes by row index
                     result.index_add_(0, rows, delta(x.index_select(0, rows)))
             return result
         sizes = self.sizes

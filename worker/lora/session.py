@@ -127,7 +127,7 @@ class LoraSession:
         """A PEFT adapter directory (and, with ``merged``, the merged full model in ``merged/``)."""
         self._touch()
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
-        weights = dict(self.adapter.named_pairs())
+        weights: dict[str, torch.Tensor] = dict(self.adapter.named_pairs())
 
         def fill(tmp: Path) -> None:
             self._write_adapter(tmp, base_model, weights)
@@ -199,7 +199,8 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
             experts.merge(part.module, name.rsplit(".", 1)[1], experts.delta_weight(a, b, adapter.scaling), lay,
                           merged_experts.setdefault(part.module_name, {}))
             continue
-        weight = merged_linears.setdefault(part.module_name, part.module.weight.detach().float().clone())
+        linear: Any = part.module
+        weight = merged_linears.setdefault(part.module_name, linear.weight.detach().float().clone())
         rows = slice(*part.rows) if part.rows is not None else slice(None)
         weight[rows] += adapter.scaling * (b.float() @ a.float())
     for module_name, weight in merged_linears.items():
