@@ -77,6 +77,7 @@ def test_one_tenants_backlog_does_not_stall_another(service, model_dir, kind):
         with lock:
             waited = answered[sent_at:answered.index("b")].count("a-step")
             a_left = answered[answered.index("b"):].count("a-step")
+        print(f"\n{kind}: B waited {waited} of A's steps; {a_left} of A's 40 steps came after B's answer")
         assert a_left > 10, "A's backlog was mostly served before B sent: the test did not test anything"
         assert waited <= 3, f"B waited for {waited} of A's steps: {answered[sent_at:]}"
     finally:
