@@ -1,20 +1,68 @@
 """Every command-line mistake: one line on stderr that says what to do, category [user error], exit status 2.
 
-Each mistake is caught before a model is built, loaded or a fleet started, so these run in seconds.
+Each mistake is caught before a model is built, loaded or a fleet started, so these run in seconds. Most run
+``tinkerq``'s main() in this process (_run_here: no Python start and imports per case); the ones that load
+a model's files, bind a port or talk to a server run the real command (_run), and
+test_in_process_runs_say_what_the_command_says checks that the two agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import logging
+import os
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from tests.test_cli import _run
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def _run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``tinkerq ARGS`` as _run runs it (no TINKERQ_* setting but ``env``'s; exit status, stdout, stderr with the
+    log lines main()'s logging.basicConfig would print there), but by calling main() in this process."""
+    from tinkerq.launcher.main import main
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TINKERQ_")}
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level, umask = root.level, os.umask(0o022)
+    os.umask(umask)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with mock.patch.dict(os.environ, {**clean, **(env or {})}, clear=True), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code: object = main(list(args))
+            except SystemExit as exc:  # argparse's usage errors, --version
+                code = exc.code
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        os.umask(umask)  # cmd_worker sets its own
+    if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess(["tinkerq", *args], int(code or 0), out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("args", [("sft", "--steps", "0"), ("plot", "/no/such/metrics.jsonl"),
+                                  ("healthcheck",), ("--version",)])
+def test_in_process_runs_say_what_the_command_says(args):
+    """_run_here (main() in this process) gives what the real command gives: a usage error, a [user error]
+    line, a settings error, and the version; so the tests that use it test the command."""
+    real, here = _run(*args), _run_here(*args)
+    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr)
 
 
 def assert_one_line_mistake(out: subprocess.CompletedProcess, command: str, *says: str) -> str:
@@ -67,19 +115,19 @@ SFT_RL_NUMBERS = [
 @pytest.mark.parametrize(("command", "option", "value", "says"), SFT_RL_NUMBERS)
 def test_numbers_out_of_range_are_refused_not_replaced_by_the_default(command, option, value, says):
     """`--steps 0` once trained the default 250 steps (`args.steps or DEFAULT`): now it is a usage error."""
-    assert_one_line_mistake(_run(command, option, value), command, f"argument {option}", says,
+    assert_one_line_mistake(_run_here(command, option, value), command, f"argument {option}", says,
                             f"see: tinkerq {command} --help")
 
 
 @pytest.mark.parametrize("command", ["sft", "rl"])
 def test_missing_model_directory(command):
-    assert_one_line_mistake(_run(command, "--model", "/no/such/model"), command,
+    assert_one_line_mistake(_run_here(command, "--model", "/no/such/model"), command,
                             "--model /no/such/model: no such directory", "pass a local Hugging Face model directory")
 
 
 @pytest.mark.parametrize("command", ["sft", "rl"])
 def test_model_directory_without_config(command, data_files):
-    assert_one_line_mistake(_run(command, "--model", str(data_files["no_config"])), command,
+    assert_one_line_mistake(_run_here(command, "--model", str(data_files["no_config"])), command,
                             "no config.json there", "pass a local Hugging Face model directory")
 
 
@@ -94,29 +142,30 @@ def test_model_directory_without_tokenizer(tmp_path: Path, model_dir: Path):
 
 
 def test_missing_train_file():
-    assert_one_line_mistake(_run("sft", "--train", "/no/such.jsonl"), "sft", "--train /no/such.jsonl: no such file",
+    assert_one_line_mistake(_run_here("sft", "--train", "/no/such.jsonl"), "sft",
+                            "--train /no/such.jsonl: no such file",
                             'pass a JSONL file with one {"prompt": "...", "completion": "..."} object per line')
 
 
 def test_train_file_with_the_wrong_fields(data_files):
-    line = assert_one_line_mistake(_run("sft", "--train", str(data_files["wrong_fields"])), "sft",
+    line = assert_one_line_mistake(_run_here("sft", "--train", str(data_files["wrong_fields"])), "sft",
                                    "line 1: needs string fields 'prompt' and 'completion'", "'question', 'answer'")
     assert "--train" in line
 
 
 @pytest.mark.parametrize("kind", ["not_jsonl", "empty"])
 def test_eval_file_that_is_not_pairs(data_files, kind):
-    assert_one_line_mistake(_run("sft", "--eval", str(data_files[kind])), "sft", "--eval",
+    assert_one_line_mistake(_run_here("sft", "--eval", str(data_files[kind])), "sft", "--eval",
                             'one {"prompt": "...", "completion": "..."} object per line')
 
 
 def test_batch_larger_than_the_training_set():
-    assert_one_line_mistake(_run("sft", "--batch-size", "100000"), "sft", "--batch-size 100000 is more than the",
+    assert_one_line_mistake(_run_here("sft", "--batch-size", "100000"), "sft", "--batch-size 100000 is more than the",
                             "pass at most")
 
 
 def test_rl_prompts_more_than_the_training_set():
-    assert_one_line_mistake(_run("rl", "--prompts", "100000"), "rl", "--prompts 100000 is more than the",
+    assert_one_line_mistake(_run_here("rl", "--prompts", "100000"), "rl", "--prompts 100000 is more than the",
                             "pass at most")
 
 
@@ -127,12 +176,13 @@ def test_out_is_a_file(data_files, model_dir):
 
 def test_plot_refuses_what_is_not_a_metrics_file(data_files):
     """`tinkerq plot summary.json` once ended in a JSONDecodeError traceback."""
-    assert_one_line_mistake(_run("plot", str(data_files["not_jsonl"])), "plot", "summary.json, line 1: not JSON",
+    assert_one_line_mistake(_run_here("plot", str(data_files["not_jsonl"])), "plot", "summary.json, line 1: not JSON",
                             "pass the metrics.jsonl")
 
 
 def test_plot_of_a_missing_file():
-    assert_one_line_mistake(_run("plot", "/no/such/metrics.jsonl"), "plot", "no such file", "pass the metrics.jsonl")
+    assert_one_line_mistake(_run_here("plot", "/no/such/metrics.jsonl"), "plot", "no such file",
+                            "pass the metrics.jsonl")
 
 
 @pytest.mark.parametrize("option", ["--keys", "--x"])
@@ -143,7 +193,7 @@ def test_plot_with_unknown_columns_leaves_the_previous_png_alone(tmp_path: Path,
     png = tmp_path / "metrics.png"
     previous = b"\x89PNG\r\n\x1a\n the previous curve"
     png.write_bytes(previous)
-    line = assert_one_line_mistake(_run("plot", str(metrics), option, "lose"), "plot",
+    line = assert_one_line_mistake(_run_here("plot", str(metrics), option, "lose"), "plot",
                                    f"has no column 'lose' ({option})", "its columns: step, loss, grad_norm")
     assert png.read_bytes() == previous, line
 
@@ -152,7 +202,7 @@ def test_plot_with_unknown_columns_leaves_the_previous_png_alone(tmp_path: Path,
                                      ["dead", "list"]])
 def test_commands_that_need_a_broker_say_none_is_configured(command):
     """healthcheck once answered "no worker registered" from an empty in-process fleet."""
-    assert_one_line_mistake(_run(*command), command[0], "no broker configured", "set TINKERQ_BROKER_URL")
+    assert_one_line_mistake(_run_here(*command), command[0], "no broker configured", "set TINKERQ_BROKER_URL")
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -163,7 +213,7 @@ def test_commands_that_need_a_broker_say_none_is_configured(command):
     (["--rendezvous-timeout", "0"], "argument --rendezvous-timeout: must be a finite positive number"),
 ])
 def test_worker_option_mistakes(args, says):
-    assert_one_line_mistake(_run("worker", "--model", "m", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
+    assert_one_line_mistake(_run_here("worker", "--model", "m", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
                             "worker", says)
 
 
@@ -173,7 +223,7 @@ def test_worker_option_mistakes(args, says):
 ])
 def test_dead_option_mistakes(args, says):
     """`--limit 0` once listed everything and `show -1` the oldest entry."""
-    assert_one_line_mistake(_run("dead", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
+    assert_one_line_mistake(_run_here("dead", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
                             f"dead {args[0]}", says)
 
 
