@@ -168,6 +168,9 @@ class WorkerService:
                 # Its session's queue is full of requests that will run: wait for room (this holds the broker's
                 # next messages back too: the bound in bytes is what keeps a worker's memory finite).
                 self.cond.wait(1.0)
+        # Hand the GIL over: the compute loop, woken above, starts the request now rather than after this thread's
+        # next few milliseconds of Celery bookkeeping (measured: 1.5 ms median from submit to start otherwise).
+        time.sleep(0)
         self.events.taken(request)
         return None
 
