@@ -100,9 +100,11 @@ def test_a_missing_request_fails_the_ones_after_it_within_the_bound(training_cli
     assert isinstance(again, errors.ServerError) and "never reached" in again.message
 
 
-def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(training_client):
+def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(training_client, worker):
     """An operator (or a failure) removes a queued request: it and the requests after it fail, none hangs."""
     import json
+    import os
+    import signal
 
     import redis
 
@@ -111,15 +113,23 @@ def test_a_request_deleted_from_the_queue_and_its_successors_all_get_answers(tra
 
     tc = training_client
     r = redis.Redis.from_url(tc.service.settings.broker_url)
-    busy = tc.forward(make_batch(np.random.default_rng(12), 600, min_len=100, max_len=150))  # keeps the worker busy
-    doomed = tc.forward(make_batch(np.random.default_rng(13), 1))
-    after = tc.forward(make_batch(np.random.default_rng(14), 1))
-    removed = 0
-    for raw in r.lrange(tc._queue, 0, -1):
-        if json.loads(raw)["headers"]["id"] == doomed.task_id:
-            removed += r.lrem(tc._queue, 1, raw)
-    assert removed == 1, "the worker took the request before the test could delete it"
-    busy.result(timeout=120)
+    tc.forward(make_batch(np.random.default_rng(12), 1)).result(timeout=60)
+    # The worker takes what reaches its queue into its scheduler at once: frozen for the few milliseconds it
+    # takes to post three requests and delete the second, it cannot take that one first, however loaded the
+    # machine. (The first goes to the BRPOP it may have waiting: Redis hands it over even to a stopped process.)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        first = tc.forward(make_batch(np.random.default_rng(12), 1))
+        doomed = tc.forward(make_batch(np.random.default_rng(13), 1))
+        after = tc.forward(make_batch(np.random.default_rng(14), 1))
+        removed = 0
+        for raw in r.lrange(tc._queue, 0, -1):
+            if json.loads(raw)["headers"]["id"] == doomed.task_id:
+                removed += r.lrem(tc._queue, 1, raw)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert removed == 1
+    first.result(timeout=60)
     for future in (after, doomed):
         err = future.exception(timeout=60)  # a hang guard only
         assert isinstance(err, errors.ServerError) and "never reached" in err.message, err
