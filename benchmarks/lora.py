@@ -14,14 +14,20 @@ attention, MLP and output projections (``train_attn``/``train_mlp``/``train_unem
 * ``--mixed``: 16 tenants each send one forward_backward of one 128-token datum (cross_entropy): one mixed
   pass over all 16 (``tinkerq.worker.lora.batch.run_pass`` with 16 ``LossItem``) against the same 16 requests one
   after another (``run_pass`` with one item each, and ``LoraSession.run_loss``), alternating rep by rep,
-  median after a warm-up. Also checks that the mixed losses equal the one-at-a-time ones, and measures, as
-  the ceiling batching can reach on this machine without any LoRA code, the same tokens through a plain
-  trainable copy of the base (same loss head): one (16, 128) forward + backward vs 16 of (1, 128).
+  median after a warm-up. Also checks that the mixed losses equal the one-at-a-time ones (bitwise: the pass is
+  batch-invariant), and measures, as the ceiling batching can reach on this machine without any LoRA code, the
+  same tokens through a plain trainable copy of the base (same loss head): one (16, 128) forward + backward vs
+  16 of (1, 128). Diagnostics: the same pass with its products stacked over the tenants
+  (``routing.PER_GROUP_PRODUCTS = False``: faster, no longer bitwise), and with ``--before REV`` the pass of
+  ``worker/lora/batch.py`` at git revision REV (imported from ``git show``; run with the products stacked, which
+  is how that code ran, e.g. 42d3d33, before batch invariance). ``--varied``: datum lengths drawn in 64..192
+  instead of 128 (micro-batches of different padded lengths do not share a forward).
 * ``--step``: a LoRA step (forward_backward + optim_step) against a full-parameter step (``TrainingSession``)
   on the same batch of 8 datums x 128 tokens, alternating, median seconds per step; plus, as a diagnostic,
   the same adapter without the output projection (``train_unembed=False``).
 
     .venv/bin/python benchmarks/lora.py [--tenants] [--mixed] [--step] [--threads 2] [--reps 3] [--warmup 1]
+                                        [--varied] [--before REV]
 
 ``--device cuda`` runs parts 2 and 3 on a GPU (synchronising around each timed call), still in float32.
 """
@@ -29,21 +35,26 @@ attention, MLP and output projections (``train_attn``/``train_mlp``/``train_unem
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from _fleet import build_llama, machine, median, print_table
+from _fleet import ROOT, build_llama, machine, median, print_table
 from train_step import LLAMA_20M
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tinkerq import types
 from tinkerq.worker import memory
 from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession
@@ -144,6 +155,28 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+@contextlib.contextmanager
+def stacked_products() -> Iterator[None]:
+    """The pass with its products over all tenants' rows at once (not batch-invariant): a diagnostic."""
+    routing.PER_GROUP_PRODUCTS = False
+    try:
+        yield
+    finally:
+        routing.PER_GROUP_PRODUCTS = True
+
+
+def load_before(rev: str) -> Any:
+    """``worker/lora/batch.py`` at git revision ``rev``, as a module of its own (its run_pass and LossItem)."""
+    source = subprocess.run(["git", "show", f"{rev}:worker/lora/batch.py"], cwd=ROOT, check=True, capture_output=True,
+                            text=True).stdout
+    spec = importlib.util.spec_from_loader(f"lora_batch_{rev}", loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:worker/lora/batch.py", "exec"), module.__dict__)
+    return module
+
+
 def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namespace) -> None:
     tenants = [LoraSession(f"t{i}", base, lora_config(100 + i), base_model="bench") for i in range(TENANTS)]
     for i, t in enumerate(tenants):  # nonzero B: every adapter changes its own rows, so a mix-up would show
@@ -153,19 +186,27 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
                 if name.endswith("lora_B.weight"):
                     p.add_(torch.randn(p.shape, generator=gen).to(p.device), alpha=0.02)
     rng = np.random.default_rng(1)
-    requests = [make_data(rng, 1, TENANT_TOKENS, vocab) for _ in tenants]
+    lengths = [int(n) for n in rng.integers(64, 193, TENANTS)] if args.varied else [TENANT_TOKENS] * TENANTS
+    requests = [make_data(rng, 1, n, vocab) for n in lengths]
+    before = load_before(args.before) if args.before else None
 
-    def pass_over(group: list[tuple[LoraSession, list[types.Datum]]]) -> list[float]:
-        items = [LossItem(t, data, "cross_entropy", None) for t, data in group]
-        run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
-                 device=base.device, backward=True)
+    def pass_over(group: list[tuple[LoraSession, list[types.Datum]]], module: Any = None) -> list[float]:
+        item_cls, run = (module.LossItem, module.run_pass) if module is not None else (LossItem, run_pass)
+        items = [item_cls(t, data, "cross_entropy", None) for t, data in group]
+        run(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
+            device=base.device, backward=True)
         for item in items:
             if item.error is not None:
                 raise item.error
         return [item.output.metrics["loss:sum"] for item in items]  # type: ignore[union-attr]
 
+    def stacked(module: Any = None) -> list[float]:
+        with stacked_products():
+            return pass_over(pairs, module)
+
     # The ceiling batching can reach on this machine without any LoRA code: a trainable copy of the base, the
-    # same loss head (LogprobComputer) and tokens, forward + backward of one (16, 128) batch vs 16 of (1, 128).
+    # same loss head (LogprobComputer) and tokens, forward + backward of one (16, 128) batch vs 16 of (1, 128)
+    # (--varied: right-padded to the longest row).
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(base.device).eval()
     plain_logprobs = LogprobComputer(plain, args.loss_backend)
     rows = [(torch.as_tensor(d[0].model_input.to_ints(), device=base.device),
@@ -174,8 +215,9 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
             for d in requests]
 
     def plain_fb(group: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[float]:
-        tokens, targets, weights = (torch.stack(x) for x in zip(*group, strict=True))
-        lp = plain_logprobs(plain, tokens, torch.ones_like(tokens), targets)
+        tokens, targets, weights, mask = (torch.nn.utils.rnn.pad_sequence(list(x), batch_first=True)
+                                          for x in zip(*[(*r, torch.ones_like(r[0])) for r in group], strict=True))
+        lp = plain_logprobs(plain, tokens, mask, targets)
         losses = -(lp * weights).sum(dim=1)
         losses.sum().backward()
         return losses.tolist()
@@ -194,7 +236,10 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
             t.run_loss(d, "cross_entropy", None, backward=True).metrics["loss:sum"] for t, d in pairs],
         f"no LoRA, trainable base: one fb of {TENANTS} datums": lambda: plain_way(True),
         f"no LoRA, trainable base: {TENANTS} fb of 1 datum": lambda: plain_way(False),
+        "diagnostic: mixed, products stacked (not bitwise)": stacked,
     }
+    if before is not None:
+        ways[f"before ({args.before}): one run_pass of {TENANTS} requests"] = lambda: stacked(before)
     times: dict[str, list[float]] = {k: [] for k in ways}
     losses: dict[str, list[float]] = {}
     for rep in range(args.warmup + args.reps):
@@ -207,23 +252,32 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         print(f"  mixed rep {rep}{' (warm-up)' if rep < args.warmup else ''}: " + " / ".join(line) + " s",
               flush=True)
 
-    tokens = TENANTS * TENANT_TOKENS
-    mixed_name, seq_name, solo_name, plain_batched, plain_seq = ways
+    tokens = sum(lengths)
+    mixed_name, seq_name, solo_name, plain_batched, plain_seq, *diagnostics = ways
     baseline = median(times[seq_name])
-    print(f"\n[mixed] {TENANTS} rank-{RANK} tenants x one forward_backward of 1 datum x {TENANT_TOKENS} tokens "
+    shape = f"{min(lengths)}..{max(lengths)}" if args.varied else f"{TENANT_TOKENS}"
+    print(f"\n[mixed] {TENANTS} rank-{RANK} tenants x one forward_backward of 1 datum x {shape} tokens "
           f"(cross_entropy) = {tokens} tokens; {args.reps} reps after {args.warmup} warm-up, alternating")
-    print_table(["path", "median s", "min s", "tokens/s", "x one-at-a-time tokens/s"],
-                [(n, median(t), min(t), tokens / median(t), baseline / median(t)) for n, t in times.items()])
+    # per rep, one-at-a-time time / this path's time (same rep): robust to load that drifts across a run
+    per_rep = {n: median([a / b for a, b in zip(times[seq_name], t, strict=True)]) for n, t in times.items()}
+    print_table(["path", "median s", "min s", "tokens/s", "x one-at-a-time tokens/s", "median of per-rep x"],
+                [(n, median(t), min(t), tokens / median(t), baseline / median(t), per_rep[n])
+                 for n, t in times.items()])
     ratio = baseline / median(times[mixed_name])
-    for other in (seq_name, solo_name):
-        diff = max(abs(a - b) for a, b in zip(losses[mixed_name], losses[other], strict=True))
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[mixed_name], losses[other], strict=True))
-        print(f"loss:sum mixed vs {other.split(': ')[1]}: max abs diff {diff:.3e} (max relative {rel:.2e}) over "
+    for name, other in [(mixed_name, seq_name), (mixed_name, solo_name), *((d, seq_name) for d in diagnostics)]:
+        diff = max(abs(a - b) for a, b in zip(losses[name], losses[other], strict=True))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses[other], strict=True))
+        label = "mixed" if name == mixed_name else name.replace(f"one run_pass of {TENANTS} requests", "pass")
+        print(f"loss:sum {label} vs {other.split(': ')[1]}: "
+              f"{'bitwise equal' if diff == 0 else f'max abs diff {diff:.3e} (max relative {rel:.2e})'} over "
               f"{TENANTS} tenants (losses {min(losses[other]):.2f}..{max(losses[other]):.2f})")
     ceiling = median(times[plain_seq]) / median(times[plain_batched])
     print(f"batching without LoRA (same tokens, same loss head, trainable base): {ceiling:.2f}x tokens/s; "
           f"the mixed LoRA pass takes {median(times[mixed_name]) / median(times[plain_batched]):.2f}x the time "
           f"of that plain batched pass")
+    for name in diagnostics:
+        print(f"{name}: {baseline / median(times[name]):.2f}x one-at-a-time tokens/s; the mixed pass takes "
+              f"{median(times[mixed_name]) / median(times[name]):.2f}x its time")
     best = min(times[seq_name]) / min(times[mixed_name])
     print(f"RATIO mixed/one-at-a-time tokens/s: median {ratio:.2f}x, best-of {best:.2f}x "
           f"(target >= {TARGET_MIXED}x: {'met' if ratio >= TARGET_MIXED else 'NOT met'})")
@@ -300,6 +354,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--loss-backend", default="auto", help="LogprobComputer backend (the worker's default: auto)")
+    parser.add_argument("--varied", action="store_true", help="part 2: datum lengths drawn in 64..192, not 128")
+    parser.add_argument("--before", metavar="REV", help="part 2: also time worker/lora/batch.py at git revision REV")
     args = parser.parse_args()
     if not (args.tenants or args.mixed or args.step):
         args.tenants = args.mixed = args.step = True
