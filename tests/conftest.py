@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -20,13 +21,14 @@ WORKER_GAP_TIMEOUT_S = 3
 
 # The modules that take longest, longest first. scripts/test runs the suite in parallel (pytest-xdist: --dist
 # loadfile --no-loadscope-reorder), handing whole modules to its processes in collection order: started first,
-# the long ones do not end up last on one process while the others idle. Only the order changes; a module
-# missing here runs after these, in the usual order.
+# the long ones do not end up last on one process while the others idle. The cookbook's modules come a little
+# later: scripts/test builds their venvs while the first ones run (cookbook_venvs). Only the order changes; a
+# module missing here runs after these, in the usual order.
 SLOW_MODULES_FIRST = [
-    "test_adoption.py", "test_cli.py", "test_outages.py", "test_cookbook.py", "test_fleet.py",
-    "test_families_fleet.py", "test_sharding.py", "test_families_lora.py", "test_auto_snapshot.py",
-    "test_families_benchmark.py", "test_sampling_families.py", "test_memory.py", "test_observability.py",
-    "test_families_cookbook.py", "test_families_cli.py", "test_redis_modes.py", "test_keys.py", "test_security.py",
+    "test_adoption.py", "test_cli.py", "test_outages.py", "test_fleet.py", "test_families_fleet.py",
+    "test_cookbook.py", "test_sharding.py", "test_families_lora.py", "test_auto_snapshot.py",
+    "test_families_benchmark.py", "test_sampling_families.py", "test_memory.py", "test_families_cookbook.py",
+    "test_observability.py", "test_families_cli.py", "test_redis_modes.py", "test_keys.py", "test_security.py",
     "test_cli_errors.py", "test_fuzz.py", "test_gateway.py", "test_numerics.py", "test_fleet_cli.py",
 ]
 
@@ -34,6 +36,21 @@ SLOW_MODULES_FIRST = [
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests keep their order
+
+
+@pytest.fixture(scope="session")
+def cookbook_venvs() -> None:
+    """tinker-cookbook's venvs (.venv-cookbook, .venv-cookbook-061) are ready. scripts/test builds them while the
+    tests run and names the file their build's exit status goes to in TINKERQ_TEST_COOKBOOK_VENVS: wait for it.
+    Without it (pytest run by hand), whatever ./scripts/cookbook-venv built is there or not."""
+    status = os.environ.get("TINKERQ_TEST_COOKBOOK_VENVS")
+    if not status:
+        return
+    path = Path(status)
+    wait_for(path.exists, 900, "scripts/cookbook-venv to build tinker-cookbook's venvs")
+    if path.read_text().strip() != "0":
+        log = path.with_suffix(".log")
+        pytest.fail(f"scripts/cookbook-venv failed:\n{log.read_text()[-3000:] if log.exists() else ''}")
 
 
 @pytest.fixture(scope="session")

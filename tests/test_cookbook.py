@@ -97,7 +97,7 @@ def fake_hub_cache(model_dir: Path, hf_home: Path) -> None:
 
 
 @pytest.fixture(params=list(VENVS), ids=list(VENVS))
-def cookbook_venv(request) -> tuple[str, Path, str]:
+def cookbook_venv(request, cookbook_venvs) -> tuple[str, Path, str]:
     """(test id, the venv's python, the tinker-cookbook version it must hold). Fails if the venv is missing."""
     venv, version = VENVS[request.param]
     python = ROOT / venv / "bin" / "python"
@@ -108,7 +108,7 @@ def cookbook_venv(request) -> tuple[str, Path, str]:
 
 
 @pytest.fixture(scope="module")
-def cookbook(redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[dict]:
+def cookbook(redis_url: str, checkpoint_dir: Path, tmp_path_factory, cookbook_venvs) -> Iterator[dict]:
     work = tmp_path_factory.mktemp("cookbook")
     model_dir = build_byte_llama(work / "byte-llama")
     fake_hub_cache(model_dir, work / "hf_home")

@@ -36,7 +36,7 @@ PEFT_LOADABLE = {"llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"}  # ever
 
 
 @pytest.fixture(scope="module")
-def archives(tmp_path_factory):
+def archives(tmp_path_factory, cookbook_venvs):
     """Per family: the session's logprobs on a few datums, its archive and merged export, and the cookbook's
     merge and conversion of the archive."""
     if not COOKBOOK_PYTHON.exists():
