@@ -172,7 +172,9 @@ def test_kill_9_fails_every_pending_future_within_two_heartbeats(tmp_path, model
                  "the reaper to clear the dead worker's queue")
         answers = [r.get(keys.reply(f.task_id)) for f in pending]
         reaped = [codec.unpackb(a) for a in answers if a is not None]
-        assert len(reaped) >= len(pending) - 1  # all but the one it was running
+        # All but the one it was running and, at most, the next: a BRPOP the worker had waiting when it was frozen
+        # still gets it (Redis hands the element to a stopped client's socket).
+        assert len(reaped) >= len(pending) - 2
         assert all(a["error"]["type"] == "WorkerLostError" for a in reaped)
     finally:
         stop(proc.pid, timeout=10)
