@@ -289,7 +289,8 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
 def run_step(base: LoraBase, model_dir: Path, vocab: int, device: torch.device, args: argparse.Namespace) -> None:
     full_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     full = TrainingSession("full", full_model, base_dir=str(model_dir), microbatch_tokens=MICROBATCH_TOKENS,
-                           logprobs=LogprobComputer(full_model, args.loss_backend))
+                           logprobs=LogprobComputer(full_model, args.loss_backend),
+                           blank_model=lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     lora = LoraSession("lora", base, lora_config(7), base_model="bench")
     # A diagnostic: the same adapter without the output projection, to show what adapting it costs.
     no_head = LoraSession("lora-no-unembed", base, lora_config(7, unembed=False), base_model="bench")
