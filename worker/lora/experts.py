@@ -192,7 +192,7 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
                                         torch.split(top_k_weights, sizes), strict=True):
                 zeros = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
                 out = _dispatch(module, name, h, k, w, [adapter], zeros, [h.shape[0]])
-                original: Any = type(module)._tinkerq_original_forward  # type: ignore[attr-defined]  # set by install
+                original: Any = type(module)._tinkerq_original_forward  # type: ignore[attr-defined]  # set by register
                 outs.append(out if out is not None else original(module, h, k, w))
         return torch.cat(outs)
     return _dispatch(module, name, hidden_states, top_k_index, top_k_weights, adapters, token_group, sizes)
