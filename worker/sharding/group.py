@@ -269,3 +269,12 @@ class ShardGroup:
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return [float(v) for v in t]
+
+    def sum_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each tensor by its sum over ranks, in place (one collective per dtype: a flat buffer)."""
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.all_reduce(flat)
+            for t, piece in zip(same, torch.split(flat, [t.numel() for t in same]), strict=True):
+                t.copy_(piece.view_as(t))
