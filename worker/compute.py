@@ -15,7 +15,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tinkerq.errors import MalformedMessageError, RequestTimeoutError, TinkerqError, UnknownModelError, WorkerError
+from tinkerq.errors import (
+    MalformedMessageError,
+    RequestTimeoutError,
+    ShardGroupError,
+    TinkerqError,
+    UnknownModelError,
+    WorkerError,
+)
 from tinkerq.wire import codec, messages
 from tinkerq.worker import memory
 from tinkerq.worker.lora.batch import LossItem, run_pass
@@ -190,6 +197,8 @@ class ComputeLoop:
                 if op == "optim_step":
                     service.recovery.step_taken(slot)
             except TinkerqError as exc:
+                if isinstance(exc, ShardGroupError) and service.recovery.rerun_later(slot, request):
+                    return  # the shard group failed under it: it runs again on the re-made session
                 outcome = ("error", exc.to_wire(), timing)
                 if isinstance(exc, MalformedMessageError):
                     service.dead_letter(op, request.envelope, None, exc)
@@ -242,6 +251,8 @@ class ComputeLoop:
             shared = f"pass {self.passes} of {len(chunk)} request(s)" if len(items) == len(chunk) else \
                 f"passes {self.passes - 1}.. of {len(items)} request(s)"
         for request, slot, item, raw in items:
+            if isinstance(item.error, ShardGroupError) and service.recovery.rerun_later(slot, request):
+                continue  # the shard group failed under the pass: it runs again on the re-made session
             timing = queue_wait(request.envelope, started)
             compute = time.time() - started
             if item.output is not None:

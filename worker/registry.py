@@ -58,11 +58,14 @@ class Registration:
         }
         self._stop = threading.Event()
         self._withdrawn = threading.Event()
+        self._silent = threading.Event()  # no beats either (silence(), until resume())
         self._thread: threading.Thread | None = None
         self._failing = False
         self._wedged = False
 
     def beat(self) -> None:
+        if self._silent.is_set():
+            return
         if not self._withdrawn.is_set():
             self.store.set(self.key, json.dumps(self.record).encode(), ttl_s=3 * self.period_s)
         self.store.beat(keys.HEARTBEATS, self.worker_id)
@@ -103,7 +106,16 @@ class Registration:
         self._withdrawn.set()
         self._delete(heartbeat=False)
 
+    def silence(self) -> None:
+        """Stop announcing the model and stop beating until :meth:`resume`: the fleet takes this worker for lost,
+        so other workers of the model adopt its sessions and producers send their requests there (a shard group
+        that did not re-form in time hands its sessions over this way, worker/recovery.py)."""
+        self._silent.set()
+        self._withdrawn.set()
+        self._delete(heartbeat=True)
+
     def resume(self) -> None:
+        self._silent.clear()
         self._withdrawn.clear()
         if self._thread is not None:  # announced only once the worker consumes its queues
             self.beat()
@@ -119,6 +131,23 @@ class Registration:
                 self.store.forget(keys.HEARTBEATS, self.worker_id)
         except Exception as exc:  # the TTL removes the registration anyway; the reaper the heartbeat
             log.warning("could not remove registration %s: %s", self.key, exc)
+
+
+def adopters(store: KeyValueStore, base_model: str, me: str, lost_after_s: float) -> list[str]:
+    """Live workers other than ``me`` that serve ``base_model`` and take training sessions (so they adopt the
+    sessions of a lost worker of it): registered, not samplers, beating within ``lost_after_s``."""
+    ages = store.ages(keys.HEARTBEATS)
+    found = []
+    for key in store.scan(keys.serving_pattern(base_model)):
+        try:
+            record = json.loads(store.get(key) or b"{}")
+        except ValueError:
+            continue
+        worker = record.get("worker") if isinstance(record, dict) else None
+        if (isinstance(worker, str) and worker != me and record.get("role", "trainer") != "sampler"
+                and ages.get(worker, float("inf")) <= lost_after_s):
+            found.append(worker)
+    return found
 
 
 def reap_dead_workers(store: KeyValueStore, settings: Settings, me: str) -> int:

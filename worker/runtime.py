@@ -93,7 +93,8 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         consuming=liveness, on_redis_back=redis_back,
     )
     if shards is not None:
-        # While the group re-forms, producers see no worker for the model instead of a silent queue.
+        # While the group re-forms, producers see no worker for the model instead of a silent queue; the worker
+        # still beats, so the requests of the sessions it holds wait for it (worker/recovery.py).
         def group_failed(reason: str) -> None:
             registration.withdraw()
             service.shard_group_failed(reason)
@@ -101,11 +102,17 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
             service.metrics.shard_group_failures.inc()
 
         def group_formed() -> None:
+            try:  # the held sessions are re-made before the model is announced again
+                service.shard_group_formed()
+            except Exception:
+                log.exception("re-making the sessions held through the shard group's outage failed")
             service.metrics.shard_group_up.set(1)
             registration.resume()
 
         shards.on_failure = group_failed
         shards.on_formed = group_formed
+        # A group that does not re-form in time hands its sessions to the model's other workers by going silent.
+        service.recovery.on_hand_off = registration.silence
         service.metrics.shard_group_up.set(1)
     log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, worker_id, service.logprobs.backend)

@@ -313,15 +313,25 @@ class WorkerService:
         return len(failed)
 
     def shard_group_failed(self, reason: str) -> None:
-        """The shard group broke: every session it held is gone. Answer their waiting requests now."""
+        """The shard group broke and dropped its sessions' shards (any thread). Journaled sessions are held: their
+        requests wait, and each is re-made once the group re-forms (:meth:`shard_group_formed`), or given up after
+        ``adopt_timeout_s`` (worker/recovery.py). Any other session is gone: its waiting requests are answered now."""
         with self.cond:
+            held = self.recovery.hold(reason)
             waiting = []
-            for slot in self.slots.values():
+            for model_id, slot in self.slots.items():
+                if model_id in held:
+                    continue
                 slot.broken, slot.broken_error = reason, ShardGroupError
                 waiting += self.scheduler.drop_waiting(slot.lane)
         error = ShardGroupError(reason, session_broken=True).to_wire()
         for request in waiting:
             self.finish(request, ("error", error, {}))
+
+    def shard_group_formed(self) -> None:
+        """The shard group re-formed (its re-forming thread): re-make the sessions held through the outage from
+        their snapshots and journals (on the compute loop; this waits for it), then their requests run."""
+        self.recovery.group_formed()
 
     def start_watchdog(self, period_s: float = 1.0) -> threading.Event:
         return self.recovery.start_watchdog(period_s)
@@ -334,7 +344,9 @@ class WorkerService:
             left = list(self.scheduler.creates) + list(self.scheduler.samples)
             self.scheduler.creates.clear()
             self.scheduler.samples.clear()
-            for lane in self.scheduler.lanes.values():
+            lanes = {id(lane): lane for lane in self.scheduler.lanes.values()}
+            lanes.update((id(slot.lane), slot.lane) for slot in self.slots.values())  # held ones too (recovery.py)
+            for lane in lanes.values():
                 left += self.scheduler.drop_waiting(lane)
         error = WorkerError("the worker stopped before this request ran; send it again").to_wire()
         for request in left:
@@ -356,7 +368,7 @@ class WorkerService:
         work = self.compute.current
         running = [{"name": f"tinkerq.{r.op}", "args": r.label} for r in (work.requests if work else [])]
         return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
-                "sessions": self.session_stats(), "running": running}
+                "restored": self.recovery.restores, "sessions": self.session_stats(), "running": running}
 
     def _shard_metrics(self, metrics: dict[str, float]) -> None:
         if "shard_state_bytes:max" in metrics:
