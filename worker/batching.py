@@ -23,6 +23,14 @@ def microbatch_ranges(lengths: list[int], budget_tokens: int) -> Iterator[tuple[
     yield start, len(lengths)
 
 
+def rank_share(n: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The [start, stop) of ``n`` datums that ``rank`` computes: ``ranks`` contiguous runs whose sizes differ by
+    at most one (a run may be empty)."""
+    sizes = [n // ranks + (1 if r < n % ranks else 0) for r in range(ranks)]
+    bounds = [0, *np.cumsum(sizes).tolist()]
+    return int(bounds[rank]), int(bounds[rank + 1])
+
+
 def rank_plans(lengths: list[int], ranks: int, budget_tokens: int) -> list[list[tuple[int, int] | None]]:
     """Each rank's micro-batches for a sharded request, all padded with ``None`` to the same count.
 
@@ -30,11 +38,9 @@ def rank_plans(lengths: list[int], ranks: int, budget_tokens: int) -> list[list[
     empty). Every rank must make the same number of forward/backward passes, because each pass joins
     collectives; a ``None`` is a pass over a dummy input whose loss counts zero.
     """
-    sizes = [len(lengths) // ranks + (1 if r < len(lengths) % ranks else 0) for r in range(ranks)]
-    bounds = [0, *np.cumsum(sizes).tolist()]
     per_rank: list[list[tuple[int, int] | None]] = []
     for r in range(ranks):
-        lo, hi = bounds[r], bounds[r + 1]
+        lo, hi = rank_share(len(lengths), ranks, r)
         spans = [(lo + a, lo + b) for a, b in microbatch_ranges(lengths[lo:hi], budget_tokens)] if hi > lo else []
         per_rank.append(list(spans))
     most = max(len(p) for p in per_rank)

@@ -25,7 +25,7 @@ from tinkerq.errors import (
 )
 from tinkerq.wire import codec, messages
 from tinkerq.worker import memory
-from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.operations import sample_response, tokens_of
 from tinkerq.worker.scheduler import Request, Work
 
@@ -265,10 +265,9 @@ class ComputeLoop:
             self._settle(request, slot, raw, outcome, started, shared)
 
     def _run_pass(self, items: list[LossItem], backward: bool) -> None:
-        base = self.service.factory.lora()
+        base = items[0].target.pass_group  # the frozen base they share (a shard group's runs it on every rank)
         try:
-            run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
-                     device=base.device, backward=backward)
+            base.run_pass(items, backward)
         except TinkerqError as exc:
             for item in items:
                 item.error = exc

@@ -90,7 +90,7 @@ def execute(engine: TrainingEngine, op: str, args: dict[str, Any], tied: dict[st
         directory = Path(str(args["path"]))
         optimizer = bool(args.get("optimizer", True))
         try:
-            saved = checkpoints.read_state(directory, engine.shapes(), tied, optimizer=optimizer)
+            saved = checkpoints.read_state(directory, engine.shapes(), tied, args.get("lora"), optimizer=optimizer)
         except TinkerqError as exc:
             error = exc
         except OSError as exc:

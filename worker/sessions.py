@@ -1,7 +1,8 @@
 """The training sessions a worker holds: how each kind is made, admitted, counted and closed.
 
 The one place that knows session kinds (full-parameter on this process, full-parameter on a shard group,
-LoRA over the shared frozen base); everything else sees the :class:`worker.session.Session` protocol.
+LoRA over the shared frozen base, on this process or sharded once over a shard group); everything else sees
+the :class:`worker.session.Session` protocol.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import CapacityError, ServerError, ValidationError
+from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
 from tinkerq.validation import validate_lora
 from tinkerq.worker import memory
 from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.adapter import find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
 from tinkerq.worker.scheduler import Lane
 from tinkerq.worker.session import Session, TrainingSession
@@ -73,19 +75,16 @@ class SessionFactory:
                                    base_dir=self.model_dir, microbatch_tokens=self.settings.microbatch_tokens,
                                    logprobs=self.logprobs, blank_model=lambda: copy.deepcopy(self.model))
         validate_lora(lora, max_rank=self.settings.max_lora_rank)
-        if self.shards is not None:
-            raise ValidationError(f"worker {self.worker_id} is sharded ({self.settings.shards} shards); LoRA "
-                                  f"sessions are served by unsharded workers (docs/lora.md): start one with tinkerq "
-                                  f"worker --model {self.base_model}, or use create_training_client for "
-                                  f"full-parameter training here")
         if lora.seed is None:  # Tinker: no seed, a random one; kept so the session can be told and re-made
             lora = types.LoraConfig(**{**config_dict(lora), "seed": secrets.randbits(63)})
-        base = self.lora()
-        targets = base.targets(lora)
+        # A shard group's base is sharded by its first LoRA session, on every rank: counted here on the whole one.
+        targets = find_targets(self.model, lora) if self.shards is not None else self.lora().targets(lora)
         self._make_room("lora", slots, close)
         parameters = lora.rank * sum(t.parameters_per_rank() for t in targets)
         memory.admit_lora_session(parameters, self.settings, [slot.session for slot in slots.values()])
-        return LoraSession(model_id, base, lora, base_model=self.base_model)
+        if self.shards is not None:  # the adapter and its AdamW state on every rank, over the base sharded once
+            return self.shards.open_lora(model_id, lora, base_model=self.base_model)
+        return LoraSession(model_id, self.lora(), lora, base_model=self.base_model)
 
     def lora(self) -> LoraBase:
         if self.lora_base is None:

@@ -59,6 +59,8 @@ class Collectives(Protocol):
 
     def gather_bytes(self, data: bytes) -> list[bytes]: ...
 
+    def sum_tensors(self, tensors: list[torch.Tensor]) -> None: ...
+
 
 class SingleProcess:
     """The collectives of a group of one: nothing to exchange."""
@@ -77,6 +79,9 @@ class SingleProcess:
     def gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
 
+    def sum_tensors(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -84,9 +89,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class TrainingEngine:
     def __init__(self, forward: Forward, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 collectives: Collectives, *, microbatch_tokens: int, device: torch.device) -> None:
+                 collectives: Collectives, *, microbatch_tokens: int, device: torch.device,
+                 replicated: bool = False) -> None:
         self.forward = forward
         self.group = collectives
+        # Whole copies of the parameters on every rank (LoRA adapters on a shard group), not FSDP shards: each
+        # rank's fresh gradients are summed over the ranks (:meth:`sum_fresh`), and every rank then takes the
+        # same AdamW step, so the copies stay equal.
+        self.replicated = replicated
         self.microbatch_tokens = microbatch_tokens
         self.device = device
         self.param_names = [n for n, _ in named_params]
@@ -124,9 +134,11 @@ class TrainingEngine:
             if problem is None and not torch.isfinite(scored.loss):
                 problem = f"{loss_fn} loss is {scored.loss.item()} on datums {start}..{stop - 1}"
             if backward:  # even a non-finite loss goes backward: every rank must join the same collectives
-                (scored.loss * self.group.world).backward()
+                # FSDP averages shards' gradients over the ranks; replicated gradients are summed (sum_fresh).
+                (scored.loss * (1 if self.replicated else self.group.world)).backward()
             part.add(start, scored, batch["lengths"])
         if pending is not None:
+            self.sum_fresh()
             self.commit(pending, problem, loss_fn)
         elif problem is not None or self.group.world > 1:
             self.group.agree(NonFiniteError(f"{problem}; {_NOTHING_APPLIED}") if problem else None)
@@ -145,6 +157,16 @@ class TrainingEngine:
         grads = [p.grad for p in self.params]
         assert all(g is not None for g in grads)
         return cast(list[torch.Tensor], grads)
+
+    def sum_fresh(self) -> None:
+        """Replicated parameters on several ranks: each rank's fresh gradients (zeros where its rows did not reach
+        a parameter) become their sum over the ranks, so every rank holds the gradient of the whole request."""
+        if not self.replicated or self.group.world == 1:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.group.sum_tensors([p.grad for p in self.params])  # type: ignore[misc]
 
     def set_aside(self) -> list[torch.Tensor]:
         """Take the pending gradients out of ``p.grad`` so the next backward fills fresh ones."""

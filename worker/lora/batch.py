@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
-from tinkerq.worker.batching import microbatch_ranges, pad_batch
+from tinkerq.worker.batching import microbatch_ranges, pad_batch, rank_share
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.routing import Rows, routed
 from tinkerq.worker.losses import LOSSES, score
-from tinkerq.worker.training import RequestPart, SingleProcess, TrainingEngine
+from tinkerq.worker.training import Collectives, RequestPart, SingleProcess, TrainingEngine
 
 # Padded lengths are rounded up to a multiple of max(PAD_MIN, 2**floor(log2(n)) / PAD_STEPS_PER_OCTAVE): 16 up to
 # 128 tokens, then 8 buckets per doubling (at most 1/8 more tokens), so micro-batches of different requests share
@@ -58,6 +58,11 @@ class LoraTarget(Protocol):
 
     adapter: Any
     engine: TrainingEngine
+
+    @property
+    def pass_group(self) -> Any:
+        """The base the session's passes run over (:class:`worker.lora.session.LoraBase`)."""
+        ...
 
 
 @dataclass
@@ -100,21 +105,23 @@ def padded_length(n: int, cap: int | None = None) -> int:
     return max(n, min(rounded, cap)) if cap is not None else rounded
 
 
-def plan(items: list[LossItem], microbatch_tokens: int, cap: int | None = None) -> list[list[Micro]]:
+def plan(items: list[LossItem], microbatch_tokens: int, cap: int | None = None,
+         shares: list[tuple[int, int]] | None = None) -> list[list[Micro]]:
     """The pass's steps: each a list of micro-batches of one key, at most one per request, in request order.
 
     Each request's micro-batches are cut from its own rows and come in its own order; which ones share a step
     changes nothing in any request's numbers, only the number of forwards. At each step the key held by the most
-    requests' next micro-batches runs (ties: the earliest request's), filling up to ``microbatch_tokens``."""
+    requests' next micro-batches runs (ties: the earliest request's), filling up to ``microbatch_tokens``.
+    ``shares``: the [start, stop) of each request's datums this rank computes (a shard group); all by default."""
     queues: list[list[Micro]] = []
-    for item in items:
-        lengths = [d.model_input.length for d in item.data]
+    for item, (lo, hi) in zip(items, shares or [(0, len(item.data)) for item in items], strict=True):
+        lengths = [d.model_input.length for d in item.data[lo:hi]]
         rounded = [padded_length(n, cap) for n in lengths]  # monotone: the budget counts padded tokens
         micros = []
-        for start, stop in microbatch_ranges(rounded, microbatch_tokens):
+        for start, stop in microbatch_ranges(rounded, microbatch_tokens) if lengths else ():
             longest = max(lengths[start:stop])
             length = padded_length(longest, cap)
-            micros.append(Micro(item, start, stop, length, any(n < length for n in lengths[start:stop])))
+            micros.append(Micro(item, lo + start, lo + stop, length, any(n < length for n in lengths[start:stop])))
         queues.append(micros)
     steps: list[list[Micro]] = []
     at = [0] * len(queues)
@@ -137,33 +144,39 @@ def plan(items: list[LossItem], microbatch_tokens: int, cap: int | None = None) 
 
 
 def run_pass(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobComputer, *, head: str,
-             microbatch_tokens: int, device: torch.device, backward: bool) -> None:
-    """Run ``items`` (one per session) as one pass; sets each item's ``output`` or ``error``.
+             microbatch_tokens: int, device: torch.device, backward: bool, group: Collectives | None = None,
+             root: torch.nn.Module | None = None) -> None:
+    """Run ``items`` (one per session) as one pass; sets each item's ``output`` (on the leader) or ``error``.
 
-    Raises only on a failure of the pass itself (a bug, out of memory): every engine is then put back as it
-    was, and the caller fails every item.
+    On a shard group (``group``; ``root``: the FSDP root that computes the base's logprobs,
+    worker/sharding/fsdp.py) every rank runs this with the same items: each computes its share of every request's
+    datums (:func:`tinkerq.worker.batching.rank_share`), in as many steps as the busiest rank (the others join
+    the collectives with idle steps), then each adapter's gradients are summed over the ranks. Raises only on a
+    failure of the pass itself (a bug, out of memory, a lost shard): every engine is then put back as it was,
+    and the caller fails every item.
     """
+    group = group or SingleProcess()
     if len({id(item.target) for item in items}) != len(items):
         raise ValueError("a pass holds at most one request per session")
     pendings = [item.target.engine.set_aside() for item in items] if backward else []
     try:
-        _run(items, model, logprobs, head, microbatch_tokens, device, backward)
+        _run(items, model, logprobs, head, microbatch_tokens, device, backward, group, root)
     except BaseException:
         for item, pending in zip(items, pendings, strict=False):
             for p, old in zip(item.target.engine.params, pending, strict=True):
                 p.grad = old
         raise
-    for i, item in enumerate(items):
-        if backward:
-            try:
+    for i, item in enumerate(items):  # the same items, in the same order, on every rank: collectives pair up
+        try:
+            if backward:
+                item.target.engine.sum_fresh()
                 item.target.engine.commit(pendings[i], item.problem, item.loss_fn)
-            except NonFiniteError as exc:
-                item.error = exc
-                continue
-        elif item.problem is not None:
-            item.error = NonFiniteError(f"{item.problem}; nothing was applied")
+            else:
+                group.agree(NonFiniteError(f"{item.problem}; nothing was applied") if item.problem else None)
+        except NonFiniteError as exc:
+            item.error = exc
             continue
-        item.output = item.part.merged(SingleProcess(), len(item.data), item.loss_fn)
+        item.output = item.part.merged(group, len(item.data), item.loss_fn)
 
 
 def _cap(model: torch.nn.Module, microbatch_tokens: int) -> int:
@@ -182,8 +195,20 @@ def _padded(m: Micro, device: torch.device) -> dict[str, Any]:
 
 
 def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobComputer, head: str,
-         microbatch_tokens: int, device: torch.device, backward: bool) -> None:
-    for step in plan(items, microbatch_tokens, _cap(model, microbatch_tokens)):
+         microbatch_tokens: int, device: torch.device, backward: bool, group: Collectives,
+         root: torch.nn.Module | None) -> None:
+    def forward(tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return root(tokens, mask, targets) if root is not None else logprobs(cast(Any, model), tokens, mask, targets)
+
+    shares = [rank_share(len(item.data), group.world, group.rank) for item in items]
+    steps: list[list[Micro] | None] = list(plan(items, microbatch_tokens, _cap(model, microbatch_tokens), shares))
+    if group.world > 1:  # every rank runs as many forwards (and backwards) as the busiest: each joins collectives
+        (most,) = group.all_reduce([float(len(steps))], op="max")
+        steps += [None] * (int(most) - len(steps))
+    for step in steps:
+        if step is None:
+            _idle_step(forward, device, backward)
+            continue
         batches = [_padded(m, device) for m in step]
         tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
                                  for k in ("tokens", "mask", "target_tokens"))
@@ -193,7 +218,7 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
             groups.append((m.item.target.adapter, slice(at, at + m.rows)))
             at += m.rows
         with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
-            lp = logprobs(cast(Any, model), tokens, mask.long(), targets)  # (B, T)
+            lp = forward(tokens, mask.long(), targets)  # (B, T)
         total = None
         lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back
         for m, batch, lp_m in zip(step, batches, lps, strict=True):
@@ -206,5 +231,18 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
             elif backward and item.problem is None:
                 total = scored.loss if total is None else total + scored.loss
             item.part.add(m.start, scored, batch["lengths"])
+        if backward and total is None and group.world > 1:  # every row's loss failed: still join the backward
+            total = lp.sum() * 0.0
         if backward and total is not None:
             total.backward()
+
+
+def _idle_step(forward: Any, device: torch.device, backward: bool) -> None:
+    """A forward (and backward) over one dummy token routed to no adapter: it joins a step's collectives. The
+    sharded base's embeddings make every backward reach every layer (worker/sharding/fsdp.py), so it joins those
+    of the backward too."""
+    one = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with torch.set_grad_enabled(backward):
+        loss = forward(one, torch.ones_like(one), one).sum() * 0.0
+    if backward:
+        loss.backward()

@@ -2,7 +2,7 @@
 
 :class:`LoraBase` is the worker's base model, hooked for routing once, and what every LoRA session on it
 shares. :class:`LoraSession` implements :class:`worker.session.Session`; its loss requests normally run in
-mixed passes with other sessions' (worker/lora/passes.py), and ``run_loss`` runs one alone (the same
+mixed passes with other sessions' (worker/lora/batch.py), and ``run_loss`` runs one alone (the same
 forward, routed to this adapter only).
 
 Files (docs/lora.md): ``save_weights_for_sampler`` writes a standard PEFT adapter directory
@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -27,31 +28,60 @@ from tinkerq.worker import checkpoints
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import experts, routing
 from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, adaptable, find_targets
-from tinkerq.worker.training import SingleProcess, TrainingEngine
+from tinkerq.worker.lora.batch import LossItem, run_pass
+from tinkerq.worker.session import Runner, execute
+from tinkerq.worker.training import Collectives, SingleProcess, TrainingEngine
 
 
 class LoraBase:
-    """The frozen base model every LoRA session on this worker adapts."""
+    """The frozen base model every LoRA session on this worker adapts.
+
+    On a shard group (worker/sharding/host.py) every rank holds one, over its FSDP shards of the base: ``root`` is
+    the FSDP root that computes logprobs, ``group`` the ranks, and on rank 0 ``leader`` runs a pass on every rank.
+    """
 
     def __init__(self, model: PreTrainedModel, logprobs: LogprobComputer, *, model_dir: str,
-                 microbatch_tokens: int) -> None:
+                 microbatch_tokens: int, group: Collectives | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.model = model
         self.logprobs = logprobs
         self.model_dir = model_dir
         self.microbatch_tokens = microbatch_tokens
-        self.device = next(model.parameters()).device
+        self.group: Collectives = group or SingleProcess()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.head = routing.install(model)
         model.requires_grad_(False)  # frozen: backward reaches the adapters only (full sessions train copies)
+        self.root: torch.nn.Module | None = None
+        self.leader: Callable[[list[LossItem], bool], None] | None = None
+        self.whole: PreTrainedModel = model  # the base unsharded, for merged files (a shard group's: rank 0's copy)
 
     def targets(self, config: types.LoraConfig) -> list[Target]:
         return find_targets(self.model, config)
+
+    def _logprobs(self, tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.root is not None:
+            return self.root(tokens, mask, targets)
+        return self.logprobs(self.model, tokens, mask, targets)
 
     def forward(self, adapter: Any) -> Any:
         """The engine's forward for ``adapter`` alone: every row routed to it."""
         def run(tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             with routing.routed([(adapter, slice(0, tokens.shape[0]))], self.head):
-                return self.logprobs(self.model, tokens, mask, targets)
+                return self._logprobs(tokens, mask, targets)
         return run
+
+    def run_pass(self, items: list[LossItem], backward: bool) -> None:
+        """One pass over loss requests of several sessions (worker/lora/batch.py); rank 0 of a shard group runs
+        it on every rank."""
+        if self.leader is not None:
+            self.leader(items, backward)
+        else:
+            self.pass_here(items, backward)
+
+    def pass_here(self, items: list[LossItem], backward: bool) -> None:
+        """This rank's part of the pass."""
+        run_pass(items, self.model, self.logprobs, head=self.head, microbatch_tokens=self.microbatch_tokens,
+                 device=self.device, backward=backward, group=self.group, root=self.root)
 
 
 def config_dict(config: types.LoraConfig) -> dict[str, Any]:
@@ -59,16 +89,22 @@ def config_dict(config: types.LoraConfig) -> dict[str, Any]:
 
 
 class LoraSession:
+    """A LoRA session. On a shard group every rank holds one (the adapter and its AdamW state replicated: whole
+    copies that every rank updates alike); rank 0's runs each engine command on every rank (``run``)."""
+
     kind = "lora"
 
-    def __init__(self, model_id: str, base: LoraBase, config: types.LoraConfig, *, base_model: str) -> None:
+    def __init__(self, model_id: str, base: LoraBase, config: types.LoraConfig, *, base_model: str,
+                 run: Runner | None = None, on_close: Callable[[], None] | None = None) -> None:
         self.model_id = model_id
         self.base = base
         self.base_model = base_model
         self.config = config
         self.adapter = Adapter(base.targets(config), config, base.device)
-        self.engine = TrainingEngine(base.forward(self.adapter), self.adapter.named_pairs(), SingleProcess(),
-                                     microbatch_tokens=base.microbatch_tokens, device=base.device)
+        self.engine = TrainingEngine(base.forward(self.adapter), self.adapter.named_pairs(), base.group,
+                                     microbatch_tokens=base.microbatch_tokens, device=base.device, replicated=True)
+        self._run_command: Runner = run or (lambda op, **args: execute(self.engine, op, args, {}))
+        self._on_close = on_close
         self.last_used = time.monotonic()
 
     @property
@@ -98,16 +134,18 @@ class LoraSession:
     def _touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def _run(self, op: str, **args: Any) -> Any:
+        self._touch()
+        return self._run_command(op, **args)
+
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
                  backward: bool) -> types.ForwardBackwardOutput:
-        self._touch()
-        out = self.engine.run_loss(data, loss_fn, config, backward=backward)
+        out = self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward)
         assert out is not None
         return out
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
-        self._touch()
-        return self.engine.optim_step(adam)
+        return cast(types.OptimStepResponse, self._run("optim_step", adam=adam))
 
     def snapshot(self) -> FrozenAdapter:
         """The adapter's current weights, frozen, for sampling over the shared base (worker/snapshots.py)."""
@@ -135,7 +173,7 @@ class LoraSession:
             checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config), expires_at=expires_at)
             if merged:  # loadable by its own path too: it expires with the adapter
                 (tmp / "merged").mkdir()
-                write_merged(self.base.model, self.adapter.frozen(), tmp / "merged")
+                write_merged(self.base.whole, self.adapter.frozen(), tmp / "merged")
                 checkpoints.copy_tokenizer_files(self.base.model_dir, tmp / "merged")
                 checkpoints.write_weights_marker(tmp / "merged", base_model, expires_at=expires_at)
 
@@ -148,8 +186,8 @@ class LoraSession:
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
         if not overwrite:  # refused before anything is gathered (and checked again at the rename)
             checkpoints.refuse_existing(final)
-        saved = self.engine.gather_state()
-        assert saved is not None  # one process: always the leader
+        saved = self._run("gather_state")
+        assert saved is not None  # this is the leader
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
             tmp, write_weights=lambda d: self._write_adapter(d, base_model, saved.weights),
             shapes=self.engine.shapes(), moments=saved.moments, grads=saved.grads, base_model=base_model,
@@ -163,12 +201,12 @@ class LoraSession:
         self._touch()
         lora = config_dict(self.config)
         checkpoints.check_state(directory, self.engine.shapes(), lora, self.base_model)
-        saved = checkpoints.read_state(directory, self.engine.shapes(), {}, lora, optimizer=optimizer)
-        self.engine.load(saved, {}, optimizer=optimizer)
-        return saved.meta
+        return cast(dict[str, Any], self._run("load_state", path=str(directory), optimizer=optimizer, lora=lora))
 
     def close(self) -> None:
-        """Nothing beyond dropping the session: the base stays for the others."""
+        """Nothing beyond dropping the session (on every rank of a shard group): the base stays for the others."""
+        if self._on_close is not None:
+            self._on_close()
 
 
 def peft_config(config: types.LoraConfig, targets: list[Target], base_model: str) -> dict[str, Any]:

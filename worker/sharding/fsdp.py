@@ -37,14 +37,38 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     return []
 
 
-def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer,
-                   microbatch_tokens: int) -> TrainingEngine:
-    """Shard ``model`` (this rank's copy) over the group and train it with the one engine."""
+def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer) -> LogprobModule:
+    """Shard ``model`` (this rank's copy) over the group, layer by layer; returns the root to call."""
     assert group.mesh is not None
     module = LogprobModule(model, logprobs)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh)
     fully_shard(module, mesh=group.mesh)  # the root: embeddings, final norm, output weight
+    return module
+
+
+def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer) -> LogprobModule:
+    """Shard a frozen base (LoRA sessions' shared base: no gradients, no optimizer state, 1/N per rank).
+
+    Its input embeddings' output requires grad in every backward, so a backward always runs through every
+    layer, on every rank, whatever the adapters (attention, MLP or unembed only) of the rows each rank holds:
+    FSDP gathers each layer's weights in the backward, a collective every rank must join.
+    """
+    model.requires_grad_(False)
+
+    def through(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor | None:
+        if torch.is_grad_enabled() and not out.requires_grad:
+            return out.detach().requires_grad_(True)
+        return None
+
+    model.get_input_embeddings().register_forward_hook(through)
+    return shard(model, group, logprobs)
+
+
+def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer,
+                   microbatch_tokens: int) -> TrainingEngine:
+    """Shard ``model`` (this rank's copy) over the group and train it with the one engine."""
+    module = shard(model, group, logprobs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return TrainingEngine(module, named, group, microbatch_tokens=microbatch_tokens,
                           device=torch.device(group.spec.device))

@@ -18,11 +18,14 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
 from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.batch import LossItem
+from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
 from tinkerq.worker.session import FullSession, execute
-from tinkerq.worker.sharding.fsdp import sharded_engine
+from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
 from tinkerq.worker.training import TrainingEngine, tied_names
 
@@ -37,7 +40,9 @@ class ShardHost:
         self.model_dir = model_dir
         self.logprobs = logprobs
         self.microbatch_tokens = microbatch_tokens
-        self.sessions: dict[str, TrainingEngine] = {}
+        self.sessions: dict[str, TrainingEngine] = {}  # every training session's engine on this rank
+        self.lora_sessions: dict[str, LoraSession] = {}  # the LoRA ones (their adapters: whole copies)
+        self._lora_base: LoraBase | None = None  # made by the first LoRA session: the base sharded once, frozen
         self.shapes = {n: list(p.shape) for n, p in base_model.named_parameters() if p.requires_grad}
         self.tied = tied_names(base_model)
         # Rank 0 only: called (outside the group lock) when the group breaks, and when it has re-formed.
@@ -50,29 +55,73 @@ class ShardHost:
         """Run one command on this rank. Raises only TinkerqErrors that every rank raises alike."""
         if op == "ping":
             return self.group.agree(None)
+        if op == "lora_pass":
+            return self._lora_pass(args)
         model_id = str(args["model_id"])
         if op == "create":
-            return self._create(model_id)
+            return self._create(model_id, args.get("lora"), str(args.get("base_model", "")))
         if op == "close":
             self.sessions.pop(model_id, None)
+            self.lora_sessions.pop(model_id, None)
             return None
         return execute(self.sessions[model_id], op, args, self.tied)
 
-    def _create(self, model_id: str) -> None:
-        error = None
+    def _create(self, model_id: str, lora: dict[str, Any] | None, base_model: str) -> LoraSession | None:
+        """Open a session on this rank: a full one (its own FSDP shards of a copy of the base) or a LoRA one
+        (an adapter over the shared sharded base). Every rank agrees before any keeps it."""
+        error: TinkerqError | None = None
+        session = None
         try:
-            self.sessions[model_id] = sharded_engine(copy.deepcopy(self.base_model), self.group,
-                                                     logprobs=self.logprobs, microbatch_tokens=self.microbatch_tokens)
+            if lora is None:
+                self.sessions[model_id] = sharded_engine(copy.deepcopy(self.base_model), self.group,
+                                                         logprobs=self.logprobs,
+                                                         microbatch_tokens=self.microbatch_tokens)
+            else:
+                run = on_close = None
+                if self.group.is_leader:  # rank 0's session runs each command on every rank
+                    run = lambda op, **a: self.run(op, model_id=model_id, **a)  # noqa: E731
+                    on_close = lambda: self.close_session(model_id)  # noqa: E731
+                session = LoraSession(model_id, self.lora_base(), types.LoraConfig(**lora),
+                                      base_model=base_model, run=run, on_close=on_close)
+                self.sessions[model_id], self.lora_sessions[model_id] = session.engine, session
+        except TinkerqError as exc:  # a config every rank refuses alike
+            error = exc
         except (RuntimeError, MemoryError) as exc:  # e.g. out of device memory on this rank
             error = ServerError(f"shard {self.group.rank} could not open session {model_id}: {exc}")
         try:
             self.group.agree(error)
         except TinkerqError:
             self.sessions.pop(model_id, None)
+            self.lora_sessions.pop(model_id, None)
             raise
+        return session
+
+    def lora_base(self) -> LoraBase:
+        """The frozen base of every LoRA session on this rank: a copy of the base, sharded once (made on every rank
+        by the first LoRA session's command). Rank 0 runs each pass on every rank (``leader``)."""
+        if self._lora_base is None:
+            model = copy.deepcopy(self.base_model)
+            model.__dict__.pop("_tinkerq_lora_hooks", None)  # the copy gets hooks of its own (the original's are inert)
+            base = LoraBase(model, self.logprobs, model_dir=self.model_dir, microbatch_tokens=self.microbatch_tokens,
+                            group=self.group, device=self.group.spec.device)
+            base.root = shard_frozen(model, self.group, self.logprobs)
+            base.whole = self.base_model  # merged files are written from rank 0's unsharded copy
+            if self.group.is_leader:
+                base.leader = lambda items, backward: self.run("lora_pass", items=items, backward=backward)
+            self._lora_base = base
+        return self._lora_base
+
+    def _lora_pass(self, args: dict[str, Any]) -> None:
+        """A mixed LoRA pass: rank 0 passes its items; a follower makes the same from the command."""
+        items = args.get("items")
+        if items is None:
+            items = [LossItem(self.lora_sessions[str(r["model_id"])], r["data"], r["loss_fn"], r["config"])
+                     for r in args["requests"]]
+        self.lora_base().pass_here(items, bool(args["backward"]))
 
     def drop_sessions(self) -> None:
         self.sessions.clear()
+        self.lora_sessions.clear()
 
     # -- rank 0 ---------------------------------------------------------------------------------------------
 
@@ -147,6 +196,20 @@ class ShardHost:
         threading.Thread(target=loop, name="tinkerq-shard-ping", daemon=True).start()
         return stop
 
+    def open_lora(self, model_id: str, config: types.LoraConfig, *, base_model: str) -> LoraSession:
+        """Rank 0: open a LoRA session on every rank; returns rank 0's."""
+        session = self.run("create", model_id=model_id, lora=config_dict(config), base_model=base_model)
+        assert isinstance(session, LoraSession)
+        return session
+
+    def close_session(self, model_id: str) -> None:
+        """Rank 0: drop a session on every rank (nothing to do when the group already dropped it)."""
+        if self.group.healthy and model_id in self.sessions:
+            try:
+                self.run("close", model_id=model_id)
+            except ShardGroupError as exc:
+                log.warning("closing %s: %s", model_id, exc.message)
+
     def shutdown(self) -> None:
         """Rank 0 stops: tell the followers to exit too."""
         with self.group.lock:
@@ -171,11 +234,7 @@ class LeaderSession(FullSession):
                          device=host.group.spec.device)
 
     def close(self) -> None:
-        if self.host.group.healthy and self.model_id in self.host.sessions:
-            try:
-                self._run("close")
-            except ShardGroupError as exc:
-                log.warning("closing %s: %s", self.model_id, exc.message)
+        self.host.close_session(self.model_id)
 
 
 def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +244,10 @@ def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
         args = {"model_id": args["model_id"], "backward": args["backward"], "request": request}
     elif op == "optim_step":
         args = {**args, "adam": messages.encode_adam(args["adam"])}
+    elif op == "lora_pass":
+        args = {"backward": args["backward"], "requests": [
+            {"model_id": item.target.model_id,
+             "request": messages.encode_loss_request(item.data, item.loss_fn, item.config)} for item in args["items"]]}
     return args
 
 
@@ -196,4 +259,10 @@ def from_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
                 "config": config}
     elif op == "optim_step":
         args = {**args, "adam": messages.decode_adam(args["adam"])}
+    elif op == "lora_pass":
+        requests = []
+        for r in args["requests"]:
+            data, loss_fn, config = messages.decode_loss_request(r["request"])
+            requests.append({"model_id": r["model_id"], "data": data, "loss_fn": loss_fn, "config": config})
+        args = {"backward": args["backward"], "requests": requests}
     return args

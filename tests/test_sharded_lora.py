@@ -1,0 +1,263 @@
+"""LoRA on a shard group: the base sharded once (FSDP2, frozen), each tenant's adapter and AdamW state on every rank.
+
+Rank 0 runs in this process (its :class:`ShardHost`, driven as the worker's compute loop drives it); ranks 1..N-1
+are real ``tinkerq worker --shards N --rank R`` processes. Every number is compared with the same sessions on one
+unsharded process (itself checked against PEFT and plain PyTorch in test_lora.py / test_families_lora.py), after
+several forward_backward + optim_step rounds with variable-length datums, alone and in mixed passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import build_tiny_llama, make_batch
+from tinkerq import types
+from tinkerq.errors import NonFiniteError
+from tinkerq.launcher.processes import free_port, start_process, worker_command
+from tinkerq.settings import Settings
+from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.lora.batch import LossItem
+from tinkerq.worker.lora.session import LoraBase, LoraSession
+from tinkerq.worker.sharding.follower import build_host
+from tinkerq.worker.sharding.host import ShardHost
+
+pytestmark = pytest.mark.timeout(600)
+
+MICROBATCH_TOKENS = 64
+TOLERANCE = 1e-5
+# eps 1e-3 as in test_families_lora.py: with a tiny eps AdamW turns gradient elements at rounding-noise level (A's
+# first gradients, from B near zero) into full +-lr steps, so any reordering of a sum shows as ~1e-5 in the weights.
+# The gradients themselves are compared before every step (_assert_same_grads).
+ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0, eps=1e-3)
+CONFIGS = [  # tenants with different targets: every rank's backward must still join the same collectives
+    types.LoraConfig(rank=8, seed=1),
+    types.LoraConfig(rank=4, seed=2, train_mlp=False),
+    types.LoraConfig(rank=8, seed=3, train_attn=False, train_mlp=False),  # unembed only
+]
+
+
+class Group:
+    """Rank 0 here, ranks 1..N-1 as `tinkerq worker` processes."""
+
+    def __init__(self, model_dir: Path, shards: int, logs: Path) -> None:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        env = {"TINKERQ_MICROBATCH_TOKENS": str(MICROBATCH_TOKENS), "TINKERQ_COLLECTIVE_TIMEOUT_S": "120",
+               "TINKERQ_RENDEZVOUS_TIMEOUT_S": "120", "TINKERQ_LOSS_BACKEND": "torch"}
+        self.procs = [start_process(worker_command(str(model_dir), threads=1, extra=[
+            "--shards", str(shards), "--rank", str(rank), "--rendezvous", address]), logs / f"rank{rank}.log", env)
+            for rank in range(1, shards)]
+        settings = Settings.from_env({}, shards=shards, shard_rank=0, rendezvous=address,
+                                     microbatch_tokens=MICROBATCH_TOKENS,
+                                 collective_timeout_s=120.0, rendezvous_timeout_s=120.0, loss_backend="torch")
+        self.host: ShardHost = build_host(str(model_dir), settings)
+        self.host.group.form()
+
+    def stop(self) -> None:
+        self.host.shutdown()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def model_dir(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"sharded-lora-{request.param}")
+    if request.param == "llama":
+        return build_tiny_llama(out, seed=3)
+    from tinkerq.recipes.families import build_family
+
+    return build_family(request.param, out, seed=3)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def group(request, model_dir, tmp_path_factory) -> Iterator[Group]:
+    g = Group(model_dir, request.param, tmp_path_factory.mktemp("shard-logs"))
+    yield g
+    g.stop()
+
+
+def _alone_base(group: Group) -> LoraBase:
+    """The same base on this process, unsharded: the reference."""
+    model = copy.deepcopy(group.host.base_model)
+    model.__dict__.pop("_tinkerq_lora_hooks", None)
+    return LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent",
+                    microbatch_tokens=MICROBATCH_TOKENS)
+
+
+def _batches(seed: int, rounds: int) -> list[list[types.Datum]]:
+    rng = np.random.default_rng(seed)
+    return [make_batch(rng, int(rng.integers(1, 8)), min_len=3, max_len=30) for _ in range(rounds)]
+
+
+def _assert_close(sharded: types.ForwardBackwardOutput, alone: types.ForwardBackwardOutput) -> None:
+    assert abs(sharded.metrics["loss:sum"] - alone.metrics["loss:sum"]) <= TOLERANCE * max(
+        1.0, abs(alone.metrics["loss:sum"]))
+    assert len(sharded.loss_fn_outputs) == len(alone.loss_fn_outputs)
+    for a, b in zip(sharded.loss_fn_outputs, alone.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=TOLERANCE)
+
+
+def _assert_same_grads(one: LoraSession, other: LoraSession) -> None:
+    """The pending gradients (rank 0's: summed over the ranks) equal one process's, relative to their scale."""
+    for g, h in zip(one.engine.grads(), other.engine.grads(), strict=True):
+        assert float((g - h).abs().max()) <= 1e-5 * max(1.0, float(h.abs().max()))
+
+
+def _max_diff(one: LoraSession, other: LoraSession) -> float:
+    a, b = dict(one.adapter.named_pairs()), dict(other.adapter.named_pairs())
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).detach().abs().max()) for n in a)
+
+
+def _open(group: Group, tag: str) -> tuple[list[LoraSession], list[LoraSession]]:
+    alone_base = _alone_base(group)
+    sharded = [group.host.open_lora(f"{tag}-{i}", c, base_model="tiny") for i, c in enumerate(CONFIGS)]
+    alone = [LoraSession(f"alone-{tag}-{i}", alone_base, c, base_model="tiny") for i, c in enumerate(CONFIGS)]
+    return sharded, alone
+
+
+def test_lora_sessions_alone_equal_one_process(group):
+    """Each session's own forward_backward (its datums split over the ranks) + optim_step, several rounds."""
+    sharded, alone = _open(group, "alone")
+    try:
+        for i, (s, a) in enumerate(zip(sharded, alone, strict=True)):
+            for batch in _batches(10 + i, 3):
+                _assert_close(s.run_loss(batch, "cross_entropy", None, backward=True),
+                              a.run_loss(batch, "cross_entropy", None, backward=True))
+                _assert_same_grads(s, a)
+                s_step, a_step = s.optim_step(ADAM), a.optim_step(ADAM)
+                assert s_step.metrics["grad_norm:mean"] == pytest.approx(a_step.metrics["grad_norm:mean"], rel=1e-5)
+            assert _max_diff(s, a) <= TOLERANCE
+            # a forward afterwards sees the trained adapter on every rank alike
+            probe = _batches(99, 1)[0]
+            _assert_close(s.run_loss(probe, "cross_entropy", None, backward=False),
+                          a.run_loss(probe, "cross_entropy", None, backward=False))
+    finally:
+        for s in sharded:
+            s.close()
+    assert not group.host.lora_sessions  # closed on rank 0; the followers were told in the same command
+
+
+def test_mixed_tenant_passes_on_the_group_equal_one_process(group):
+    """The three tenants' requests in one mixed pass per round (what the compute loop runs), on the group and on one
+    process; a forward-only pass too."""
+    sharded, alone = _open(group, "mixed")
+    try:
+        base = sharded[0].pass_group
+        for round_ in range(3):
+            batches = [_batches(100 * round_ + i, 1)[0] for i in range(len(CONFIGS))]
+            items = [LossItem(s, b, "cross_entropy", None) for s, b in zip(sharded, batches, strict=True)]
+            base.run_pass(items, True)
+            refs = [LossItem(a, b, "cross_entropy", None) for a, b in zip(alone, batches, strict=True)]
+            alone[0].pass_group.run_pass(refs, True)
+            for item, ref in zip(items, refs, strict=True):
+                assert item.error is None and ref.error is None
+                _assert_close(item.output, ref.output)
+            for s, a in zip(sharded, alone, strict=True):
+                _assert_same_grads(s, a)
+                s.optim_step(ADAM)
+                a.optim_step(ADAM)
+        for s, a in zip(sharded, alone, strict=True):
+            assert _max_diff(s, a) <= TOLERANCE
+        probe = [_batches(7, 1)[0] for _ in CONFIGS]
+        items = [LossItem(s, b, "importance_sampling", None) for s, b in zip(sharded, _with_rl(probe), strict=True)]
+        refs = [LossItem(a, b, "importance_sampling", None) for a, b in zip(alone, _with_rl(probe), strict=True)]
+        base.run_pass(items, False)
+        alone[0].pass_group.run_pass(refs, False)
+        for item, ref in zip(items, refs, strict=True):
+            _assert_close(item.output, ref.output)
+    finally:
+        for s in sharded:
+            s.close()
+
+
+def _with_rl(batches: list[list[types.Datum]]) -> list[list[types.Datum]]:
+    """The same datums with importance-sampling inputs (sampler logprobs, advantages)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for batch in batches:
+        rows = []
+        for d in batch:
+            n = d.model_input.length
+            rows.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "logprobs": types.TensorData.from_numpy(rng.normal(-2.0, 0.5, n).astype(np.float32)),
+                "advantages": types.TensorData.from_numpy(rng.normal(0.0, 1.0, n).astype(np.float32))}))
+        out.append(rows)
+    return out
+
+
+def test_a_non_finite_loss_in_one_tenant_is_refused_by_every_rank_and_spares_the_others(group):
+    sharded, alone = _open(group, "nan")
+    try:
+        good = _batches(3, 2)
+        bad = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+            **d.loss_fn_inputs, "weights": types.TensorData.from_numpy(
+                np.full(d.model_input.length, np.nan, dtype=np.float32))}) for d in _batches(4, 1)[0]]
+        items = [LossItem(sharded[0], good[0], "cross_entropy", None), LossItem(sharded[1], bad, "cross_entropy", None)]
+        sharded[0].pass_group.run_pass(items, True)
+        assert isinstance(items[1].error, NonFiniteError) and "loss is nan" in items[1].error.message
+        assert items[0].error is None
+        ref = alone[0].run_loss(good[0], "cross_entropy", None, backward=True)
+        _assert_close(items[0].output, ref)
+        # the refused tenant's adapter got nothing: its next step equals a fresh session's
+        assert all(float(g.abs().max()) == 0.0 for g in sharded[1].engine.grads())
+    finally:
+        for s in sharded:
+            s.close()
+
+
+def test_lora_state_saved_on_the_group_resumes_on_one_process(group, tmp_path):
+    sharded, alone = _open(group, "state")
+    try:
+        s, a = sharded[0], alone[0]
+        for batch in _batches(20, 2):
+            s.run_loss(batch, "cross_entropy", None, backward=True)
+            s.optim_step(ADAM)
+            a.run_loss(batch, "cross_entropy", None, backward=True)
+            a.optim_step(ADAM)
+        path = Path(s.save_state(str(tmp_path), "ckpt", base_model="tiny", seq_id=5))
+        fresh = LoraSession("fresh", a.base, CONFIGS[0], base_model="tiny")
+        fresh.load_state(path)
+        assert _max_diff(fresh, a) <= TOLERANCE
+        # and back: the group loads what one process saved, then both take the same step
+        path2 = Path(a.save_state(str(tmp_path), "ckpt2", base_model="tiny", seq_id=6))
+        s.load_state(path2)
+        batch = _batches(21, 1)[0]
+        _assert_close(s.run_loss(batch, "cross_entropy", None, backward=True),
+                      a.run_loss(batch, "cross_entropy", None, backward=True))
+        s.optim_step(ADAM)
+        a.optim_step(ADAM)
+        assert _max_diff(s, a) <= TOLERANCE
+    finally:
+        for s in sharded:
+            s.close()
+
+
+def test_the_base_is_sharded_once_and_adapters_are_whole_on_each_rank(group):
+    sharded, _ = _open(group, "memory")
+    try:
+        base = sharded[0].pass_group
+        from torch.distributed.tensor import DTensor
+
+        layer_params = [p for n, p in base.model.named_parameters() if ".layers." in n]
+        assert layer_params and all(isinstance(p, DTensor) for p in layer_params)
+        whole = sum(p.numel() for p in layer_params)
+        local = sum(p.to_local().numel() for p in layer_params)
+        assert local <= whole / group.host.group.world + 64 * len(layer_params)  # 1/N, plus padding of uneven dims
+        assert not any(p.requires_grad for p in base.model.parameters())
+        # whole copies (a follower's copy that drifted would change its rows' logprobs: the tests above compare them)
+        assert all(not isinstance(p, DTensor) for p in sharded[0].engine.params)
+    finally:
+        for s in sharded:
+            s.close()
