@@ -260,10 +260,46 @@ def test_a_non_finite_loss_on_one_shard_is_refused_by_all_and_changes_nothing(pa
     assert _same_weights(one, two, "after-non-finite") < 1e-5
 
 
-def test_lora_sessions_are_refused_by_a_sharded_worker(service, shard_group):
-    with pytest.raises(errors.ValidationError, match="LoRA sessions are served by unsharded workers"):
-        service.create_lora_training_client(SHARDED, rank=4).result()
-    assert service.create_training_client(SHARDED).info.extra["shards"] == 2  # still serving
+def _adapter(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "adapter_model.safetensors"))
+
+
+def test_lora_tenants_on_the_group_train_and_sample_as_on_one_worker(service, model_dir, shard_group):
+    """Two LoRA tenants on the two shards (their passes mixed on the group) and the same two on the unsharded
+    worker: losses, gradient norms, the adapters after several pipelined steps, and sampling from them."""
+    adam = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0, eps=1e-3)  # test_sharded_lora
+    configs = [dict(rank=4, seed=11), dict(rank=8, seed=12, train_mlp=False)]
+    sharded = [service.create_lora_training_client(SHARDED, **c).result(timeout=120) for c in configs]
+    alone = [service.create_lora_training_client(str(model_dir), **c).result(timeout=120) for c in configs]
+    try:
+        assert all(tc.info.extra["shards"] == 2 for tc in sharded)
+        rng = np.random.default_rng(71)
+        batches = [[make_batch(rng, n) for n in BATCH_SIZES[:3]] for _ in configs]
+        futures = {id(tc): [(tc.forward_backward(b), tc.optim_step(adam)) for b in batches[i % 2]]
+                   for i, tc in enumerate(sharded + alone)}  # every tenant's requests in flight at once
+        for s, a in zip(sharded, alone, strict=True):
+            for (fb_s, st_s), (fb_a, st_a) in zip(futures[id(s)], futures[id(a)], strict=True):
+                out_s, out_a = fb_s.result(timeout=120), fb_a.result(timeout=120)
+                _assert_same_outputs(out_s, out_a, len(out_a.loss_fn_outputs))
+                assert st_s.result(timeout=60).metrics["grad_norm:mean"] == pytest.approx(
+                    st_a.result(timeout=60).metrics["grad_norm:mean"], rel=1e-5)
+        for i, (s, a) in enumerate(zip(sharded, alone, strict=True)):
+            mine = _adapter(s.save_weights_for_sampler(f"lora-{i}-sharded").result(timeout=60).path)
+            ref = _adapter(a.save_weights_for_sampler(f"lora-{i}-one").result(timeout=60).path)
+            assert mine.keys() == ref.keys()
+            assert max(float((mine[k] - ref[k]).abs().max()) for k in ref) < 1e-5
+            prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=3)
+            got = s.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60).sequences
+            want = a.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60).sequences
+            assert [q.tokens for q in got] == [q.tokens for q in want]
+            for x, y in zip(got, want, strict=True):
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+    finally:
+        for tc in sharded + alone:
+            tc.close()
+    assert service.create_training_client(SHARDED).info.extra["shards"] == 2  # and still serving full sessions
 
 
 def test_sampling_from_a_sharded_model(pair):
