@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -22,7 +23,7 @@ import pytest
 from tests import netns
 from tests.conftest import WORKER_MICROBATCH_TOKENS
 from tests.helpers import make_batch, max_weight_diff
-from tinkerq import types
+from tinkerq import errors, types
 from tinkerq.launcher.processes import port_problem, redis_binary, start_process, wait_for, worker_command
 
 pytestmark = pytest.mark.timeout(420)
@@ -190,3 +191,109 @@ def test_a_group_over_two_hosts_trains_as_one_worker(two_hosts, hosts, net_redis
     seen_a = hosts.sockets("a")
     assert f"{hosts.gateway}:{urlparse(net_redis).port}" in seen_a, seen_a
     assert "127.0.0.1" not in seen_a + seen_b, seen_a + seen_b
+
+
+def _wait_answered(futures, bound: float) -> list[tuple[object, float]]:
+    """Every future's result or error, with when it was answered (monotonic); fails the test past ``bound``."""
+    deadline = time.monotonic() + bound
+    answered: dict[int, float] = {}
+    while len(answered) < len(futures) and time.monotonic() < deadline:
+        for i, f in enumerate(futures):
+            if i not in answered and f.done():
+                answered[i] = time.monotonic()
+        time.sleep(0.05)
+    missing = [i for i in range(len(futures)) if i not in answered]
+    assert not missing, f"requests {missing} of {len(futures)} got no answer within {bound:g} s (a hang)"
+    return [(f.exception(timeout=0) or f.result(timeout=0), answered[i]) for i, f in enumerate(futures)]
+
+
+def test_cutting_a_followers_link_mid_run_fails_fast_and_the_group_comes_back(
+        two_hosts, hosts, net_service, service, model_dir):
+    rng = np.random.default_rng(91)
+    tc = net_service.create_training_client(two_hosts.name)
+    tc.forward_backward(make_batch(rng, 3))
+    tc.optim_step(ADAM).result(timeout=120)
+    # Pipelined: every request is queued before the link goes; the first is answered, the rest are running or
+    # waiting when host b disappears.
+    futures = []
+    for _ in range(8):
+        futures += [tc.forward_backward(make_batch(rng, 4)), tc.optim_step(ADAM)]
+    futures[0].result(timeout=120)
+    hosts.cut("b")
+    cut_at = time.monotonic()
+    later = [tc.forward_backward(make_batch(rng, 2)), tc.optim_step(ADAM)]  # queued after the cut
+    outcomes = _wait_answered(futures + later, COLLECTIVE_TIMEOUT_S + SLACK_S)
+    kinds = ["ok" if not isinstance(o, errors.TinkerqError) else type(o).__name__ for o, _ in outcomes]
+    first_error = next(i for i, k in enumerate(kinds) if k != "ok")
+    print(f"\ncut -> first error {outcomes[first_error][1] - cut_at:.1f} s, all answered "
+          f"{max(t for _, t in outcomes) - cut_at:.1f} s; {kinds}")
+    print(outcomes[first_error][0])
+    # Served in order until the cut, then every request of the lost session fails: none is served after an
+    # error (nothing applied twice or out of order), none is left unanswered.
+    assert all(k == "ok" for k in kinds[:first_error]) and first_error >= 1, kinds
+    assert all(k == "ShardGroupError" for k in kinds[first_error:]), kinds
+    err = outcomes[first_error][0]
+    assert "shard group of this model failed" in err.message, err.message
+    assert (f"did not answer within {COLLECTIVE_TIMEOUT_S:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S): it hangs, is far "
+            f"behind, or its host cannot be reached over the network") in err.message, err.message
+    assert outcomes[first_error][1] - cut_at < COLLECTIVE_TIMEOUT_S + SLACK_S
+    # While host b is away the model has no worker: a new session is refused at once instead of waiting.
+    wait_for(lambda: not net_service.connection.workers_serving(two_hosts.name), 30, "rank 0 to withdraw")
+    with pytest.raises(errors.UnknownModelError, match="no worker serves"):
+        net_service.create_training_client(two_hosts.name)
+    # Rank 1's own collective times out too; it waits for rank 0's next generation over the dead link.
+    wait_for(lambda: "lost rank 0's command stream" in two_hosts.log(1).read_text(), COLLECTIVE_TIMEOUT_S + SLACK_S,
+             "rank 1 to notice the cut", two_hosts.procs[1], two_hosts.log(1))
+    time.sleep(2)
+    hosts.restore("b")
+    restored_at = time.monotonic()
+    two_hosts.wait_serving(net_service.connection, timeout=RENDEZVOUS_TIMEOUT_S + SLACK_S)
+    print(f"link back -> serving again {time.monotonic() - restored_at:.1f} s")
+    assert two_hosts.procs[1].poll() is None  # the same process: nothing was restarted
+    # A new session trains as one worker does.
+    batches = [make_batch(rng, n) for n in (3, 4)]
+    one = service.create_training_client(str(model_dir))
+    two = net_service.create_training_client(two_hosts.name)
+    try:
+        losses_one, norms_one = _steps(one, batches)
+        losses_two, norms_two = _steps(two, batches)
+    finally:
+        one.close()
+        two.close()
+    assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
+    assert norms_two == pytest.approx(norms_one, rel=1e-5)
+
+
+def _run_alone(hosts, host: str, model_dir, redis_url: str, extra: list[str], log: Path, env: dict[str, str],
+               bound: float) -> tuple[int, str, float]:
+    """A worker in namespace ``host`` that must exit by itself within ``bound``: (status, its output, seconds)."""
+    cmd = worker_command(str(model_dir), redis_url, threads=1, extra=extra)
+    started = time.monotonic()
+    proc = start_process(hosts.command(host, cmd), log, {"GLOO_SOCKET_IFNAME": netns.IFNAME, **env})
+    try:
+        rc = proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        pytest.fail(f"still running after {bound:g} s (a hang):\n{log.read_text()[-2000:]}")
+    return rc, log.read_text(), time.monotonic() - started
+
+
+def test_a_follower_that_cannot_reach_rank_0_names_the_address(hosts, model_dir, net_redis, tmp_path):
+    nobody = f"tcp://{hosts.subnet}.99:29500"  # on host b's subnet, but no host has that address
+    rc, out, took = _run_alone(hosts, "b", model_dir, net_redis,
+                               ["--shards", "2", "--rank", "1", "--rendezvous", nobody], tmp_path / "follower.log",
+                               {"TINKERQ_RENDEZVOUS_TIMEOUT_S": "5"}, 5 + SLACK_S)
+    print(f"\nfollower exited {rc} after {took:.1f} s")
+    assert rc == 2, out
+    assert f"rank 1 could not reach rank 0 at {nobody} within 5 s (TINKERQ_RENDEZVOUS_TIMEOUT_S)" in out, out
+
+
+def test_a_rank_0_that_cannot_reach_redis_names_the_address(hosts, model_dir, tmp_path):
+    unreachable = f"redis://{hosts.subnet}.99:6379/0"
+    rc, out, took = _run_alone(hosts, "a", model_dir, unreachable,
+                               ["--shards", "2", "--rank", "0", "--rendezvous", f"tcp://{hosts.addresses['a']}:29500"],
+                               tmp_path / "rank0.log", {"TINKERQ_CONNECT_TIMEOUT_S": "5"}, 5 + SLACK_S)
+    print(f"\nrank 0 exited {rc} after {took:.1f} s")
+    assert rc != 0, out
+    assert f"cannot reach Redis at {unreachable}" in out, out

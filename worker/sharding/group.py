@@ -66,7 +66,7 @@ def describe_failure(exc: BaseException, collective_timeout_s: float) -> str:
     text = str(exc)
     if "Timed out" in text or "timed out" in text:
         what = (f"a shard did not answer within {collective_timeout_s:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S): it "
-                f"hangs or is far behind")
+                f"hangs, is far behind, or its host cannot be reached over the network")
     elif "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
         what = "a shard closed its connection: it died or was stopped"
     else:
