@@ -9,6 +9,7 @@
     tinkerq keys create NAME         a new API key for tenant NAME (printed once, alone on the last line)
     tinkerq keys list | revoke NAME  the tenants that have a key; remove one's key
     tinkerq families build DIR       tiny random models of every model family, one directory each, to serve
+    tinkerq plan --model DIR|NAME    how many shards and LoRA tenants a model needs/fits per device (no weights)
 
 Subcommands import their (heavy) modules only when they run, so ``tinkerq --help`` is instant.
 """
@@ -224,6 +225,32 @@ def cmd_families(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``plan``: shards, memory per shard and LoRA tenants of a model from its config (worker/planner.py)."""
+    import json
+
+    from tinkerq.worker.planner import LINEUP, Workload, plan, render, render_markdown, to_json
+
+    if bool(args.model) == bool(args.lineup):
+        raise UserError("pass --model DIR|CONFIG|NAME, or --lineup for every model of the lineup "
+                        f"({', '.join(LINEUP)})")
+    workload = Workload(batch_tokens=args.batch_tokens, seq_len=args.seq_len, lora_rank=args.lora_rank,
+                        **({"microbatch_tokens": args.microbatch_tokens} if args.microbatch_tokens else {}))
+    models = list(LINEUP) if args.lineup else [args.model]
+    tables = []
+    for gb in args.device_memory:
+        plans = [plan(m, devices=args.devices, device_gb=gb, dtype=args.dtype, headroom_gb=args.headroom,
+                      workload=workload) for m in models]
+        tables.append(plans)
+    if args.json:
+        print(json.dumps([to_json(p) for plans in tables for p in plans], indent=2))
+    elif args.markdown:
+        print("\n\n".join(render_markdown(plans) for plans in tables))
+    else:
+        print("\n\n".join(render(p) for plans in tables for p in plans))
+    return 0
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 if a worker on this host is registered (its heartbeat thread runs even during long tasks)."""
     import socket
@@ -350,6 +377,30 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"only these families (default: all of {', '.join(FAMILIES)})")
     fb.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default 0)")
     fa.set_defaults(func=cmd_families)
+
+    pn = sub.add_parser("plan", help="how many shards a model needs and how many LoRA tenants fit, per device "
+                                     "(from its config on the meta device: no weights)")
+    pn.add_argument("--model", help="a Hugging Face model directory (config.json only is read), a config.json, or a "
+                                    "lineup name (llama-3.3-70b, gpt-oss-120b, deepseek-v3.1, ...)")
+    pn.add_argument("--lineup", action="store_true", help="every model of the lineup (docs/planning.md)")
+    pn.add_argument("--devices", type=positive_int, default=8, help="devices available to the group (default 8)")
+    pn.add_argument("--device-memory", type=positive_float, nargs="+", default=[80.0], metavar="GB",
+                    help="memory of one device, GiB; several values: one plan each (default 80)")
+    pn.add_argument("--headroom", type=float, default=2.0,
+                    help="GiB kept free on each device: CUDA context, allocator slack, NCCL buffers (default 2)")
+    pn.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="the served parameters' dtype (default bfloat16; a quantized checkpoint is dequantized "
+                         "to it on load)")
+    pn.add_argument("--batch-tokens", type=positive_int, default=8192,
+                    help="tokens of one forward_backward, split over the shards (default 8192)")
+    pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")
+    pn.add_argument("--microbatch-tokens", type=positive_int,
+                    help="the worker's TINKERQ_MICROBATCH_TOKENS (default: the worker's default)")
+    pn.add_argument("--lora-rank", type=positive_int, default=32, help="LoRA rank (default 32, Tinker's)")
+    out = pn.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--markdown", action="store_true", help="one markdown table row per model")
+    pn.set_defaults(func=cmd_plan)
 
     hc = sub.add_parser("healthcheck", help="exit 0 if a worker on this host is registered (for containers)")
     hc.add_argument("--broker", help=BROKER_HELP)

@@ -32,10 +32,18 @@ from tinkerq.worker.memory_estimates import (
     REQUEST_BYTES_PER_DATUM,
     REQUEST_BYTES_PER_TOKEN,
     ModelShape,
+    activation_bytes,
     batch_bytes,
+    full_session_bytes,
+    gather_bytes,
+    lora_base_bytes,
+    lora_state_bytes,
     microbatches,
+    request_bytes,
     sample_bytes,
     session_state_bytes,
+    session_state_parts,
+    shards_needed,
     snapshot_bytes,
     training_working_bytes,
     unallocated_state_bytes,
@@ -54,11 +62,12 @@ from tinkerq.worker.memory_release import _LIBC, LARGE_BYTES, is_large, release_
 
 __all__ = [  # what is free, what things need, giving back (their modules), and admission (here)
     "HOST_HEADROOM_BYTES", "LARGE_BYTES", "LORA_BYTES_PER_PARAMETER", "REQUEST_BYTES_PER_DATUM",
-    "REQUEST_BYTES_PER_TOKEN", "_LIBC", "CapacityError", "Free", "MiB", "ModelShape", "admit_batch",
-    "admit_lora_session", "admit_sample", "admit_session", "admit_snapshot", "batch_bytes", "cgroup_available",
-    "describe", "device_free", "host_free", "is_large", "meminfo_available", "microbatches", "release_memory",
-    "require", "rss_bytes", "sample_bytes", "session_state_bytes", "snapshot_bytes", "training_working_bytes",
-    "unallocated_state_bytes",
+    "REQUEST_BYTES_PER_TOKEN", "_LIBC", "CapacityError", "Free", "MiB", "ModelShape", "activation_bytes",
+    "admit_batch", "admit_lora_session", "admit_sample", "admit_session", "admit_snapshot", "batch_bytes",
+    "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free", "is_large",
+    "lora_base_bytes", "lora_state_bytes", "meminfo_available", "microbatches", "release_memory", "request_bytes",
+    "require", "rss_bytes", "sample_bytes", "session_state_bytes", "session_state_parts", "shards_for_lora",
+    "shards_for_session", "shards_needed", "snapshot_bytes", "training_working_bytes", "unallocated_state_bytes",
 ]
 
 # Kept free beyond every estimate on the host: Python objects, the allocators' slack, the reply being
@@ -107,29 +116,79 @@ def require(nbytes: int, what: str, device: str | torch.device, *, limit_mb: int
 
 
 def admit_session(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]) -> None:
-    """Refuse a new training session that would not fit (with the room training needs, and the AdamW
-    state open sessions have not allocated yet)."""
+    """Refuse a new training session that would not fit (with the room training needs, FSDP's gather room on a
+    shard group, and the AdamW state open sessions have not allocated yet). The refusal says how many shards it
+    would need (:func:`shards_for_session`, the planner's figure: docs/planning.md)."""
     shape, shards = ModelShape.of(model), settings.shards
     promised = unallocated_state_bytes(sessions)
-    needed = session_state_bytes(shape, shards) + training_working_bytes(shape, shards) + promised
-    require(needed, "a new training session (weights, gradients and AdamW state"
-            + (f", 1/{shards} per shard" if shards > 1 else "")
-            + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
-               f"optim_step" if promised else "") + ")",
-            settings.device, limit_mb=settings.memory_limit_mb,
-            advice="close unused training clients (tc.close()), or create this one on another worker")
+    needed = full_session_bytes(shape, shards) + promised
+    try:
+        require(needed, "a new training session (weights, gradients and AdamW state"
+                + (f", 1/{shards} per shard" if shards > 1 else "")
+                + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
+                   f"optim_step" if promised else "") + ")",
+                settings.device, limit_mb=settings.memory_limit_mb,
+                advice="close unused training clients (tc.close()), or create this one on another worker")
+    except CapacityError as exc:
+        room = _room(exc, settings.device)
+        n = shards_for_session(shape, room, shards=shards, promised=promised)
+        if n is not None:
+            hint = (f" Or shard the model: with {describe(room)} free on each device, as here now, it needs {n} "
+                    f"shards (about {describe(full_session_bytes(shape, n))} each): start the worker with --shards "
+                    f"{n}, one shard per device (tinkerq plan --model DIR says the same; docs/planning.md).")
+        else:
+            hint = (f" No number of shards makes room for it here: FSDP's gather room alone, held whole on every "
+                    f"shard, is {describe(gather_bytes(shape, 2, weight_grads=True))} (docs/planning.md).")
+        raise CapacityError(exc.message + hint, **{**exc.details, "shards_needed": n or 0}) from None
 
 
-def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any]) -> None:
+def shards_for_session(shape: ModelShape, room: int, *, shards: int = 1, promised: int = 0) -> int | None:
+    """The fewest shards (more than ``shards``, the group's size now) whose share of a new full session fits in
+    ``room`` bytes per device; ``promised``, the AdamW state open sessions still allocate, is split the same way.
+    None if no count fits (the gather room every shard holds whole is larger than ``room``)."""
+    return shards_needed(lambda n: full_session_bytes(shape, n) + promised * shards // n, room, start=shards + 1)
+
+
+def shards_for_lora(shape: ModelShape, parameters: int, room: int, *, shards: int = 1, promised: int = 0) -> int | None:
+    """The fewest shards (more than ``shards``) that make room for a new LoRA adapter of ``parameters`` in ``room``
+    bytes per device: sharding the frozen base finer frees part of its share; the adapter itself is held whole
+    on every shard, so past some count more shards do not help (None)."""
+    def need(n: int) -> int:
+        freed = lora_base_bytes(shape, shards) - lora_base_bytes(shape, n)
+        return lora_state_bytes(parameters) + promised + gather_bytes(shape, n, weight_grads=False) - freed
+    return shards_needed(need, room, start=shards + 1)
+
+
+def _room(exc: CapacityError, device: str | torch.device) -> int:
+    """What :func:`require` found free, less the headroom it keeps."""
+    headroom = HOST_HEADROOM_BYTES if torch.device(device).type != "cuda" else 0
+    return max(0, int(exc.details.get("free_bytes", 0)) - headroom)
+
+
+def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any],
+                       model: torch.nn.Module | None = None) -> None:
     """Refuse a new LoRA session whose adapter would not fit: its float32 weights, pending gradients and AdamW
-    moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet."""
+    moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet. Given the base
+    ``model``, the refusal also says whether more shards would make room (:func:`shards_for_lora`)."""
     promised = unallocated_state_bytes(sessions)
-    require(LORA_BYTES_PER_PARAMETER * parameters + promised,
-            f"a new LoRA adapter ({parameters:,} parameters: weights, gradients and AdamW state"
-            + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first optim_step"
-               if promised else "") + ")",
-            settings.device, limit_mb=settings.memory_limit_mb,
-            advice="close unused training clients (tc.close()), use a lower rank, or open it on another worker")
+    try:
+        require(lora_state_bytes(parameters) + promised,
+                f"a new LoRA adapter ({parameters:,} parameters: weights, gradients and AdamW state"
+                + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
+                   f"optim_step" if promised else "") + ")",
+                settings.device, limit_mb=settings.memory_limit_mb,
+                advice="close unused training clients (tc.close()), use a lower rank, or open it on another worker")
+    except CapacityError as exc:
+        if model is None:
+            raise
+        shape, room = ModelShape.of(model), _room(exc, settings.device)
+        n = shards_for_lora(shape, parameters, room, shards=settings.shards, promised=promised)
+        if n is not None:
+            hint = (f" Or shard the frozen base finer: with {n} shards (--shards {n}) its share frees enough room "
+                    f"on each device (docs/planning.md).")
+        else:
+            hint = (" More shards would not make room: the adapter is held whole on every shard (docs/planning.md).")
+        raise CapacityError(exc.message + hint, **{**exc.details, "shards_needed": n or 0}) from None
 
 
 def admit_snapshot(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]) -> None:
