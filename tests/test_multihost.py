@@ -242,7 +242,7 @@ def test_cutting_a_followers_link_mid_run_fails_fast_and_the_group_comes_back(
     with pytest.raises(errors.UnknownModelError, match="no worker serves"):
         net_service.create_training_client(two_hosts.name)
     # Rank 1's own collective times out too; it waits for rank 0's next generation over the dead link.
-    wait_for(lambda: "lost rank 0's command stream" in two_hosts.log(1).read_text(), COLLECTIVE_TIMEOUT_S + SLACK_S,
+    wait_for(lambda: "waiting for the group to re-form" in two_hosts.log(1).read_text(), COLLECTIVE_TIMEOUT_S + SLACK_S,
              "rank 1 to notice the cut", two_hosts.procs[1], two_hosts.log(1))
     time.sleep(2)
     hosts.restore("b")
@@ -297,3 +297,52 @@ def test_a_rank_0_that_cannot_reach_redis_names_the_address(hosts, model_dir, tm
     print(f"\nrank 0 exited {rc} after {took:.1f} s")
     assert rc != 0, out
     assert f"cannot reach Redis at {unreachable}" in out, out
+
+
+def test_cutting_rank_0s_link_mid_run_answers_every_request_and_the_group_comes_back(
+        two_hosts, hosts, net_service, service, model_dir):
+    """Host a holds rank 0, the Celery side: the cut takes it from Redis and from rank 1 at once. Its heartbeats
+    stop, so the producer fails the session's requests itself (WorkerLostError); once the link is back, rank 0
+    reconnects to Redis, the group re-forms and registers again, and a new session trains."""
+    rng = np.random.default_rng(92)
+    tc = net_service.create_training_client(two_hosts.name)
+    tc.forward_backward(make_batch(rng, 3))
+    tc.optim_step(ADAM).result(timeout=120)
+    futures = []
+    for _ in range(8):
+        futures += [tc.forward_backward(make_batch(rng, 4)), tc.optim_step(ADAM)]
+    futures[0].result(timeout=120)
+    hosts.cut("a")
+    cut_at = time.monotonic()
+    later = [tc.forward_backward(make_batch(rng, 2)), tc.optim_step(ADAM)]  # queued in Redis after the cut
+    outcomes = _wait_answered(futures + later, COLLECTIVE_TIMEOUT_S + SLACK_S)
+    kinds = ["ok" if not isinstance(o, errors.TinkerqError) else type(o).__name__ for o, _ in outcomes]
+    first_error = next(i for i, k in enumerate(kinds) if k != "ok")
+    print(f"\ncut a -> first error {outcomes[first_error][1] - cut_at:.1f} s, all answered "
+          f"{max(t for _, t in outcomes) - cut_at:.1f} s; {kinds}")
+    assert all(k == "ok" for k in kinds[:first_error]) and first_error >= 1, kinds
+    assert all(k == "WorkerLostError" for k in kinds[first_error:]), kinds
+    err = outcomes[first_error][0]
+    assert "stopped (no heartbeat" in err.message and "may or may not have been applied" in err.message, err
+    # Rank 1 loses rank 0 too (its collective times out) and waits for the next generation.
+    wait_for(lambda: "waiting for the group to re-form" in two_hosts.log(1).read_text(), COLLECTIVE_TIMEOUT_S + SLACK_S,
+             "rank 1 to notice the cut", two_hosts.procs[1], two_hosts.log(1))
+    wait_for(lambda: "the shard group of this model failed" in two_hosts.log(0).read_text(),
+             COLLECTIVE_TIMEOUT_S + SLACK_S, "rank 0 to notice the cut", two_hosts.procs[0], two_hosts.log(0))
+    time.sleep(2)
+    hosts.restore("a")
+    restored_at = time.monotonic()
+    two_hosts.wait_serving(net_service.connection, timeout=RENDEZVOUS_TIMEOUT_S + SLACK_S)
+    print(f"link back -> serving again {time.monotonic() - restored_at:.1f} s")
+    assert two_hosts.procs[0].poll() is None and two_hosts.procs[1].poll() is None  # nothing was restarted
+    batches = [make_batch(rng, n) for n in (3, 4)]
+    one = service.create_training_client(str(model_dir))
+    two = net_service.create_training_client(two_hosts.name)
+    try:
+        losses_one, norms_one = _steps(one, batches)
+        losses_two, norms_two = _steps(two, batches)
+    finally:
+        one.close()
+        two.close()
+    assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
+    assert norms_two == pytest.approx(norms_one, rel=1e-5)
