@@ -133,11 +133,12 @@ def admit_session(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]
         room = _room(exc, settings.device)
         n = shards_for_session(shape, room, shards=shards, promised=promised)
         if n is not None:
-            hint = (f" Or shard the model: with {describe(room)} free on each device, as here now, it needs {n} "
+            hint = (f"; or shard the model: with {describe(room)} free on each device, as here now, it needs {n} "
                     f"shards (about {describe(full_session_bytes(shape, n))} each): start the worker with --shards "
-                    f"{n}, one shard per device (tinkerq plan --model DIR says the same; docs/planning.md).")
+                    f"{n}, one shard per device (tinkerq plan plans a whole group, activations included: "
+                    f"docs/planning.md).")
         else:
-            hint = (f" No number of shards makes room for it here: FSDP's gather room alone, held whole on every "
+            hint = (f"; no number of shards makes room for it here: FSDP's gather room alone, held whole on every "
                     f"shard, is {describe(gather_bytes(shape, 2, weight_grads=True))} (docs/planning.md).")
         raise CapacityError(exc.message + hint, **{**exc.details, "shards_needed": n or 0}) from None
 
@@ -184,10 +185,10 @@ def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any],
         shape, room = ModelShape.of(model), _room(exc, settings.device)
         n = shards_for_lora(shape, parameters, room, shards=settings.shards, promised=promised)
         if n is not None:
-            hint = (f" Or shard the frozen base finer: with {n} shards (--shards {n}) its share frees enough room "
+            hint = (f"; or shard the frozen base finer: with {n} shards (--shards {n}) its share frees enough room "
                     f"on each device (docs/planning.md).")
         else:
-            hint = (" More shards would not make room: the adapter is held whole on every shard (docs/planning.md).")
+            hint = ("; more shards would not make room: the adapter is held whole on every shard (docs/planning.md).")
         raise CapacityError(exc.message + hint, **{**exc.details, "shards_needed": n or 0}) from None
 
 

@@ -106,7 +106,7 @@ def meta_model(config: dict[str, Any], dtype: str = "bfloat16") -> torch.nn.Modu
                         f"{model_type!r} from this config: {str(exc).splitlines()[0]}") from None
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)
 def _load(spec: str, dtype: str) -> tuple[str, dict[str, Any], torch.nn.Module]:
     """(name, config, meta model) of ``spec``, kept for the next plan of the same model (other device sizes)."""
     name, config = read_config(spec)
@@ -199,6 +199,7 @@ class KindPlan:
     adapter_bytes: int = 0  # LoRA: one tenant's adapter, on every shard
     tenants: int = 0  # LoRA: how many tenants fit at ``at``
     tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
+    longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
 
 
 @dataclass
@@ -271,11 +272,24 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "bfloat16", 
     def full_total(n: int) -> int:
         return sum(full_parts(shape, n, workload, chunk).values())
 
+    def longest_datum(fixed: int) -> int:
+        """The most tokens one datum may have for its activations to fit beside ``fixed`` bytes (a datum is never
+        split: it runs alone in a micro-batch when longer than the budget)."""
+        lo, hi = 0, 1 << 22
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            acts = activation_bytes(shape, [mid], microbatch_tokens=workload.microbatch_tokens, backward=True,
+                                    chunk_tokens=chunk) + request_bytes([mid])
+            lo, hi = (mid, hi) if fixed + acts <= usable else (lo, mid - 1)
+        return lo
+
     n_full = shards_needed(full_total, usable, limit=MAX_SHARDS)
     at = n_full if n_full is not None and n_full <= devices else devices
     parts = full_parts(shape, at, workload, chunk)
+    every = full_parts(shape, devices, workload, chunk)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
-                    host_bytes=2 * snapshot_bytes(shape) if at > 1 else 0)
+                    host_bytes=2 * snapshot_bytes(shape) if at > 1 else 0,
+                    longest_datum=longest_datum(sum(every.values()) - every["activations"]))
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
     adapter = max(1, lora_state_bytes(adapter_parameters))
@@ -287,9 +301,11 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "bfloat16", 
                            limit=MAX_SHARDS)
     at = n_lora if n_lora is not None and n_lora <= devices else devices
     parts = lora_parts(shape, at, workload, chunk)
+    every = lora_parts(shape, devices, workload, chunk)
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
                     host_bytes=snapshot_bytes(shape) if at > 1 else 0, adapter_bytes=adapter, tenants=tenants(at),
-                    tenants_all_devices=tenants(devices))
+                    tenants_all_devices=tenants(devices),
+                    longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]))
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
                 workload, adapter_parameters, full, lora, quantized_checkpoint(config, model))
@@ -302,6 +318,10 @@ def gb(nbytes: int) -> str:
     return f"{nbytes / GiB:,.1f}"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+
+
 def _shards(kind: KindPlan) -> str:
     if kind.shards is None:
         return f">{MAX_SHARDS} (never fits)"
@@ -309,21 +329,26 @@ def _shards(kind: KindPlan) -> str:
 
 
 def render(p: Plan) -> str:
-    """The human-readable table of one plan."""
+    """The human-readable table of one plan (in GiB; in MiB for devices under 8 GiB)."""
     w = p.workload
+    unit, size = ("GiB", GiB) if p.device_bytes >= 8 * GiB else ("MiB", 1 << 20)
+
+    def gb(nbytes: int) -> str:
+        return f"{nbytes / size:,.1f}"
+
     lines = [
-        f"model {p.model} ({p.architecture}): {p.parameters / 1e9:,.2f}B parameters, {gb(p.param_bytes)} GiB in "
+        f"model {p.model} ({p.architecture}): {_count(p.parameters)} parameters, {gb(p.param_bytes)} {unit} in "
         f"{p.dtype}",
-        f"devices: {p.devices} x {gb(p.device_bytes)} GiB ({gb(p.usable_bytes)} GiB usable after the headroom)",
+        f"devices: {p.devices} x {gb(p.device_bytes)} {unit} ({gb(p.usable_bytes)} {unit} usable after the headroom)",
         f"batch: {w.batch_tokens} tokens in datums of {w.seq_len}, split over the shards; micro-batches of up to "
         f"{w.microbatch_tokens} tokens; LoRA rank {w.lora_rank} on attention, MLP and output "
         f"({p.lora_parameters / 1e6:,.1f}M parameters)",
     ]
     if p.quantized:
         q = p.quantized
-        lines.append(f"checkpoint: {q.method}, {q.what} ({q.parameters / 1e9:,.2f}B parameters at {q.bits:g} bits): "
-                     f"{gb(q.checkpoint_bytes)} GiB as stored; dequantized to {p.dtype} on load: "
-                     f"{gb(q.dequantized_bytes)} GiB (planned below)")
+        lines.append(f"checkpoint: {q.method}, {q.what} ({_count(q.parameters)} parameters at {q.bits:g} bits): "
+                     f"{gb(q.checkpoint_bytes)} {unit} as stored; dequantized to {p.dtype} on load: "
+                     f"{gb(q.dequantized_bytes)} {unit} (planned below)")
     rows: list[tuple[str, str, str]] = [("", "full session", "LoRA group")]
     rows.append(("shards needed", _shards(p.full), _shards(p.lora)))
     rows.append(("per shard at", f"{p.full.at} shard(s)", f"{p.lora.at} shard(s)"))
@@ -333,15 +358,17 @@ def render(p: Plan) -> str:
         lora = p.lora.parts.get(label)
         rows.append((f"  {label}", "-" if full is None else gb(full), "-" if lora is None else gb(lora)))
     rows.append(("  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
-    rows.append(("  total, GiB (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
+    rows.append((f"  total, {unit} (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
     rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
                                                f"{p.lora.tenants_all_devices:,} at {p.devices}"))
-    rows.append(("host RAM per rank, GiB", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
+    rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
+                 f"{p.lora.longest_datum:,} (one tenant)"))
+    rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines.append("")
     lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
     lines.append("")
-    lines.append(f"(GiB; the worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
+    lines.append(f"({unit}; the worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
                  f"Host RAM: a shard group's ranks each load the base on the CPU; a full session's copy is made "
                  f"there before it is sharded. docs/planning.md)")
     return "\n".join(lines)
@@ -356,13 +383,15 @@ def render_markdown(plans: list[Plan]) -> str:
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
             f"{p0.workload.lora_rank}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
-             "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
+             "longest datum, tokens (full; LoRA) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
         lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
                      f"{gb(p.full.total)} | {_shards(p.lora)} | {gb(fixed)} | {gb(p.lora.adapter_bytes)} | "
-                     f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} |")
+                     f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
+                     f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} |")
     return head + "\n".join(lines)
 
 
