@@ -347,3 +347,125 @@ def test_non_positive_numbers_are_usage_errors(flag: str, capsys: pytest.Capture
         main(["plan", "--model", "llama-3.1-8b", flag, "0"])
     assert info.value.code == 2
     assert "positive" in capsys.readouterr().err
+
+
+# -- quantized checkpoints: dequantized on load (docs/planning.md#quantized-checkpoints) -------------------------
+
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 of ``w`` (E, rows, cols), as gpt-oss checkpoints store it: per 32 values along cols, one E8M0 scale
+    (exponent + 127) and 32 E2M1 codes packed two per byte (even index in the low nibble). Returns (blocks
+    (E, rows, cols/32, 16) uint8, scales (E, rows, cols/32) uint8, the dequantized values)."""
+    E, R, C = w.shape
+    groups = w.reshape(E, R, C // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - FP4_VALUES).abs().argmin(-1)
+    dequantized = (FP4_VALUES[codes] * torch.exp2(exponent)[..., None]).reshape(E, R, C)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8), dequantized
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek's FP8: float8_e4m3fn values, one float32 ``weight_scale_inv`` per block x block tile."""
+    R, C = w.shape
+    scales = torch.empty(-(-R // block), -(-C // block))
+    q, dequantized = torch.empty(R, C, dtype=torch.float8_e4m3fn), torch.empty(R, C)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            scales[i, j] = w[tile].abs().max().clamp_min(1e-12) / 448.0
+            q[tile] = (w[tile] / scales[i, j]).to(torch.float8_e4m3fn)
+            dequantized[tile] = q[tile].float() * scales[i, j]
+    return q, scales, dequantized
+
+
+def _save(model: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization: dict, out: Path) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.quantization_config = quantization
+    model.config.save_pretrained(out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _assert_loads_dequantized(out: Path, reference: dict[str, torch.Tensor], explicit) -> None:
+    """The worker's loader (load_causal_lm: transformers falls back to dequantizing without a GPU kernel) and
+    from_pretrained with the method's explicit ``dequantize=True`` both give exactly the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tinkerq.worker.model_loading import load_causal_lm
+
+    for model in (load_causal_lm(str(out), dtype="float32"),
+                  AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, quantization_config=explicit)):
+        held = dict(model.named_parameters())
+        differ = [k for k, v in reference.items() if not torch.equal(held[k], v)]
+        assert not differ, differ
+        assert all(p.dtype == torch.float32 for p in held.values())  # nothing left quantized: every weight trains
+
+
+def test_an_mxfp4_checkpoint_loads_dequantized_and_the_planner_sizes_it(tmp_path: Path):
+    from transformers import Mxfp4Config
+
+    from tinkerq.recipes.families import build_model
+
+    model = build_model("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    reference = {}
+    for key in [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        weight = tensors.pop(key)  # (E, in, out); the checkpoint stores (E, out, in) in blocks along in
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"], dequantized = _mxfp4(weight.transpose(1, 2).contiguous())
+        reference[key] = dequantized.transpose(1, 2)
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    out = _save(model, tensors, quantization, tmp_path / "gpt-oss-mxfp4")
+    _assert_loads_dequantized(out, reference, Mxfp4Config(dequantize=True))
+
+    _, config = planner.read_config(str(out))
+    q = planner.quantized_checkpoint(config, planner.meta_model(config, "float32"))
+    assert q is not None and q.method == "mxfp4" and q.bits == 4.25
+    assert q.parameters == sum(v.numel() for v in reference.values())
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"\ntiny gpt-oss MXFP4: {stored} B stored, planner {q.checkpoint_bytes} B; "
+          f"dequantized {q.dequantized_bytes} B")
+    assert q.checkpoint_bytes == stored  # 4 bits + 8 per 32: exactly what the file holds
+    assert q.dequantized_bytes == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_block_fp8_checkpoint_with_per_expert_tensors_loads_dequantized(tmp_path: Path):
+    """DeepSeek-V3's layout: every decoder matrix but the router in FP8 with 128 x 128 block scales, the experts as
+    one tensor per expert and projection (transformers merges them on load)."""
+    from transformers import FineGrainedFP8Config
+
+    from tinkerq.recipes.families import build_model
+
+    model = build_model("deepseek_v3")
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    reference = {}
+    for key in list(tensors):
+        weight = tensors[key]
+        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            del tensors[key]
+            prefix, per_expert = key.rsplit(".", 1)[0], []
+            for e in range(weight.shape[0]):
+                half = weight.shape[1] // 2
+                parts = ({"gate_proj": weight[e, :half], "up_proj": weight[e, half:]} if key.endswith("gate_up_proj")
+                         else {"down_proj": weight[e]})
+                pieces = []
+                for proj, w in parts.items():
+                    q, scales, dequantized = _fp8_blocks(w.contiguous())
+                    tensors[f"{prefix}.{e}.{proj}.weight"], tensors[f"{prefix}.{e}.{proj}.weight_scale_inv"] = q, scales
+                    pieces.append(dequantized)
+                per_expert.append(torch.cat(pieces))
+            reference[key] = torch.stack(per_expert)
+        elif (".layers." in key and key.endswith(".weight") and weight.dim() == 2
+              and not key.endswith("mlp.gate.weight")):
+            tensors[key], tensors[key[:-len("weight")] + "weight_scale_inv"], reference[key] = _fp8_blocks(weight)
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}
+    out = _save(model, tensors, quantization, tmp_path / "deepseek-fp8")
+    _assert_loads_dequantized(out, reference, FineGrainedFP8Config(dequantize=True))
+    _, config = planner.read_config(str(out))
+    q = planner.quantized_checkpoint(config, planner.meta_model(config, "float32"))
+    assert q is not None and q.method == "fp8" and q.parameters == sum(v.numel() for v in reference.values())

@@ -134,11 +134,13 @@ class Quantized:
 
 
 def _routed_expert(name: str, p: torch.Tensor) -> bool:
-    return ".experts." in name and p.dim() >= 2  # shared_experts are "_experts."; biases are 1- or 2-D per expert
+    # shared_experts are "_experts."; the experts' biases (2-D: one row per expert) stay unquantized
+    return ".experts." in name and p.dim() >= 2 and not name.endswith("bias")
 
 
 def _layer_matrix(name: str, p: torch.Tensor) -> bool:
-    return ".layers." in name and p.dim() >= 2 and not name.endswith("mlp.gate.weight")  # not the router
+    return (".layers." in name and p.dim() >= 2 and not name.endswith("bias")
+            and not name.endswith("mlp.gate.weight"))  # not the router
 
 
 # method: (what, predicate, bits per parameter with scales). MXFP4: 4-bit values + one 8-bit (E8M0) scale per 32.
