@@ -261,3 +261,69 @@ def test_the_base_is_sharded_once_and_adapters_are_whole_on_each_rank(group):
     finally:
         for s in sharded:
             s.close()
+
+
+def _sample(model, adapters, prompts, *, seed: int, include_prompt: bool = False):
+    """Every (adapter, prompt) job in one engine (continuous batching: their rows share each forward)."""
+    from tinkerq.worker.sampling.engine import SampleJob, StopRule
+    from tinkerq.worker.sampling.torch_engine import TorchEngine
+
+    engine, done, prompt_lps = TorchEngine(max_rows=64), {}, {}
+    for i, (adapter, prompt) in enumerate(zip(adapters, prompts, strict=True)):
+        job = SampleJob(model=model, model_key="base", prompt=prompt, num_samples=2,
+                        params=types.SamplingParams(temperature=1.0, seed=seed + i), stop=StopRule([], [], None),
+                        max_tokens=6, adapter=adapter)
+        job.on_done = lambda seqs, err, i=i: done.__setitem__(i, (seqs, err))
+        if include_prompt:
+            job.on_prompt_logprobs = lambda lps, i=i: prompt_lps.__setitem__(i, lps)
+        engine.submit(job)
+    engine.run_until_idle()
+    engine.close()
+    assert all(err is None for _, err in done.values()), done
+    return [done[i][0] for i in range(len(prompts))], [prompt_lps.get(i) for i in range(len(prompts))]
+
+
+def test_the_group_samples_its_lora_snapshots_over_the_sharded_base(group):
+    """Rank 0's engine samples the base and two tenants' adapters on the sharded base (each forward on every
+    rank): the same tokens as one process over the whole base, and logprobs equal to the group's own forward."""
+    sharded, alone = _open(group, "sample")
+    host = group.host
+    forwards = []
+    run = host.run
+    host.run = lambda op, **a: (forwards.append(op), run(op, **a))[1]  # count what rank 0 sends the group
+    try:
+        for s, a in zip(sharded, alone, strict=True):  # trained a little, so each adapter changes the samples
+            batch = _batches(30, 1)[0]
+            s.run_loss(batch, "cross_entropy", None, backward=True)
+            a.run_loss(batch, "cross_entropy", None, backward=True)
+            s.optim_step(ADAM)
+            a.optim_step(ADAM)
+        rng = np.random.default_rng(8)
+        prompts = [rng.integers(3, 50, size=n).tolist() for n in (5, 9, 5)]  # ids every family has
+        model = host.sampling_model()
+        got, got_prompt = _sample(model, [None, sharded[0].snapshot(), sharded[1].snapshot()], prompts, seed=40,
+                                  include_prompt=True)
+        assert forwards.count("sample_forward") >= 6  # prefills and decode steps ran on every rank
+        whole = alone[0].pass_group
+        want, want_prompt = _sample(whole.model, [None, alone[0].snapshot(), alone[1].snapshot()], prompts, seed=40,
+                                    include_prompt=True)
+        for g, w in zip(got, want, strict=True):
+            assert [q.tokens for q in g] == [q.tokens for q in w]
+            for x, y in zip(g, w, strict=True):
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOLERANCE)
+        for g, w in zip(got_prompt, want_prompt, strict=True):
+            np.testing.assert_allclose(g, w, atol=TOLERANCE)  # (the first is NaN in both)
+        # Logprobs equal the forward's: each sampled sequence scored by the group's forward under its adapter.
+        for session, prompt, seqs in zip(sharded[:2], prompts[1:], got[1:], strict=True):
+            for seq in seqs:
+                tokens = prompt + seq.tokens
+                datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                    loss_fn_inputs={"target_tokens": tokens[1:],
+                                                    "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+                out = session.run_loss([datum], "cross_entropy", None, backward=False)
+                scored = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+                np.testing.assert_allclose(seq.logprobs, scored, atol=TOLERANCE)
+    finally:
+        host.run = run
+        for s in sharded:
+            s.close()

@@ -81,7 +81,7 @@ class WorkerService:
         self.redis_back_at = time.monotonic()
         self.snapshots = Snapshots(connection.store, s, base_model, model,
                                    sessions=lambda: [slot.session for slot in list(self.slots.values())],
-                                   worker_id=worker_id)
+                                   worker_id=worker_id, sampling_base=shards.sampling_model if shards else None)
         self.engine = TorchEngine(max_rows=s.sample_max_rows)
         self.factory = SessionFactory(s, model, model_dir, self.logprobs, base_model, worker_id, shards)
         self.operations = Operations(
@@ -316,15 +316,19 @@ class WorkerService:
         """The shard group broke and dropped its sessions' shards (any thread). Journaled sessions are held: their
         requests wait, and each is re-made once the group re-forms (:meth:`shard_group_formed`), or given up after
         ``adopt_timeout_s`` (worker/recovery.py). Any other session is gone: its waiting requests are answered now."""
+        if "save_state" not in reason:  # ShardHost's text may leave what becomes of the sessions to us
+            lost = f"{reason.rstrip('.')}. Its training sessions are lost: resume from your last save_state checkpoint"
+        else:
+            lost = reason
         with self.cond:
             held = self.recovery.hold(reason)
             waiting = []
             for model_id, slot in self.slots.items():
                 if model_id in held:
                     continue
-                slot.broken, slot.broken_error = reason, ShardGroupError
+                slot.broken, slot.broken_error = lost, ShardGroupError
                 waiting += self.scheduler.drop_waiting(slot.lane)
-        error = ShardGroupError(reason, session_broken=True).to_wire()
+        error = ShardGroupError(lost, session_broken=True).to_wire()
         for request in waiting:
             self.finish(request, ("error", error, {}))
 

@@ -60,12 +60,15 @@ PUBLISH_WAIT_S = 60.0  # how long a worker waits for a snapshot's owner to publi
 
 class Snapshots:
     def __init__(self, store: KeyValueStore, settings: Settings, base_model: str, base: PreTrainedModel,
-                 sessions: Any = lambda: [], worker_id: str = "") -> None:
+                 sessions: Any = lambda: [], worker_id: str = "", sampling_base: Any = None) -> None:
         self.store = store
         self.worker_id = worker_id
         self.settings = settings
         self.base_model = base_model
         self.base = base
+        # What the base and LoRA snapshots are sampled on: the base itself, or a shard group's sharded base
+        # (worker/sharding/sampling.py; made on first use). Full snapshots are whole copies of ``base``.
+        self.sampling_base: Any = sampling_base or (lambda: base)
         self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
         self._models: OrderedDict[Hashable, Weights] = OrderedDict()
         self._published: dict[str, deque[str]] = {}  # training session -> its announced snapshot ids
@@ -104,7 +107,9 @@ class Snapshots:
         it if this worker does not hold it. Every adapter's key is the base's: they share its passes."""
         key, weights = self._resolve(source)
         if isinstance(weights, FrozenAdapter):
-            return BASE_KEY, self.base, weights
+            return BASE_KEY, self.sampling_base(), weights
+        if key == BASE_KEY:
+            return BASE_KEY, self.sampling_base(), None
         return key, weights, None
 
     def _resolve(self, source: dict[str, Any]) -> tuple[Hashable, Weights]:
@@ -235,7 +240,8 @@ class Snapshots:
         return record
 
     def _device(self) -> torch.device:
-        return next(self.base.parameters()).device
+        """Where adapters live: beside the base they are sampled on."""
+        return next(self.sampling_base().parameters()).device
 
     def _load_directory(self, directory: Any) -> Weights:
         marker = directory / checkpoints.WEIGHTS_FILE

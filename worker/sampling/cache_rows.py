@@ -261,7 +261,7 @@ class Group:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         # Prompt logprobs from hidden states and the output embedding (else from every position's logits).
-        self.fused_head = fused_head_support(model) is None
+        self.fused_head = getattr(model, "fused_head", True) and fused_head_support(model) is None
         self.cache: Any = None  # the cache the model made at the first prefill; its layers are re-pointed at rows
         self.kinds: list[Kind] = []  # per cache layer (set with ``cache``)
         self.rows: Rows | None = None

@@ -7,6 +7,8 @@ FSDP gathers each layer's weights for the forward and reduce-scatters its gradie
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
@@ -25,7 +27,13 @@ class LogprobModule(torch.nn.Module):
         self.lm = lm
         self.logprobs = logprobs
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, *, sample: dict[str, Any] | None = None) -> Any:
+        """Target logprobs (B, T); or, with ``sample`` (the sampling engine's keyword arguments), the model's own
+        output for them (worker/sharding/sampling.py)."""
+        if sample is not None:
+            return self.lm(**sample)
+        assert tokens is not None and mask is not None and targets is not None
         return self.logprobs(self.lm, tokens, mask, targets)  # (B, T)
 
 

@@ -27,6 +27,7 @@ from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
 from tinkerq.worker.session import FullSession, execute
 from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
+from tinkerq.worker.sharding.sampling import GroupSampling, join_forward
 from tinkerq.worker.training import TrainingEngine, tied_names
 
 log = logging.getLogger("tinkerq.shards")
@@ -43,6 +44,7 @@ class ShardHost:
         self.sessions: dict[str, TrainingEngine] = {}  # every training session's engine on this rank
         self.lora_sessions: dict[str, LoraSession] = {}  # the LoRA ones (their adapters: whole copies)
         self._lora_base: LoraBase | None = None  # made by the first LoRA session: the base sharded once, frozen
+        self._sampling: GroupSampling | None = None  # rank 0: sampling over that base (sampling_model)
         self.shapes = {n: list(p.shape) for n, p in base_model.named_parameters() if p.requires_grad}
         self.tied = tied_names(base_model)
         # Rank 0 only: called (outside the group lock) when the group breaks, and when it has re-formed.
@@ -57,6 +59,11 @@ class ShardHost:
             return self.group.agree(None)
         if op == "lora_pass":
             return self._lora_pass(args)
+        if op == "sample_forward":  # rank 0 passes its forward; a follower joins its collectives
+            call = args.get("call")
+            base = self.lora_base()
+            assert base.root is not None
+            return call() if call is not None else join_forward(base.root, self.group.spec.device)
         model_id = str(args["model_id"])
         if op == "create":
             return self._create(model_id, args.get("lora"), str(args.get("base_model", "")))
@@ -202,6 +209,17 @@ class ShardHost:
         assert isinstance(session, LoraSession)
         return session
 
+    def sampling_model(self) -> GroupSampling:
+        """Rank 0: the model the sampling engine runs the base and LoRA snapshots on (worker/sharding/sampling.py);
+        the first call shards the base on every rank, if no LoRA session has yet."""
+        if self._lora_base is None:
+            self.run("sample_forward")  # every rank makes its sharded base (lora_base()) and joins one forward
+        base = self.lora_base()
+        assert base.root is not None
+        if self._sampling is None:
+            self._sampling = GroupSampling(self, base.root, base.model)
+        return self._sampling
+
     def close_session(self, model_id: str) -> None:
         """Rank 0: drop a session on every rank (nothing to do when the group already dropped it)."""
         if self.group.healthy and model_id in self.sessions:
@@ -244,6 +262,8 @@ def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
         args = {"model_id": args["model_id"], "backward": args["backward"], "request": request}
     elif op == "optim_step":
         args = {**args, "adam": messages.encode_adam(args["adam"])}
+    elif op == "sample_forward":
+        args = {}  # rank 0's forward stays on rank 0
     elif op == "lora_pass":
         args = {"backward": args["backward"], "requests": [
             {"model_id": item.target.model_id,
