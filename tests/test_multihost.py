@@ -332,8 +332,13 @@ def test_cutting_rank_0s_link_mid_run_answers_every_request_and_the_group_comes_
     time.sleep(2)
     hosts.restore("a")
     restored_at = time.monotonic()
+    # Rank 0's own account that its group formed again, then its registration. (Registration alone is not
+    # enough: a heartbeat that was stuck retrying Redis through the cut can re-announce the model for up to three
+    # heartbeats before the group has re-formed; a session opened then fails at once with ShardGroupError.)
+    wait_for(lambda: two_hosts.log(0).read_text().count("shard group formed: rank 0") >= 2,
+             RENDEZVOUS_TIMEOUT_S + SLACK_S, "the group to re-form", two_hosts.procs[0], two_hosts.log(0))
     two_hosts.wait_serving(net_service.connection, timeout=RENDEZVOUS_TIMEOUT_S + SLACK_S)
-    print(f"link back -> serving again {time.monotonic() - restored_at:.1f} s")
+    print(f"link back -> re-formed and serving again {time.monotonic() - restored_at:.1f} s")
     assert two_hosts.procs[0].poll() is None and two_hosts.procs[1].poll() is None  # nothing was restarted
     batches = [make_batch(rng, n) for n in (3, 4)]
     one = service.create_training_client(str(model_dir))
