@@ -55,10 +55,10 @@ class ShardGroup:
         text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
         return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
-    def start(self, rank: int) -> subprocess.Popen:
+    def start(self, rank: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = worker_command(str(self.model_dir), self.redis_url, threads=1, extra=[
             "--name", self.name, "--shards", "2", "--rank", str(rank), "--rendezvous", self.rendezvous,
-            *(["--metrics-port", str(self.metrics_port)] if rank == 0 else [])])
+            *(["--metrics-port", str(self.metrics_port)] if rank == 0 else []), *extra])
         self.procs[rank] = start_process(cmd, self.logs / f"{self.name}-rank{rank}.log", self.env)
         return self.procs[rank]
 
@@ -300,6 +300,53 @@ def test_lora_tenants_on_the_group_train_and_sample_as_on_one_worker(service, mo
         for tc in sharded + alone:
             tc.close()
     assert service.create_training_client(SHARDED).info.extra["shards"] == 2  # and still serving full sessions
+
+
+def test_sampler_workers_whole_or_sharded_sample_a_lora_session_of_the_group(service, model_dir, redis_url,
+                                                                              checkpoint_dir, tmp_path_factory,
+                                                                              shard_group):
+    """A LoRA snapshot of a session on the shard group, sampled by the group itself, by a `--role sampler` worker
+    holding the base whole, and by a `--role sampler` group of two shards: the same tokens and logprobs."""
+    from tests.test_sampling import post_sample
+
+    conn = service.connection
+    logs = tmp_path_factory.mktemp("sampler-logs")
+    before = {r["worker"] for r in conn.workers_serving(SHARDED)}
+    whole = start_process(worker_command(str(model_dir), redis_url, threads=1, extra=[
+        "--name", SHARDED, "--role", "sampler"]), logs / "whole.log", shard_group.env)
+    samplers = ShardGroup(model_dir, redis_url, logs, checkpoint_dir, SHARDED)
+    samplers.start(1, ("--role", "sampler"))
+    samplers.start(0, ("--role", "sampler"))
+    try:
+        wait_for(lambda: len({r["worker"] for r in conn.workers_serving(SHARDED)} - before) == 2, 120,
+                 "two sampler workers", samplers.procs[0], logs / f"{SHARDED}-rank0.log")
+        new = [r for r in conn.workers_serving(SHARDED) if r["worker"] not in before]
+        assert sorted((r["role"], r["shards"]) for r in new) == [("sampler", 1), ("sampler", 2)]
+        tc = service.create_lora_training_client(SHARDED, rank=4, seed=5).result(timeout=120)
+        try:
+            assert tc.info.extra["shards"] == 2  # samplers take no training sessions: it is on the trainer group
+            tc.forward_backward(make_batch(np.random.default_rng(33), 4))
+            tc.optim_step(types.AdamParams(learning_rate=5e-2))
+            source = {"snapshot": tc.save_weights_and_get_sampling_client().sampler_id}
+            body = messages.encode_sample_request(source, types.ModelInput.from_ints([1, 2, 3]), 3,
+                                                  types.SamplingParams(max_tokens=8, seed=21))
+            base_body = messages.encode_sample_request({"base": True}, types.ModelInput.from_ints([1, 2, 3]), 3,
+                                                       types.SamplingParams(max_tokens=8, seed=21))
+            own = post_sample(service, tc.info.worker, body).result(timeout=120)
+            assert own.sequences != post_sample(service, tc.info.worker, base_body).result(timeout=120).sequences
+            for record in new:
+                got = post_sample(service, record["worker"], body).result(timeout=120)
+                assert [q.tokens for q in got.sequences] == [q.tokens for q in own.sequences], record["shards"]
+                for x, y in zip(got.sequences, own.sequences, strict=True):
+                    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+            for log in (logs / "whole.log", logs / f"{SHARDED}-rank0.log"):
+                assert f"loaded published snapshot {source['snapshot']} (a LoRA adapter" in log.read_text()
+        finally:
+            tc.close()
+    finally:
+        samplers.stop()
+        whole.terminate()
+        whole.wait(30)
 
 
 def test_sampling_from_a_sharded_model(pair):
