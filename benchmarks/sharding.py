@@ -10,7 +10,12 @@ gradients and AdamW moments the fullest shard holds (counted from its local tens
 4 tensors x 4 bytes x parameters. Time: on one CPU machine the shards share its cores, so the ratio shows
 the cost of splitting work and of the collectives, not a speed-up.
 
-    .venv/bin/python benchmarks/sharding.py [--shards 2 4] [--reps 5] [--threads 2]
+With ``--lora RANK`` every setup trains a LoRA session of that rank instead (the base sharded once and frozen,
+the adapter and its AdamW state whole on every rank): memory per shard is then the base's shard (counted from
+rank 0's local tensors, ``base_shard_bytes`` in create_model's reply) plus the adapter state
+(``shard_state_bytes:max``; on one worker ``state_bytes``), against the whole base plus that state.
+
+    .venv/bin/python benchmarks/sharding.py [--shards 2 4] [--reps 5] [--threads 2] [--lora 32]
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the unsharded worker; each "
                         "of N shards gets max(1, threads // N), so every setup uses the same cores")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA sessions of this rank")
     args = parser.parse_args()
     adam = types.AdamParams(learning_rate=1e-4)
     data = make_batch(LLAMA_20M["vocab_size"])
@@ -71,9 +77,16 @@ def main() -> None:
                 for n, procs in groups.items():
                     wait_for(lambda n=n: bool(service.connection.workers_serving(f"bench-{n}-shards")), 300,
                              f"{n}-shard group", procs[-1], Path(tmp) / f"shards{n}-rank0.log")
-                clients = {1: service.create_training_client(str(fleet.model_dir)).result()}
-                clients.update({n: service.create_training_client(f"bench-{n}-shards").result() for n in args.shards})
+                def open_client(name: str):
+                    if args.lora:
+                        return service.create_lora_training_client(name, rank=args.lora, seed=1).result()
+                    return service.create_training_client(name).result()
+
+                clients = {1: open_client(str(fleet.model_dir))}
+                clients.update({n: open_client(f"bench-{n}-shards") for n in args.shards})
                 n_params = clients[1].info.num_parameters
+                base_bytes = {n: float(tc.info.extra.get("base_shard_bytes", 4.0 * n_params))
+                              for n, tc in clients.items()}
                 times: dict[int, list[float]] = {n: [] for n in clients}
                 state_bytes: dict[int, float] = {}
                 losses: dict[int, list[float]] = {n: [] for n in clients}
@@ -85,7 +98,11 @@ def main() -> None:
                         metrics = step.result(timeout=600).metrics
                         if rep >= args.warmup:
                             times[n].append(time.perf_counter() - t0)
-                        state_bytes[n] = metrics.get("shard_state_bytes:max", 16.0 * n_params)
+                        whole_state = (float(tc.info.extra["lora"]["state_bytes"]) if args.lora
+                                       else 16.0 * n_params)
+                        state_bytes[n] = metrics.get("shard_state_bytes:max", whole_state)
+                        if args.lora:  # the frozen base (its shard) + the adapter's weights, grads, moments
+                            state_bytes[n] += base_bytes[n]
                     print(f"  rep {rep}{' (warm-up)' if rep < args.warmup else ''}: "
                           + ", ".join(f"{n} shard(s) {times[n][-1] if times[n] else 0:.3f} s" for n in clients),
                           flush=True)
@@ -97,11 +114,12 @@ def main() -> None:
                     for proc in reversed(procs):  # rank 0 first: it tells the others to stop
                         proc.terminate()
                         proc.wait(60)
-    whole = 16.0 * n_params
+    whole = state_bytes[1]
     base = median(times[1])
     rows = [(f"{n} shard(s)", state_bytes[n] / 2**20, state_bytes[n] / whole, median(times[n]), median(times[n]) / base)
             for n in clients]
-    print(f"sharding: {n_params / 1e6:.2f}M-parameter Llama, {DATUMS}x{SEQ} tokens, float32; {args.reps} reps "
+    what = f"LoRA rank {args.lora}" if args.lora else "full-parameter"
+    print(f"sharding ({what}): {n_params / 1e6:.2f}M-parameter Llama, {DATUMS}x{SEQ} tokens, float32; {args.reps} reps "
           f"after {args.warmup} warm-up; {machine()}")
     print_table(["setup", "state MiB/shard", "x whole", "step s", "x one worker"], rows)
     worst = max(abs(a - b) / abs(b) for n in args.shards for a, b in zip(losses[n], losses[1], strict=True))

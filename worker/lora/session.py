@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from tinkerq import types
@@ -57,6 +58,13 @@ class LoraBase:
 
     def targets(self, config: types.LoraConfig) -> list[Target]:
         return find_targets(self.model, config)
+
+    def local_bytes(self) -> int:
+        """Bytes of the base's weights on this rank (its shards, on a shard group), counted from local tensors."""
+        def local(p: torch.Tensor) -> torch.Tensor:
+            return p.to_local() if isinstance(p, DTensor) else p
+
+        return sum(local(p).numel() * local(p).element_size() for p in self.model.parameters())
 
     def _logprobs(self, tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.root is not None:
@@ -119,8 +127,11 @@ class LoraSession:
         return config_dict(self.config)
 
     def describe(self) -> dict[str, Any]:
-        return {"lora": {**config_dict(self.config), "trainable_parameters": self.num_parameters(),
-                         "state_bytes": self.state_bytes()}}
+        out: dict[str, Any] = {"lora": {**config_dict(self.config), "trainable_parameters": self.num_parameters(),
+                                        "state_bytes": self.state_bytes()}}
+        if self.base.group.world > 1:  # the frozen base each shard holds (rank 0's), beside the adapter's state
+            out["base_shard_bytes"] = self.base.local_bytes()
+        return out
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.engine.params)
