@@ -562,3 +562,41 @@ def test_a_redis_outage_is_a_retryable_503_not_a_crash(tmp_path, api_keys):
         gateway.wait(30)
         server.terminate()
         server.wait(10)
+
+
+def test_sdk_trains_lora_on_a_shard_group(sdk, model_dir, redis_url, checkpoint_dir, tmp_path_factory):
+    """The official SDK (LoRA only) trains and samples a model served by a 2-shard group: the same numbers as the
+    producer library's LoRA session on the unsharded worker."""
+    from tests.test_sharding import ShardGroup
+    from tinkerq.producer import ServiceClient
+
+    name = f"{NAME}-sharded"
+    group = ShardGroup(model_dir, redis_url, tmp_path_factory.mktemp("shard-logs"), checkpoint_dir, name)
+    group.start(1)
+    group.start(0)
+    ours = ServiceClient(broker_url=redis_url)
+    try:
+        group.wait_serving(ours.connection)
+        rng = np.random.default_rng(6)
+        batches = [make_batch(rng, 3, max_len=20) for _ in range(2)]
+        adam = {**ADAM, "eps": 1e-3}  # (tests/test_sharded_lora.py: AdamW's eps and reordered sums)
+        tc = sdk.create_lora_training_client(name, rank=4, seed=11)
+        mine = ours.create_lora_training_client(NAME, rank=4, seed=11)  # one unsharded worker
+        for batch in batches:
+            a = tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
+            b = mine.forward_backward(batch, "cross_entropy").result(timeout=120)
+            assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
+            tc.optim_step(tinker.AdamParams(**adam)).result()
+            mine.optim_step(types.AdamParams(**adam)).result(timeout=120)
+        after_a = tc.forward(sdk_batch(batches[0]), "cross_entropy").result()
+        after_b = mine.forward(batches[0], "cross_entropy").result(timeout=120)
+        for x, y in zip(after_a.loss_fn_outputs, after_b.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-5)
+        sampler = tc.save_weights_and_get_sampling_client(name="sharded-lora")
+        out = sampler.sample(prompt=tinker.ModelInput.from_ints([1, 2, 3]), num_samples=2,
+                             sampling_params=tinker.SamplingParams(max_tokens=5, seed=4)).result()
+        assert len(out.sequences) == 2 and all(len(s.tokens) == 5 for s in out.sequences)
+        mine.close()
+    finally:
+        ours.close()
+        group.stop()
