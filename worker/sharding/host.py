@@ -127,8 +127,10 @@ class ShardHost:
         self.lora_base().pass_here(items, bool(args["backward"]))
 
     def drop_sessions(self) -> None:
+        """The group broke: its sessions, and the sharded base (its shards live on the old process group), go."""
         self.sessions.clear()
         self.lora_sessions.clear()
+        self._lora_base = self._sampling = None
 
     # -- rank 0 ---------------------------------------------------------------------------------------------
 
