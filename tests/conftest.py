@@ -26,7 +26,7 @@ WORKER_GAP_TIMEOUT_S = 3
 # module missing here runs after these, in the usual order.
 SLOW_MODULES_FIRST = [
     "test_adoption.py", "test_cli.py", "test_outages.py", "test_fleet.py", "test_families_fleet.py",
-    "test_cookbook.py", "test_sharding.py", "test_sharded_adoption.py", "test_families_lora.py",
+    "test_cookbook.py", "test_sharding.py", "test_sharded_adoption.py", "test_multihost.py", "test_families_lora.py",
     "test_auto_snapshot.py",
     "test_families_benchmark.py", "test_sampling_families.py", "test_memory.py", "test_families_cookbook.py",
     "test_observability.py", "test_families_cli.py", "test_redis_modes.py", "test_keys.py", "test_security.py",
