@@ -5,8 +5,9 @@ group journals every request and snapshots every EVERY optimizer steps (worker/r
 FIRST pairs (forward_backward + optim_step) and waits for them (a snapshot after request 2 * EVERY, and
 journaled requests after it), then submits the rest, pipelined, and kills at once, while they are pending:
 
-* rank 1 (restarted by the test, as its supervisor would): rank 0 holds the session, and once the group has
-  re-formed re-makes it from the snapshot + journal and runs the waiting requests, the interrupted one again;
+* rank 1 (restarted by the test, as its supervisor would): rank 0 holds the session (full, or LoRA), and once
+  the group has re-formed re-makes it from the snapshot + journal and runs the waiting requests, the interrupted
+  one again;
 * rank 0 (its follower exits): an unsharded worker of the model adopts the session;
 * rank 1, never restarted: after TINKERQ_ADOPT_TIMEOUT_S rank 0 hands the session to an unsharded worker.
 
@@ -36,6 +37,9 @@ from tinkerq.launcher.processes import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
+# LoRA's B starts at zero: AdamW's default eps (1e-12) would turn the shards' rounding into whole steps.
+LORA_ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, eps=1e-3)
+LORA = {"rank": 4, "seed": 7}
 EVERY = 4  # TINKERQ_AUTO_SNAPSHOT_STEPS of every worker here
 FIRST = 5  # pairs answered before the kill: snapshot after request 8, requests 9 and 10 in the journal
 PAIRS = 12
@@ -47,7 +51,27 @@ def _batches(seed: int) -> list[list[types.Datum]]:
 
 
 def _submit(tc, batches) -> list[tuple]:
-    return [(tc.forward_backward(b), tc.optim_step(ADAM)) for b in batches]
+    adam = LORA_ADAM if tc.info.extra.get("lora") else ADAM
+    return [(tc.forward_backward(b), tc.optim_step(adam)) for b in batches]
+
+
+def _open(sc, name: str, lora: bool):
+    if lora:
+        return sc.create_lora_training_client(name, **LORA).result(timeout=120)
+    return sc.create_training_client(name).result(timeout=120)
+
+
+def _weight_diff(want: str, got: str, lora: bool) -> float:
+    """The largest difference between two saved models (full) or adapters (LoRA)."""
+    if lora:
+        from safetensors.torch import load_file
+
+        a, b = (load_file(str(Path(p) / "adapter_model.safetensors")) for p in (want, got))
+        assert a.keys() == b.keys()
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+    from transformers import AutoModelForCausalLM
+
+    return max_weight_diff(AutoModelForCausalLM.from_pretrained(want), got)
 
 
 def _env(checkpoints: Path, **extra: str) -> dict[str, str]:
@@ -100,13 +124,12 @@ def _check_run(sc, tc, model_dir, batches, rest: list[tuple], tag: str) -> float
     """Every request answered OK, each optimizer step applied once; the final weights those of an uninterrupted
     run of the same requests on an unsharded worker (the session-wide one: a create_model sent to the group's name
     could reach a rank 0 still waiting for its group). Returns the largest weight difference."""
-    from transformers import AutoModelForCausalLM
-
+    lora = bool(tc.info.extra.get("lora"))
     losses = [fb.result(timeout=240).metrics["loss:sum"] for fb, _ in rest]
     steps = [step.result(timeout=240).metrics["step:max"] for _, step in rest]
     assert steps == list(range(FIRST + 1, PAIRS + 1))
     got = tc.save_weights_for_sampler(f"{tag}-resumed").result(timeout=120).path
-    ref = sc.create_training_client(str(model_dir)).result(timeout=120)
+    ref = _open(sc, str(model_dir), lora)
     try:
         assert ref.info.extra["shards"] == 1
         ref_futures = _submit(ref, batches)
@@ -115,7 +138,7 @@ def _check_run(sc, tc, model_dir, batches, rest: list[tuple], tag: str) -> float
     finally:
         ref.close()
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5)
-    diff = max_weight_diff(AutoModelForCausalLM.from_pretrained(want), got)
+    diff = _weight_diff(want, got, lora)
     assert diff < 1e-5, diff
     return diff
 
@@ -127,13 +150,14 @@ def _replayed(log: str, pattern: str) -> tuple[int, int]:
     return int(found[0][0]), int(found[0][1])
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_killed_shard_is_restarted_and_its_group_resumes_the_session_exactly(
-        service, model_dir, redis_url, tmp_path):
+        service, model_dir, redis_url, tmp_path, lora):
     batches = _batches(210)
     group = _group(model_dir, redis_url, tmp_path, service, TINKERQ_ADOPT_TIMEOUT_S="180")
     try:
-        tc = service.create_training_client(group.name).result(timeout=120)
-        assert tc.info.extra["shards"] == 2
+        tc = _open(service, group.name, lora)
+        assert tc.info.extra["shards"] == 2 and bool(tc.info.extra.get("lora")) == lora
         rest, killed_at = _kill_mid_run(tc, batches, group.procs[1])
         group.start(1)  # its supervisor's job in a deployment
         first = _first_answer_after(rest, killed_at)
@@ -147,7 +171,8 @@ def test_a_killed_shard_is_restarted_and_its_group_resumes_the_session_exactly(
         # Same session, same worker: no other worker took it.
         home = json.loads(redis.Redis.from_url(redis_url).get(keys.session_home(tc.model_id)))
         assert home["worker"] == tc.info.worker and home["adopted_from"] is None
-        print(f"\nrestarted shard: first answer {first:.1f} s after the kill; snapshot after request {snapshot}, "
+        print(f"\nrestarted shard ({'LoRA' if lora else 'full'}): first answer {first:.1f} s after the kill; "
+              f"snapshot after request {snapshot}, "
               f"{replayed} replayed; weights within {diff:.2e}")
         tc.close()
     finally:
