@@ -1,8 +1,8 @@
 """Several "hosts" on this machine: Linux network namespaces joined by a bridge (tests/test_multihost.py).
 
-    root namespace: bridge <prefix>br, address 10.213.X.1/24 (the test process, Redis)
-        ├── veth <prefix>a0 ══ tqnet0 in namespace <prefix>-a, 10.213.X.2  ("host a")
-        └── veth <prefix>b0 ══ tqnet0 in namespace <prefix>-b, 10.213.X.3  ("host b")
+    root namespace: bridge tq<pid>br, address 10.213.X.1/24 (the test process, Redis)
+        ├── veth tq<pid>a0 ══ tqnet0 in namespace tqmh<pid>-a, 10.213.X.2  ("host a")
+        └── veth tq<pid>b0 ══ tqnet0 in namespace tqmh<pid>-b, 10.213.X.3  ("host b")
 
 A process started with :meth:`Hosts.command` runs inside its host's namespace: its only interfaces are its own
 loopback and ``tqnet0``, so it reaches the others (and the root namespace) over the veth addresses only.
@@ -11,6 +11,8 @@ Every host's interface has the same name, ``tqnet0``: one ``GLOO_SOCKET_IFNAME``
 X is picked at random among the /24s of 10.213.0.0/16 that no interface or route of this machine uses. The
 names carry the creating pid, so parallel test sessions do not collide. :meth:`Hosts.down` kills what still
 runs in the namespaces and deletes them, the veths and the bridge; each step is tried whatever failed before.
+What a test session killed outright (SIGKILL: no finalizer ran) left behind is swept by the next :meth:`Hosts.up`
+(:func:`sweep_stale`: namespaces whose creating process is gone).
 This needs root (CAP_NET_ADMIN): :func:`unavailable` says why it cannot run, for a skip.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -59,6 +62,30 @@ def _free_subnet() -> str:
     return f"10.213.{candidates[0]}"
 
 
+def _kill_all_in(ns: str) -> None:
+    pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _ip("netns", "pids", ns, check=False).stdout.split():
+        time.sleep(0.1)
+
+
+def sweep_stale() -> None:
+    """Remove the namespaces (with what runs in them, their veths) and bridges of test sessions that are gone."""
+    listed = re.findall(r"^tqmh(\d+)-(\w+)", _ip("netns", "list", check=False).stdout, re.M)
+    live = {pid for pid, _ in listed if os.path.exists(f"/proc/{pid}")}
+    for pid, name in listed:
+        if pid in live:
+            continue
+        _kill_all_in(f"tqmh{pid}-{name}")
+        _ip("link", "del", f"tq{int(pid) % 100000}{name}0", check=False)
+        _ip("netns", "del", f"tqmh{pid}-{name}", check=False)
+    for pid in {pid for pid, _ in listed} - live:
+        _ip("link", "del", f"tq{int(pid) % 100000}br", check=False)
+
+
 class Hosts:
     """Namespaces ``names`` (one letter each, e.g. "a", "b"), up when :meth:`up` returns."""
 
@@ -71,13 +98,14 @@ class Hosts:
         self.addresses = {name: f"{self.subnet}.{i + 2}" for i, name in enumerate(self.names)}
 
     def netns(self, name: str) -> str:
-        return f"{self.tag}-{name}"
+        return f"tqmh{os.getpid()}-{name}"
 
     def veth(self, name: str) -> str:
         """The root namespace's end of ``name``'s link (what :meth:`cut` takes down)."""
         return f"{self.tag}{name}0"
 
     def up(self) -> Hosts:
+        sweep_stale()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
@@ -120,12 +148,7 @@ class Hosts:
     def down(self) -> None:
         """Kill whatever still runs in the namespaces, then delete them, the veths and the bridge."""
         for name in self.names:
-            for pid in self.pids(name):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(self.pids(name) for name in self.names):
-            time.sleep(0.1)
+            _kill_all_in(self.netns(name))
         for name in self.names:
             _ip("link", "del", self.veth(name), check=False)  # deletes its peer in the namespace too
             _ip("netns", "del", self.netns(name), check=False)
