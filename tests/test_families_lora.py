@@ -56,8 +56,14 @@ def assert_one_pass_equals_each_alone(base: LoraBase, tenants: list[LoraSession]
         assert item.output.metrics["loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=1e-5)
         for a, b in zip(out.loss_fn_outputs, item.output.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
-        for g, p in zip(grads, t.engine.params, strict=True):  # float32 sums in another order: within 1e-5
-            assert float((g - p.grad).abs().max()) <= 1e-5 * max(1.0, float(g.abs().max()))
+        # run_loss (the engine's path) pads to the longest row (11 tokens here), a pass to a bucket (16): products
+        # of other shapes, float32 sums in another order, through the whole backward (head, an MoE or MLP layer,
+        # attention). The same function: in float64 both agree within 1e-16. In float32 each lies up to ~8e-6 of
+        # max|g| from float64 (qwen3_moe's layer-1 q_proj A of the every-target tenant: 3.1e-6 for run_loss, 7.5e-6
+        # for the pass), so they differ by up to their sum: 1.06e-5 (qwen3_moe, AVX-512), 1.39e-5 (deepseek_v3's
+        # kv_a_proj_with_mqa B, ATEN_CPU_CAPABILITY=avx2). Not bitwise, and not meant to be: 2e-5 of max|g|.
+        for g, p in zip(grads, t.engine.params, strict=True):
+            assert float((g - p.grad).abs().max()) <= 2e-5 * max(1.0, float(g.abs().max()))
 
 
 # -- the reference: the adapter merged into the base weights, written out plainly ------------------------------

@@ -235,3 +235,25 @@ def test_per_group_products_split_only_the_batch():
         x, w = torch.randn(5, 4, 3), torch.randn(6, 3)
         split = torch.nn.functional.linear(x, w)
     assert torch.equal(split, torch.cat([torch.nn.functional.linear(x[:2], w), torch.nn.functional.linear(x[2:], w)]))
+
+
+def test_position_dependent_activations_run_per_group():
+    """sigmoid of a Qwen3.5-MoE shared-expert gate, (B * T, 1): each group's elements computed as a tensor of their
+    own (on AVX-512 a lone 16-element tensor is a scalar tail, the same 16 inside 48 a vector block, whose last
+    bits differ), and so are the other listed activations; in-place calls and other functions run whole."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 1, generator=gen) * 3
+    y = torch.randn(3, 16, 8, generator=gen) * 3
+    F = torch.nn.functional
+    cases = [(torch.sigmoid, x), (F.sigmoid, x), (F.silu, y), (F.softplus, x),
+             (lambda t: F.gelu(t, approximate="tanh"), y), (F.mish, y), (F.elu, y)]
+    with routing.routed([(object(), slice(0, 1)), (object(), slice(1, 3))], length=16):
+        got = [f(t) for f, t in cases]
+        z = x.clone()
+        assert F.silu(z, inplace=True) is z
+    for (f, t), out in zip(cases, got, strict=True):
+        if t.shape[0] == 48:
+            want = torch.cat([f(t[:16].clone()), f(t[16:].clone())])
+        else:
+            want = torch.cat([f(t[:1].clone()), f(t[1:].clone())])
+        assert torch.equal(out, want)

@@ -234,9 +234,22 @@ def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = 
         _local.routing = previous
 
 
+# Elementwise functions whose CPU kernels give an element's last bits by its place in the tensor. ATen's CPU loops
+# run 2 * Vec::size() elements at a time with the SIMD function (32 float32 on AVX-512, 16 on AVX2) and the rest of
+# the tensor, and of each thread's share, with the scalar one; for these two differ in the last bits (measured with
+# torch 2.13 on AVX-512: 16 elements alone, scalar, against the same 16 inside 48, vectorized; not for exp, tanh,
+# erf, log, exact gelu or plain arithmetic, whose two paths agree). A request's (N, 1) shared-expert gate (Qwen3.5-MoE,
+# T tokens a row: T elements) is then computed otherwise in a stack of requests than alone; on CUDA an element is
+# computed by one function wherever it sits, so only CPU tensors are split.
+_ELEMENTWISE = frozenset({torch.sigmoid, torch.Tensor.sigmoid, torch.special.expit, F.silu, F.softplus, F.gelu,
+                          F.elu, F.selu, F.celu, F.mish, torch.exp2, torch.Tensor.exp2})
+
+
 class _PerGroupProducts(TorchFunctionMode):
     """``F.linear`` over the batch's rows or tokens, one call per contiguous group, concatenated: each group's
-    product has the shape it has alone (its gradient too: the backward runs per piece)."""
+    product has the shape it has alone (its gradient too: the backward runs per piece). So do the elementwise
+    functions of ``_ELEMENTWISE`` on CPU tensors (not in place), whose elements' last bits depend on where in the
+    tensor they sit: a group's piece is computed as the whole tensor is alone."""
 
     def __init__(self, routing: Routing) -> None:
         super().__init__()
@@ -244,6 +257,11 @@ class _PerGroupProducts(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _ELEMENTWISE and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
+                and not kwargs.get("inplace") and not any(a is True for a in args[1:]):
+            sizes = self.routing.row_sizes(args[0])
+            if sizes is not None:
+                return torch.cat([func(x, *args[1:], **kwargs) for x in torch.split(args[0], sizes)])
         if func is F.linear and args and isinstance(args[0], torch.Tensor):
             sizes = self.routing.row_sizes(args[0])
             if sizes is not None:
