@@ -294,6 +294,21 @@ def test_a_lora_adapter_that_cannot_fit_says_whether_more_shards_help(monkeypatc
     assert "shards" not in info.value.message
 
 
+def test_the_first_lora_session_of_a_group_counts_the_sharded_base_it_makes(monkeypatch: pytest.MonkeyPatch):
+    """On a shard group the first LoRA session also makes the base's sharded copy: admitted only with room for it."""
+    model = _medium()
+    shape = memory.ModelShape.of(model)
+    settings = Settings(shards=2, rendezvous="tcp://127.0.0.1:1")
+    parameters = 10_000
+    base = memory.lora_base_bytes(shape, 2) + memory.gather_bytes(shape, 2, weight_grads=False)
+    _room(monkeypatch, memory.lora_state_bytes(parameters) + base // 2)  # the adapter fits, the base does not
+    memory.admit_lora_session(parameters, settings, [], model=model)  # a later session: the base is made
+    with pytest.raises(CapacityError, match="of it is the frozen base sharded over the group"):
+        memory.admit_lora_session(parameters, settings, [], model=model, sharded_base=True)
+    _room(monkeypatch, memory.lora_state_bytes(parameters) + base)
+    memory.admit_lora_session(parameters, settings, [], model=model, sharded_base=True)
+
+
 # -- the command line ---------------------------------------------------------------------------------------------
 
 

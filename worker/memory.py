@@ -167,16 +167,24 @@ def _room(exc: CapacityError, device: str | torch.device) -> int:
 
 
 def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any],
-                       model: torch.nn.Module | None = None) -> None:
+                       model: torch.nn.Module | None = None, *, sharded_base: bool = False) -> None:
     """Refuse a new LoRA session whose adapter would not fit: its float32 weights, pending gradients and AdamW
     moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet. Given the base
-    ``model``, the refusal also says whether more shards would make room (:func:`shards_for_lora`)."""
+    ``model``, the refusal also says whether more shards would make room (:func:`shards_for_lora`).
+    ``sharded_base``: the first LoRA session of a shard group, which also makes the group's sharded copy of the
+    base (:func:`lora_base_bytes` + FSDP's gather room, per shard)."""
     promised = unallocated_state_bytes(sessions)
+    base = 0
+    if sharded_base and model is not None:
+        shape = ModelShape.of(model)
+        base = lora_base_bytes(shape, settings.shards) + gather_bytes(shape, settings.shards, weight_grads=False)
     try:
-        require(lora_state_bytes(parameters) + promised,
+        require(lora_state_bytes(parameters) + promised + base,
                 f"a new LoRA adapter ({parameters:,} parameters: weights, gradients and AdamW state"
                 + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
-                   f"optim_step" if promised else "") + ")",
+                   f"optim_step" if promised else "")
+                + (f"; {describe(base)} of it is the frozen base sharded over the group, made by its first LoRA "
+                   f"session" if base else "") + ")",
                 settings.device, limit_mb=settings.memory_limit_mb,
                 advice="close unused training clients (tc.close()), use a lower rank, or open it on another worker")
     except CapacityError as exc:

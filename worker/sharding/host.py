@@ -103,6 +103,10 @@ class ShardHost:
             raise
         return session
 
+    @property
+    def has_lora_base(self) -> bool:
+        return self._lora_base is not None
+
     def lora_base(self) -> LoraBase:
         """The frozen base of every LoRA session on this rank: a copy of the base, sharded once (made on every rank
         by the first LoRA session's command). Rank 0 runs each pass on every rank (``leader``)."""
