@@ -42,11 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tinkerq.worker")
 
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
-# The sentence ShardHost's failure text (worker/sharding/host.py) may still end with; a session held through the
-# outage is not lost, so it is cut from what callers are told.
-_LOST_SENTENCE = " Open training sessions are lost"
-
-
 @dataclass
 class GroupOutage:
     """Rank 0's shard group is down: the sessions it held wait here (their lanes out of the scheduler, so nothing
@@ -456,7 +451,7 @@ class Recovery:
                 self.moved[model_id] = "another worker of the model"  # late requests: the adopter answers them
                 service.run_control(lambda m=model_id: service.drop_session(m))  # its requests go unanswered
             return
-        cause = outage.reason.split(_LOST_SENTENCE, 1)[0].rstrip(".; ")
+        cause = outage.reason.rstrip(".; ")
         for model_id, lane in held.items():
             slot = service.slots.get(model_id)
             if slot is None or slot.lane is not lane:

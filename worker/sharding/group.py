@@ -212,7 +212,8 @@ class ShardGroup:
 
     def require_healthy(self) -> None:
         if self.broken is not None:
-            raise ShardGroupError(self.broken)
+            raise ShardGroupError(f"{self.broken}; the group re-forms by itself once every shard is back (restart a "
+                                  f"failed one): try again then")
 
     # -- the command channel -----------------------------------------------------------------------------------
 

@@ -155,10 +155,10 @@ class ShardHost:
         raise ShardGroupError(reason)
 
     def _failure(self, when: str, exc: BaseException) -> str:
+        # The facts only: what becomes of the sessions (held and re-made, handed over, or lost) the worker says
+        # (worker/recovery.py, WorkerService.shard_group_failed).
         return (f"the shard group of this model failed {when}: "
-                f"{describe_failure(exc, self.group.spec.collective_timeout_s)}. Open training sessions are lost; "
-                f"restart the failed shard (the group re-forms by itself) and resume from your last save_state "
-                f"checkpoint")
+                f"{describe_failure(exc, self.group.spec.collective_timeout_s)}")
 
     def _leave(self, reason: str) -> None:
         log.error(reason)
