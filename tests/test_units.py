@@ -151,3 +151,49 @@ def test_a_worker_that_stops_consuming_stops_beating(caplog):
     finally:
         registration.stop()
     assert "w1" not in store.ages(keys.HEARTBEATS)  # a stopped worker leaves the set at once
+
+
+def test_a_registration_withdrawn_while_a_beat_waits_out_an_outage_is_not_left_announced():
+    """A beat's write that waits on Redis through an outage lands after the worker withdrew (a shard group
+    failing meanwhile, whose delete failed in the same outage): the model must not be announced again."""
+    import threading
+
+    from tinkerq.worker.registry import Registration
+
+    class OutageStore(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = False
+            self.writing = threading.Event()
+            self.back = threading.Event()
+
+        def with_retry(self, retry_s: float) -> OutageStore:
+            return self
+
+        def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
+            if self.down:  # a write retried through the outage: it lands once Redis is back
+                self.writing.set()
+                assert self.back.wait(10)
+            super().set(key, value, ttl_s)
+
+        def delete(self, key: str) -> None:
+            if self.down:
+                raise ConnectionError("Redis is away")
+            super().delete(key)
+
+    store = OutageStore()
+    registration = Registration(store, "m", "w1", 10.0)
+    registration.beat()
+    assert store.get(registration.key) is not None
+    store.down = True
+    beating = threading.Thread(target=registration.beat)
+    beating.start()
+    assert store.writing.wait(10)
+    registration.withdraw()  # its delete fails: Redis is away
+    store.down = False
+    store.back.set()  # the beat's write lands now
+    beating.join(10)
+    assert store.get(registration.key) is None  # withdrawn, not re-announced until its TTL
+    registration.resume()
+    registration.beat()
+    assert store.get(registration.key) is not None

@@ -68,6 +68,10 @@ class Registration:
             return
         if not self._withdrawn.is_set():
             self.store.set(self.key, json.dumps(self.record).encode(), ttl_s=3 * self.period_s)
+        if self._withdrawn.is_set():
+            # Withdrawn while that set waited out a Redis outage, or withdrawn during one (its delete failed):
+            # the model must not stay announced until the record's TTL (a shard group still re-forming).
+            self.store.delete(self.key)
         self.store.beat(keys.HEARTBEATS, self.worker_id)
 
     def start(self) -> None:
