@@ -383,9 +383,11 @@ def test_a_dead_or_hung_shard_fails_requests_within_the_bound_and_the_group_come
             assert "save_state" in err.message  # says how to recover
             # And what happened. A stopped shard never answers (it is resumed only below): the request failed
             # because the group's collective timeout ran out, the one it was started with.
-            cause = ("closed its connection" if how == signal.SIGKILL else
-                     f"did not answer within {COLLECTIVE_TIMEOUT_S:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S)")
-            assert cause in err.message, err.message
+            # A killed shard is usually seen as a closed connection; when rank 0 was sending to it, gloo may report
+            # the send timing out instead (seen in a CI run): either names what happened.
+            timed_out = f"did not answer within {COLLECTIVE_TIMEOUT_S:g} s (TINKERQ_COLLECTIVE_TIMEOUT_S)"
+            causes = ("closed its connection", timed_out) if how == signal.SIGKILL else (timed_out,)
+            assert any(cause in err.message for cause in causes), err.message
             assert group.metric("tinkerq_shard_group_up") == 0  # an operator's alert, while it waits
             # Later requests of the lost session fail at once with the same story; no hang.
             err = tc.optim_step(ADAM).exception(timeout=30)
