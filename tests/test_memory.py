@@ -367,6 +367,8 @@ def test_requests_that_do_not_fit_are_refused_and_the_worker_keeps_serving(capac
         assert refused is not None, f"{len(extra) + 1} sessions were all admitted under a 1200 MiB cap"
         assert "a new training session" in refused.message and "TINKERQ_MEMORY_LIMIT_MB=1200" in refused.message
         assert "close unused training clients" in refused.message.lower()
+        # ... and what sharding would do (the planner's answer, docs/planning.md): how many shards it would need.
+        assert "--shards" in refused.message or "no number of shards makes room" in refused.message, refused.message
         print(f"\n{len(extra) + 1} sessions admitted, the next refused: {refused.message}")
         for other in extra:
             other.close()
