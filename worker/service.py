@@ -316,10 +316,9 @@ class WorkerService:
         """The shard group broke and dropped its sessions' shards (any thread). Journaled sessions are held: their
         requests wait, and each is re-made once the group re-forms (:meth:`shard_group_formed`), or given up after
         ``adopt_timeout_s`` (worker/recovery.py). Any other session is gone: its waiting requests are answered now."""
-        lost = reason  # ShardHost's text says what failed; what becomes of the sessions is told here
-        if "save_state" not in reason:
-            lost = (f"{reason.rstrip('.')}. Its training sessions are lost: restart the failed shard (the group "
-                    f"re-forms by itself) and resume from your last save_state checkpoint")
+        # ShardHost's text says what failed; what becomes of the sessions that are not held is told here.
+        lost = (f"{reason.rstrip('.')}. Its training sessions are lost: restart the failed shard (the group "
+                f"re-forms by itself) and resume from your last save_state checkpoint")
         with self.cond:
             held = self.recovery.hold(reason)
             waiting = []
