@@ -28,19 +28,27 @@ from tinkerq.celery_app import make_celery
 from tinkerq.settings import Settings
 
 NEW_WORKER_CHECK_MS = 2000  # how often Flower's worker list is compared with the workers its events show
-REINSPECT_AFTER_S = 30.0  # a worker that did not answer an inspection is asked again after this long
+# A worker that did not answer an inspection (busy loading its model, on a loaded host) is asked again after
+# a delay that doubles from the first to the last of these, so a slow starter shows up within seconds and a
+# worker that never answers costs one inspection per half minute.
+REINSPECT_FIRST_S, REINSPECT_MAX_S = 2.0, 30.0
 
 monitor.Metrics.get = web.authenticated(monitor.Metrics.get)
 
 
-def inspect_new_workers(flower: Flower, asked: dict[str, float]) -> None:
-    """Inspect the workers Flower knows from their events but not from an inspection (runs on Flower's loop)."""
+def inspect_new_workers(flower: Flower, asked: dict[str, tuple[float, float]]) -> None:
+    """Inspect the workers Flower knows from their events but not from an inspection (runs on Flower's loop).
+
+    ``asked`` maps a worker to (when it was last asked, the delay before asking it again).
+    """
     now = time.monotonic()
     new = [name for name, worker in flower.events.state.workers.items()
-           if worker.alive and name not in flower.workers and now - asked.get(name, float("-inf")) >=
-           REINSPECT_AFTER_S]
+           if worker.alive and name not in flower.workers
+           and now - asked.get(name, (float("-inf"), 0.0))[0] >= asked.get(name, (0.0, 0.0))[1]]
     if new:
-        asked.update(dict.fromkeys(new, now))
+        for name in new:
+            delay = asked[name][1] * 2 if name in asked else REINSPECT_FIRST_S
+            asked[name] = (now, min(delay, REINSPECT_MAX_S))
         flower.update_workers()  # all workers at once, as Flower does at its start (one inspection in flight)
 
 

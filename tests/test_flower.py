@@ -88,7 +88,7 @@ def test_flower_lists_a_worker_started_after_it_without_a_refresh(flower, model_
     proc = start_named_worker(model_dir, redis_url, "late-for-flower", tmp_path / "late.log")
     try:
         workers = _poll(lambda: [n for n in requests.get(f"{flower}/api/workers", auth=AUTH, timeout=10).json()
-                                 if f"-{proc.pid}-" in n], timeout=30)
+                                 if f"-{proc.pid}-" in n], timeout=60)
         assert workers, "the worker started after Flower is not in /api/workers"
     finally:
         stop(proc.pid, timeout=30)
@@ -106,7 +106,7 @@ def test_flower_keeps_at_most_max_tasks(flower, training_client):
         return sum(t.get("name") == "tinkerq.forward" and t.get("state") == "SUCCESS"
                    and training_client.model_id[:8] in str(t.get("args")) for t in tasks().values())
 
-    assert _poll(lambda: ours() >= MAX_TASKS, timeout=30), [
+    assert _poll(lambda: ours() >= MAX_TASKS, timeout=60), [
         (t.get("name"), t.get("state"), str(t.get("args"))[:40]) for t in tasks().values()]
     assert len(tasks()) == MAX_TASKS  # the oldest went, this test's and the earlier tests'
 
