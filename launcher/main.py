@@ -23,6 +23,7 @@ import sys
 from typing import NoReturn
 
 from tinkerq.errors import TinkerqError, UserError
+from tinkerq.launcher.tenant_commands import add_tenant_commands
 from tinkerq.security import warn_about_broker
 from tinkerq.settings import Settings
 
@@ -147,46 +148,6 @@ def cmd_dead(args: argparse.Namespace) -> int:
     from tinkerq.launcher.dead import main as dead_main
 
     return dead_main(args, _settings(args))
-
-
-def _when(epoch: float | None) -> str:
-    import datetime
-
-    if not epoch:
-        return "-"
-    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def cmd_keys(args: argparse.Namespace) -> int:
-    """API keys of the gateway's tenants (tinkerq/tenants.py): only their SHA-256 is kept in Redis."""
-    from tinkerq.tenants import ApiKeys
-
-    settings = _settings(args)
-    warn_about_broker(getattr(args, "broker", None), settings.require_broker())
-    api_keys = ApiKeys.open(settings)
-    try:
-        if args.keys_command == "create":
-            key = api_keys.create(args.name)
-            print(f"API key for tenant {args.name} (shown only this once; the fleet keeps only its SHA-256):")
-            print(key)  # alone on the last line: scripts take it with `tail -1`
-        elif args.keys_command == "list":
-            tenants = api_keys.list()
-            if not tenants:
-                print("no API keys; create one with: tinkerq keys create NAME")
-            else:
-                width = max(len("NAME"), *(len(t["name"]) for t in tenants))
-                print(f"{'NAME':<{width}}  {'CREATED':<20}  LAST USED")
-                for t in tenants:
-                    print(f"{t['name']:<{width}}  {_when(t['created_at']):<20}  {_when(t['last_used_at'])}")
-        elif not api_keys.revoke(args.name):
-            print(f"tinkerq keys revoke: tenant {args.name!r} has no API key (see: tinkerq keys list)",
-                  file=sys.stderr)
-            return 1
-        else:
-            print(f"revoked the API key of tenant {args.name}")
-    finally:
-        api_keys.close()
-    return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -353,17 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default 8000)")
     gw.set_defaults(func=cmd_gateway)
 
-    k = sub.add_parser("keys", help="API keys of the gateway's tenants: create, list, revoke")
-    k.add_argument("--broker", help=BROKER_HELP)
-    ksub = k.add_subparsers(dest="keys_command", required=True)
-    kc = ksub.add_parser("create", help="a new API key for a tenant, printed once (alone on the last line)")
-    kc.add_argument("name", help="tenant name: 1-64 of letters, digits, '_', '.', '-'")
-    kl = ksub.add_parser("list", help="tenants that have a key, when it was created and last used")
-    kr = ksub.add_parser("revoke", help="remove a tenant's key (exit 1 if it has none)")
-    kr.add_argument("name", help="the tenant whose key to remove (see: tinkerq keys list)")
-    for leaf in (kc, kl, kr):  # --broker after the subcommand too; SUPPRESS keeps one given before it
-        leaf.add_argument("--broker", default=argparse.SUPPRESS, help=BROKER_HELP)
-    k.set_defaults(func=cmd_keys)
+    add_tenant_commands(sub, settings_of=_settings, broker_help=BROKER_HELP)
 
     from tinkerq.recipes.families import FAMILIES
 
