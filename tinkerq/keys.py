@@ -121,12 +121,12 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 # -- the HTTP gateway's records (gateway/records.py) ------------------------------------------------------
 
-GATEWAY_TABLES = ("session", "run", "sampler", "checkpoint")
+GATEWAY_TABLES = ("session", "run", "sampler", "checkpoint", "future")
 
 
 def gateway_record(table: str, ident: str) -> str:
-    """One of the gateway's tenant-owned JSON records: a session, a training run, a sampling session (by their
-    ids) or a checkpoint (by its ``tinker://`` path)."""
+    """One of the gateway's tenant-owned JSON records: a session, a training run, a sampling session, a future
+    (by their ids) or a checkpoint (by its ``tinker://`` path)."""
     assert table in GATEWAY_TABLES, table
     return f"{PREFIX}:gw:{table}:{ident}"
 
@@ -134,6 +134,25 @@ def gateway_record(table: str, ident: str) -> str:
 def gateway_records_pattern(table: str, id_prefix: str = "") -> str:
     """A SCAN pattern for every record of ``table`` whose id starts with ``id_prefix`` (taken literally)."""
     return gateway_record(table, re.sub(r"([\[\]*?\\])", r"\\\1", id_prefix) + "*")
+
+
+# Every gateway of a fleet shares these (gateway/futures.py): a future's answer (msgpack, once it is ready), the
+# request body an unposted future still needs, first-come claims (a training run's sequence id, a create, the
+# adoption of a lost gateway's future), the gateways' heartbeats, and the channel that announces answers.
+GATEWAY_HEARTBEATS = f"{PREFIX}:gw:heartbeats"
+GATEWAY_ANSWERS = f"{PREFIX}:gw:answers"
+
+
+def gateway_answer(request_id: str) -> str:
+    return f"{PREFIX}:gw:answer:{request_id}"
+
+
+def gateway_body(request_id: str) -> str:
+    return f"{PREFIX}:gw:body:{request_id}"
+
+
+def gateway_claim(what: str) -> str:
+    return f"{PREFIX}:gw:claim:{what}"
 
 
 # -- API keys of the HTTP gateway (tinkerq/tenants.py) ---------------------------------------------------
