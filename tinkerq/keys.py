@@ -164,3 +164,46 @@ TENANTS = f"{PREFIX}:tenants"
 def api_key(digest: str) -> str:
     """One live API key, by the hex SHA-256 of the key: a hash {tenant, created_at, last_used_at}."""
     return f"{PREFIX}:apikey:{digest}"
+
+
+# -- quotas and usage of the gateway's tenants (tinkerq/quotas.py, tinkerq/usage.py) ---------------------------
+# A tenant's limits are fields of its API key's record (api_key above), so they go with the key when it is revoked.
+
+def training_clients(tenant: str) -> str:
+    """A sorted set: the training runs (model ids) a tenant holds open, counted against max_training_clients."""
+    return f"{PREFIX}:quota:training:{tenant}"
+
+
+def samples_inflight(tenant: str) -> str:
+    """A sorted set: a tenant's sample requests in flight, scored by when their lease ends (Redis time)."""
+    return f"{PREFIX}:quota:sampling:{tenant}"
+
+
+def token_bucket(tenant: str) -> str:
+    """A tenant's token rate limit: its GCRA theoretical arrival time (epoch seconds), with a TTL."""
+    return f"{PREFIX}:quota:tokens:{tenant}"
+
+
+def run_schedule(run_id: str) -> str:
+    """The time (epoch seconds) a training run's latest request was scheduled for, with a TTL: a run's requests
+    are posted in the order they were accepted."""
+    return f"{PREFIX}:quota:run:{run_id}"
+
+
+# A hash: tenant name -> the latest hour (epoch seconds) it has usage for (kept after its key is revoked).
+USAGE_TENANTS = f"{PREFIX}:usage:tenants"
+
+
+def usage_hours(tenant: str) -> str:
+    """A sorted set: the hours (UTC hour starts, epoch seconds) a tenant has usage for, member = score."""
+    return f"{PREFIX}:usage:hours:{tenant}"
+
+
+def usage_hour(tenant: str, hour: int) -> str:
+    """A hash: one tenant's usage in one UTC hour, field ``<session id>|<counter>`` -> count (with a TTL)."""
+    return f"{PREFIX}:usage:hour:{tenant}:{hour}"
+
+
+def usage_once(request_id: str) -> str:
+    """A marker (with a TTL): the usage of this request was recorded (so a second answer is not counted again)."""
+    return f"{PREFIX}:usage:once:{request_id}"
