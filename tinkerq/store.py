@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 import math
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import redis
 
@@ -54,6 +55,28 @@ class KeyValueStore(Protocol):
     def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int: ...
     def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool: ...
     def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None: ...
+    # -- tenants' limits, quotas and usage (tinkerq/quotas.py, tinkerq/usage.py) --
+    # A tenant's limits are fields of its key's record, found through the index (None/False: no such tenant).
+    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
+                       clear_fields: list[str]) -> bool: ...
+    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
+                       fields: list[str]) -> list[bytes | None] | None: ...
+    # Capacity: a sorted set of holders scored by when their lease ends (store time; no lease: never). Joining
+    # drops ended leases, then admits ``member`` if it is already in or fewer than ``cap`` are (None: no cap).
+    # Leaving is forget().
+    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool: ...
+    def live_members(self, zset: str) -> list[str]: ...
+    # A token bucket as a GCRA theoretical arrival time, and a run's latest scheduled time: the epoch second at
+    # which ``tokens`` may go (tinkerq/quotas.py explains). capacity 0: no rate limit, the run's order only.
+    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
+                     capacity: int) -> float: ...
+    # Usage: counters added to an hour's hash, that hour noted in the tenant's index, the tenant in the index of
+    # tenants, all at once and, with ``once_key``, only if that marker was not set yet (False: skipped).
+    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
+                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
+                  increments: Mapping[str, int]) -> bool: ...
+    def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]: ...
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]: ...
 
 
 _BEAT = """
@@ -233,6 +256,68 @@ class RedisStore:
     def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None:
         raw = self._do("checking an API key", lambda: self._use_api_key(keys=[record], args=[now, resolution_s]))
         return None if raw is None else _text(raw)
+
+    # -- tenants' limits, quotas and usage (tinkerq/quotas.py, tinkerq/usage.py) --
+
+    @functools.cached_property
+    def _tenant_scripts(self) -> dict[str, Any]:
+        # Registered on first use (a gateway's store needs them; a worker's never does).
+        return {name: self.client.register_script(source) for name, source in _TENANT_SCRIPTS.items()}
+
+    def _run_script(self, name: str, what: str, keys: list[str], args: list[Any]) -> Any:
+        script = self._tenant_scripts[name]
+        return self._do(what, lambda: script(keys=keys, args=args))
+
+    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
+                       clear_fields: list[str]) -> bool:
+        args = [tenant, record_prefix, str(len(set_fields))]
+        for name, value in set_fields.items():
+            args += [name, value]
+        return bool(self._run_script("update_api_key", f"updating the API key of {tenant}", [index],
+                                     args + list(clear_fields)))
+
+    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
+                       fields: list[str]) -> list[bytes | None] | None:
+        found = self._run_script("api_key_fields", f"reading the limits of {tenant}", [index],
+                                 [tenant, record_prefix, *fields])
+        if not found:
+            return None
+        return [_bytes(v) if v else None for v in found[1:]]
+
+    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool:
+        args = [member, -1 if cap is None else cap, "" if lease_s is None else repr(float(lease_s))]
+        return bool(self._run_script("join_capped", f"counting {zset}", [zset], args))
+
+    def live_members(self, zset: str) -> list[str]:
+        return [_text(m) for m in self._run_script("live_members", f"reading {zset}", [zset], [])]
+
+    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
+                     capacity: int) -> float:
+        args = [repr(float(now)), int(tokens), repr(float(per_token_s)), int(capacity)]
+        return float(_text(self._run_script("reserve_rate", f"scheduling {run}", [bucket, run], args)))
+
+    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
+                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
+                  increments: Mapping[str, int]) -> bool:
+        keys = [hour_key, hours_key, tenants_key] + ([] if once_key is None else [once_key])
+        args: list[Any] = [tenant, int(hour), int(oldest_hour), _ms(ttl_s), _ms(once_ttl_s)]
+        for name, value in increments.items():
+            args += [name, int(value)]
+        return bool(self._run_script("add_usage", f"recording the usage of {tenant}", keys, args))
+
+    def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
+        found: Any = self._do(f"reading {zset}", lambda: self.client.zrangebyscore(
+            zset, _score(min_score), _score(max_score), withscores=True))
+        return [(_text(member), float(score)) for member, score in found]
+
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
+        def run() -> list[dict[str, bytes]]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+            return [{_text(k): _bytes(v) or b"" for k, v in items.items()} for items in pipe.execute()]
+
+        return self._do("reading hashes", run) if keys else []
 
 
 def _bytes(value: object) -> bytes | None:
@@ -418,3 +503,169 @@ class MemoryStore:
             if float(now) - float(fields.get("last_used_at", b"0")) >= resolution_s:
                 fields["last_used_at"] = now.encode()
             return fields["tenant"].decode()
+
+    # -- tenants' limits, quotas and usage: as RedisStore's scripts do, under the lock; leases by the monotonic
+    # clock; usage hashes are kept for the process's life (no TTL on this store's hashes) --
+
+    def _record_of(self, index: str, tenant: str, record_prefix: str) -> dict[str, bytes] | None:
+        digest = self._hashes.get(index, {}).get(tenant)
+        return None if digest is None else self._hashes.get(record_prefix + digest.decode())
+
+    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
+                       clear_fields: list[str]) -> bool:
+        with self._lock:
+            record = self._record_of(index, tenant, record_prefix)
+            if record is None:
+                return False
+            record.update({name: value.encode() for name, value in set_fields.items()})
+            for name in clear_fields:
+                record.pop(name, None)
+            return True
+
+    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
+                       fields: list[str]) -> list[bytes | None] | None:
+        with self._lock:
+            record = self._record_of(index, tenant, record_prefix)
+            return None if record is None else [record.get(name) for name in fields]
+
+    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            holders = self._zsets[zset]
+            for ended in [m for m, until in holders.items() if until < now]:
+                del holders[ended]
+            if member not in holders and cap is not None and len(holders) >= cap:
+                return False
+            holders[member] = math.inf if lease_s is None else now + lease_s
+            return True
+
+    def live_members(self, zset: str) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            return [m for m, until in sorted(self._zsets[zset].items(), key=lambda item: item[1]) if until >= now]
+
+    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
+                     capacity: int) -> float:
+        with self._lock:
+            start = now
+            if capacity > 0:
+                tat = float(self._get(bucket) or b"0")
+                start = max(now, tat + min(tokens, capacity) * per_token_s - capacity * per_token_s)
+                new_tat = max(tat, start) + tokens * per_token_s
+                self._data[bucket] = (repr(new_tat).encode(), time.monotonic() + new_tat - now + _RATE_KEEP_S)
+            start = max(start, float(self._get(run) or b"0"))
+            self._data[run] = (repr(start).encode(), time.monotonic() + max(0.0, start - now) + _RATE_KEEP_S)
+            return start
+
+    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
+                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
+                  increments: Mapping[str, int]) -> bool:
+        with self._lock:
+            if once_key is not None:
+                if self._get(once_key) is not None:
+                    return False
+                self._data[once_key] = (b"1", time.monotonic() + once_ttl_s)
+            counts = self._hashes.setdefault(hour_key, {})
+            for name, value in increments.items():
+                counts[name] = str(int(counts.get(name, b"0")) + int(value)).encode()
+            hours = self._zsets[hours_key]
+            hours[str(hour)] = float(hour)
+            for old in [h for h, score in hours.items() if score < oldest_hour]:
+                del hours[old]
+            tenants = self._hashes.setdefault(tenants_key, {})
+            if hour > int(tenants.get(tenant, b"0")):
+                tenants[tenant] = str(hour).encode()
+            return True
+
+    def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
+        with self._lock:
+            found = [(m, s) for m, s in self._zsets.get(zset, {}).items() if min_score <= s <= max_score]
+        return sorted(found, key=lambda item: (item[1], item[0]))
+
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
+        with self._lock:
+            return [dict(self._hashes.get(key, {})) for key in keys]
+
+
+# -- Lua of the tenants' limits, quotas and usage (RedisStore's methods above say what each does) -----------------
+
+# Past a token bucket's full time (or a run's scheduled time) its key is worth nothing; it is kept this much longer
+# (clocks of gateways may differ a little).
+_RATE_KEEP_S = 600.0
+
+
+def _score(value: float) -> str:
+    return "+inf" if value == math.inf else "-inf" if value == -math.inf else repr(float(value))
+
+
+_TENANT_SCRIPTS = {
+    # KEYS[1] = the index; ARGV = tenant, records' prefix, n, n (field, value) pairs, then fields to clear.
+    "update_api_key": """
+local digest = redis.call('HGET', KEYS[1], ARGV[1])
+if not digest then return 0 end
+local record = ARGV[2] .. digest
+local n = tonumber(ARGV[3])
+for i = 4, 3 + 2 * n, 2 do redis.call('HSET', record, ARGV[i], ARGV[i + 1]) end
+for i = 4 + 2 * n, #ARGV do redis.call('HDEL', record, ARGV[i]) end
+return 1
+""",
+    # KEYS[1] = the index; ARGV = tenant, records' prefix, fields. {} when the tenant has no key, else {1, values}.
+    "api_key_fields": """
+local digest = redis.call('HGET', KEYS[1], ARGV[1])
+if not digest then return {} end
+local found = {1}
+for i = 3, #ARGV do found[#found + 1] = redis.call('HGET', ARGV[2] .. digest, ARGV[i]) end
+return found
+""",
+    # KEYS[1] = the holders; ARGV = member, cap (-1: none), lease seconds ('' : none). Times are Redis's own.
+    "join_capped": """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now))
+local until_ = '+inf'
+if ARGV[3] ~= '' then until_ = string.format('%.6f', now + tonumber(ARGV[3])) end
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  local cap = tonumber(ARGV[2])
+  if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
+end
+redis.call('ZADD', KEYS[1], until_, ARGV[1])
+return 1
+""",
+    "live_members": """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+return redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf')
+""",
+    # KEYS = the tenant's bucket, the run's schedule; ARGV = now, tokens, seconds per token, capacity (0: none).
+    # A request needs min(tokens, capacity) tokens in the bucket to go and takes all of its tokens (debt).
+    "reserve_rate": f"""
+local now = tonumber(ARGV[1])
+local tokens = tonumber(ARGV[2])
+local per_token = tonumber(ARGV[3])
+local capacity = tonumber(ARGV[4])
+local keep_ms = {int(_RATE_KEEP_S * 1000)}
+local start = now
+if capacity > 0 then
+  local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+  start = math.max(now, tat + math.min(tokens, capacity) * per_token - capacity * per_token)
+  local new_tat = math.max(tat, start) + tokens * per_token
+  redis.call('SET', KEYS[1], string.format('%.6f', new_tat), 'PX', math.floor((new_tat - now) * 1000) + keep_ms)
+end
+start = math.max(start, tonumber(redis.call('GET', KEYS[2]) or '0') or 0)
+redis.call('SET', KEYS[2], string.format('%.6f', start), 'PX', math.floor(math.max(0, start - now) * 1000) + keep_ms)
+return string.format('%.6f', start)
+""",
+    # KEYS = the hour's hash, the tenant's hours, the tenants [, the once-marker]; ARGV = tenant, hour, oldest
+    # hour kept, the hash's TTL (ms), the marker's TTL (ms), then (field, increment) pairs.
+    "add_usage": """
+if #KEYS == 4 and not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[5]) then return 0 end
+for i = 6, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+local last = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') or 0
+if tonumber(ARGV[2]) > last then redis.call('HSET', KEYS[3], ARGV[1], ARGV[2]) end
+return 1
+""",
+}
