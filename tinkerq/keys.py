@@ -141,6 +141,10 @@ def gateway_records_pattern(table: str, id_prefix: str = "") -> str:
 # adoption of a lost gateway's future), the gateways' heartbeats, and the channel that announces answers.
 GATEWAY_HEARTBEATS = f"{PREFIX}:gw:heartbeats"
 GATEWAY_ANSWERS = f"{PREFIX}:gw:answers"
+# Sorted sets, member = a training run's model id: its highest SDK seq_id (so an unload comes after every request
+# taken for it, on any gateway), and the epoch seconds of its last request.
+GATEWAY_RUN_TOPS = f"{PREFIX}:gw:tops"
+GATEWAY_LAST_REQUEST = f"{PREFIX}:gw:last_request"
 
 
 def gateway_answer(request_id: str) -> str:
