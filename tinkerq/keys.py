@@ -188,10 +188,10 @@ def token_bucket(tenant: str) -> str:
     return f"{PREFIX}:quota:tokens:{tenant}"
 
 
-def run_schedule(run_id: str) -> str:
-    """The time (epoch seconds) a training run's latest request was scheduled for, with a TTL: a run's requests
-    are posted in the order they were accepted."""
-    return f"{PREFIX}:quota:run:{run_id}"
+def run_schedule(tenant: str, run_id: str) -> str:
+    """The time (epoch seconds) a tenant's training run's latest request was scheduled for, with a TTL: a run's
+    requests are posted in the order they were accepted."""
+    return f"{PREFIX}:quota:run:{tenant}:{run_id}"
 
 
 # A hash: tenant name -> the latest hour (epoch seconds) it has usage for (kept after its key is revoked).
