@@ -548,7 +548,7 @@ class MemoryStore:
                      capacity: int) -> float:
         with self._lock:
             start = now
-            if capacity > 0:
+            if capacity > 0 and tokens > 0:
                 tat = float(self._get(bucket) or b"0")
                 start = max(now, tat + min(tokens, capacity) * per_token_s - capacity * per_token_s)
                 new_tat = max(tat, start) + tokens * per_token_s
@@ -637,7 +637,8 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 return redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf')
 """,
     # KEYS = the tenant's bucket, the run's schedule; ARGV = now, tokens, seconds per token, capacity (0: none).
-    # A request needs min(tokens, capacity) tokens in the bucket to go and takes all of its tokens (debt).
+    # A request needs min(tokens, capacity) tokens in the bucket to go and takes all of its tokens (debt); one of
+    # 0 tokens takes nothing and waits for nothing but its run.
     "reserve_rate": f"""
 local now = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[2])
@@ -645,7 +646,7 @@ local per_token = tonumber(ARGV[3])
 local capacity = tonumber(ARGV[4])
 local keep_ms = {int(_RATE_KEEP_S * 1000)}
 local start = now
-if capacity > 0 then
+if capacity > 0 and tokens > 0 then
   local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
   start = math.max(now, tat + math.min(tokens, capacity) * per_token - capacity * per_token)
   local new_tat = math.max(tat, start) + tokens * per_token
