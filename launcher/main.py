@@ -163,6 +163,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return serve(settings, host=args.host, port=args.port)
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from tinkerq.launcher.proxy import run_proxy
+
+    return run_proxy(args)
+
+
 def cmd_families(args: argparse.Namespace) -> int:
     """``families build``: each family's tiny model (recipes/families.py) saved in DIR/<family>."""
     import json
@@ -313,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "container)")
     gw.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default 8000)")
     gw.set_defaults(func=cmd_gateway)
+
+    px = sub.add_parser("proxy", help="round robin over gateways, per connection (`fleet up --gateways N` starts it)")
+    from tinkerq.launcher.proxy import add_proxy_arguments
+
+    add_proxy_arguments(px)
+    px.set_defaults(func=cmd_proxy)
 
     add_tenant_commands(sub, settings_of=_settings, broker_help=BROKER_HELP)
 
