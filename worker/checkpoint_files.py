@@ -74,8 +74,9 @@ def write_state(directory: Path, *, write_weights: Callable[[Path], None], shape
 def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] | None = None,
                          expires_at: float | None = None) -> None:
     """Name the base model in a saved weights directory, so a sampling client can be made from the path alone
-    (and, for a LoRA adapter, its configuration; with a ttl, when it expires)."""
-    marker: dict[str, Any] = {"format": STATE_FORMAT, "base_model": base_model}
+    (and, for a LoRA adapter, its configuration; with a ttl, when it expires; when it was written, for
+    retention: worker/checkpoint_retention.py)."""
+    marker: dict[str, Any] = {"format": STATE_FORMAT, "base_model": base_model, "created": time.time()}
     if lora is not None:
         marker["lora"] = lora
     if expires_at is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -25,6 +26,7 @@ from tinkerq.validation import (
     validate_ttl_seconds,
 )
 from tinkerq.wire import codec, messages
+from tinkerq.worker import checkpoint_retention as retention
 from tinkerq.worker import checkpoints, memory
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.batch import LossItem
@@ -100,12 +102,13 @@ class Operations:
         name = checkpoints.check_name(body.get("name") if isinstance(body, dict) else None)
         overwrite = flag(body, "overwrite", True, "save_state")  # absent: replace, as before the field existed
         expires_at = expires_at_of(body)
+        keep_newest = retention.keep_newest_of(body, "save_state")
         # The state saved is the state after the last request applied before this one.
         path = session.save_state(self.settings.checkpoint_dir, name, base_model=self.base_model,
                                   seq_id=self._position(session.model_id), expires_at=expires_at,
                                   overwrite=overwrite)
         self.sweep_checkpoints()
-        return codec.packb(saved(path, expires_at)), 0
+        return codec.packb(self.saved(session, "save_state", path, expires_at, keep_newest)), 0
 
     def load_state(self, session: Session, body: Any) -> tuple[bytes, int]:
         path = body.get("path") if isinstance(body, dict) else None
@@ -120,10 +123,23 @@ class Operations:
         name: Any = body.get("name") if isinstance(body, dict) else None  # checked where the path is built
         merged = flag(body, "merged", False, "save_weights_for_sampler")
         expires_at = expires_at_of(body)
+        keep_newest = retention.keep_newest_of(body, "save_weights_for_sampler")
         path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged,
                                     expires_at=expires_at)
         self.sweep_checkpoints()
-        return codec.packb(saved(path, expires_at)), 0
+        return codec.packb(self.saved(session, "save_weights_for_sampler", path, expires_at, keep_newest)), 0
+
+    def saved(self, session: Session, op: str, path: str, expires_at: float | None,
+              keep_newest: int | None) -> dict[str, Any]:
+        """A save's reply: its path, its size in bytes (usage accounting), when it expires if it does, and the
+        names of the session's older checkpoints of that kind deleted for ``keep_newest``
+        (worker/checkpoint_retention.py)."""
+        pruned = [] if keep_newest is None else retention.prune(
+            self.settings.checkpoint_dir, session.model_id, op, keep_newest, written=Path(path))
+        reply: dict[str, Any] = {"path": path, "bytes": retention.directory_bytes(path), "pruned": pruned}
+        if expires_at is not None:
+            reply["expires_at"] = expires_at
+        return reply
 
     def sweep_checkpoints(self) -> None:
         """Delete expired checkpoints on a thread of its own (best effort, files only), so no reply waits for
@@ -214,7 +230,3 @@ def expires_at_of(body: Any) -> float | None:
     validate_ttl_seconds(ttl_seconds)
     return None if ttl_seconds is None else checkpoints.now() + ttl_seconds
 
-
-def saved(path: str, expires_at: float | None) -> dict[str, Any]:
-    """A save's reply: its path, and when it expires if it does."""
-    return {"path": path} if expires_at is None else {"path": path, "expires_at": expires_at}
