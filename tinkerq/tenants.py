@@ -8,7 +8,8 @@ One live key per tenant. The fleet's Redis holds, through the store seam (:mod:`
 in :mod:`tinkerq.keys`):
 
 * ``keys.TENANTS``: a hash, tenant name -> hex SHA-256 of its key (so list and revoke work by name);
-* ``keys.api_key(<hex sha256>)``: a hash ``{tenant, created_at, last_used_at}`` (epoch seconds).
+* ``keys.api_key(<hex sha256>)``: a hash ``{tenant, created_at, last_used_at}`` (epoch seconds), plus the
+  tenant's limits (:class:`~tinkerq.quotas.Limits`, one field each, set ones only): they go with the key.
 
 Never the key itself: it is printed once, by ``tinkerq keys create``, and only its digest is kept. Whoever
 reads the Redis (a backup, a replica, ``MONITOR``, an operator) learns no key that works. A plain unsalted
@@ -24,15 +25,18 @@ Creating, revoking and checking a key are atomic store operations (Lua scripts o
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import re
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypedDict
 
 from tinkerq import keys
 from tinkerq.errors import UserError, ValidationError
+from tinkerq.quotas import LIMIT_NAMES, Limits, check_limit, option_of
 
 if TYPE_CHECKING:
     from tinkerq.connection import Connection
@@ -56,6 +60,7 @@ class TenantInfo(TypedDict):
     name: str
     created_at: float  # epoch seconds
     last_used_at: float | None  # epoch seconds, to within LAST_USED_RESOLUTION_S; None: never used
+    limits: Limits
 
 
 def check_tenant_name(name: object) -> str:
@@ -136,12 +141,13 @@ class ApiKeys:
         if self._connection is not None:
             self._connection.close()
 
-    def create(self, name: str) -> str:
-        """A new key for tenant ``name``, returned once and stored only as its digest.
+    def create(self, name: str, limits: Limits | None = None) -> str:
+        """A new key for tenant ``name`` with ``limits`` (default: none), returned once and stored only as its digest.
 
         A name that already has a live key is refused (UserError); so is an invalid name (ValidationError).
         """
         check_tenant_name(name)
+        limits = limits or Limits()
         key = KEY_PREFIX + secrets.token_urlsafe(32)  # 256 random bits
         digest = _digest(key)
         now = repr(time.time())
@@ -151,7 +157,47 @@ class ApiKeys:
                             f"(tinkerq keys revoke {name}) or pick another name")
         if created != 1:  # a 256-bit collision: never in practice
             raise UserError("the new key collided with an existing one; run the command again")
+        if limits != Limits():
+            # A second call: nobody holds the key before this method returns it, so nobody can use it unlimited
+            # meanwhile. If the limits cannot be written, the key is removed again (best effort) and never shown.
+            try:
+                self._write_limits(name, limits.as_dict())
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.revoke(name)
+                raise
         return key
+
+    def update_limits(self, name: str, changes: Mapping[str, int | None]) -> Limits:
+        """Set (a number) or remove (None) some of tenant ``name``'s limits; the others stay. Its limits after.
+
+        Gateways apply the change within their cache time (:class:`~tinkerq.quotas.Quotas`, 1 s by default).
+        Refused: an invalid limit (ValidationError: 0, negative, unknown name) or a tenant without a key (UserError).
+        """
+        if not changes:
+            raise ValidationError("no limit to change: pass at least one of "
+                                  + ", ".join(option_of(n) for n in LIMIT_NAMES))
+        for limit_name, value in changes.items():
+            check_limit(limit_name, value)
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or not self._write_limits(name, changes):
+            raise UserError(f"tenant {name!r:.80} has no API key (see: tinkerq keys list; create one with: "
+                            f"tinkerq keys create NAME)")
+        limits = self.limits(name)
+        if limits is None:  # revoked between the two calls
+            raise UserError(f"tenant {name!r} has no API key (it was just revoked)")
+        return limits
+
+    def _write_limits(self, name: str, changes: Mapping[str, int | None]) -> bool:
+        written = {n: str(v) for n, v in changes.items() if v is not None}
+        cleared = [n for n, v in changes.items() if v is None]
+        return self.store.update_api_key(keys.TENANTS, name, keys.api_key(""), written, cleared)
+
+    def limits(self, name: str) -> Limits | None:
+        """Tenant ``name``'s limits; None if it has no key."""
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            return None
+        fields = self.store.api_key_fields(keys.TENANTS, name, keys.api_key(""), list(LIMIT_NAMES))
+        return None if fields is None else Limits.from_fields(fields)
 
     def authenticate(self, key: str | None) -> str | None:
         """The tenant whose live key ``key`` is; None for a missing, malformed, unknown or revoked key.
@@ -178,13 +224,15 @@ class ApiKeys:
         return tenant
 
     def list(self) -> builtins.list[TenantInfo]:
-        """Every tenant with a live key, by name: when its key was created and last used."""
+        """Every tenant with a live key, by name: when its key was created and last used, and its limits."""
 
         names = {name: digest.decode() for name, digest in self.store.hash_items(keys.TENANTS).items()}
         ordered = sorted(names)
-        fields = self.store.hash_fields([keys.api_key(names[name]) for name in ordered], ["created_at", "last_used_at"])
-        return [{"name": name, "created_at": _number(created) or 0.0, "last_used_at": _number(used)}
-                for name, (created, used) in zip(ordered, fields, strict=True)]
+        fields = self.store.hash_fields([keys.api_key(names[name]) for name in ordered],
+                                        ["created_at", "last_used_at", *LIMIT_NAMES])
+        return [{"name": name, "created_at": _number(values[0]) or 0.0, "last_used_at": _number(values[1]),
+                 "limits": Limits.from_fields(values[2:])}
+                for name, values in zip(ordered, fields, strict=True)]
 
     def revoke(self, name: str) -> bool:
         """Remove tenant ``name``'s key (authenticate answers None for it from now on); False if it has none."""
