@@ -17,6 +17,7 @@ import redis
 from tinkerq import keys
 from tinkerq.errors import BrokerUnavailableError, UserError, ValidationError
 from tinkerq.launcher.processes import ROOT, free_port
+from tinkerq.quotas import Limits
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore, RedisStore
 from tinkerq.tenants import ApiKeys, check_tenant_name
@@ -49,7 +50,8 @@ def test_create_authenticate_list_revoke(api_keys: ApiKeys):
     assert key.startswith("tml-") and len(key) == 4 + 43  # token_urlsafe(32): 43 characters
     assert api_keys.authenticate(key) == name
     listed = {t["name"]: t for t in api_keys.list()}
-    assert set(listed[name]) == {"name", "created_at", "last_used_at"}  # never the key or its digest
+    assert set(listed[name]) == {"name", "created_at", "last_used_at", "limits"}  # never the key or its digest
+    assert listed[name]["limits"] == Limits()  # none unless given
     assert listed[name]["created_at"] > 0 and listed[name]["last_used_at"] is not None  # authenticate noted it
     assert api_keys.revoke(name) is True
     assert api_keys.authenticate(key) is None
@@ -201,6 +203,7 @@ def test_the_memory_store_keeps_keys_as_redis_does():
         ak.create("mem")
     assert [t["name"] for t in ak.list()] == ["mem"] and ak.list()[0]["last_used_at"] is None
     assert ak.authenticate(key) == "mem" and ak.list()[0]["last_used_at"] is not None
+    assert ak.update_limits("mem", {"keep_checkpoints": 2}) == Limits(keep_checkpoints=2) == ak.list()[0]["limits"]
     assert ak.revoke("mem") is True and ak.revoke("mem") is False
     assert ak.authenticate(key) is None and ak.list() == []
 
@@ -264,6 +267,59 @@ def test_cli_create_list_revoke(redis_url: str):
 
     missing = _cli("keys", "revoke", name, "--broker", redis_url)
     assert missing.returncode == 1 and "has no API key" in missing.stderr and "Traceback" not in missing.stderr
+    client.close()
+
+
+def _limits_listed(listing: str, name: str) -> list[str]:
+    lines = listing.splitlines()
+    assert lines[0].split()[-4:] == ["TRAINING", "SAMPLING", "TOKENS/MIN", "KEEP"]
+    return next(line.split()[-4:] for line in lines[1:] if line.split()[0] == name)
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`tinkerq ARGS` in this process (the console script itself is run by the test before: seconds each)."""
+    from tinkerq.launcher.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_limits_create_update_list(redis_url: str, capsys: pytest.CaptureFixture[str]):
+    name = _name("limited")
+    out = _cli("keys", "create", name, "--max-training-clients", "2", "--max-tokens-per-minute", "60000",
+               "--broker", redis_url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].startswith("tml-")  # the key still alone on the last line
+    assert "max_training_clients=2, max_tokens_per_minute=60000" in out.stdout
+    code, listed, _ = _main(capsys, "keys", "list", "--broker", redis_url)
+    assert code == 0 and _limits_listed(listed, name) == ["2", "-", "60000", "-"]
+
+    code, said, err = _main(capsys, "keys", "update", name, "--max-training-clients", "none", "--keep-checkpoints",
+                            "5", "--max-sampling-inflight", "8", "--broker", redis_url)
+    assert code == 0, err
+    assert "max_sampling_inflight=8, max_tokens_per_minute=60000, keep_checkpoints=5" in said
+    code, listed, _ = _main(capsys, "keys", "list", "--broker", redis_url)
+    assert _limits_listed(listed, name) == ["-", "8", "60000", "5"]
+    client = redis.Redis.from_url(redis_url)
+    after = Limits(max_sampling_inflight=8, max_tokens_per_minute=60_000, keep_checkpoints=5)
+    assert ApiKeys(RedisStore(client)).limits(name) == after
+
+    refused = _name("refused")
+    for command, target, value in (("update", name, "0"), ("update", name, "-2"), ("create", refused, "0")):
+        code, said, err = _main(capsys, "keys", command, target, "--keep-checkpoints", value, "--broker", redis_url)
+        assert code == 2 and "tml-" not in said
+        assert err.strip() == (f"tinkerq keys: [user error] --keep-checkpoints must be at least 1, got {value}: "
+                               f"to remove the limit instead, pass --keep-checkpoints none")
+    assert ApiKeys(RedisStore(client)).limits(name) == after  # unchanged
+    assert refused not in {t["name"] for t in ApiKeys(RedisStore(client)).list()}  # the refused create made no key
+
+    code, _, err = _main(capsys, "keys", "update", _name("nobody"), "--keep-checkpoints", "3", "--broker", redis_url)
+    assert code == 2 and "has no API key" in err
+    code, _, err = _main(capsys, "keys", "update", name, "--broker", redis_url)
+    assert code == 2 and "no limit to change" in err
+    ApiKeys(RedisStore(client)).revoke(name)
     client.close()
 
 
