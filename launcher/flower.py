@@ -34,6 +34,21 @@ def add_flower_arguments(fl: argparse.ArgumentParser) -> None:
                          f"a new worker name (default {MAX_WORKERS})")
 
 
+def installed() -> bool:
+    """True when `celery flower` exists. Celery finds its subcommands through the ``celery.commands`` entry
+    points, and Flower's distribution registers ``flower`` there; without it `celery flower` only logs
+    "Error: No such command 'flower'"."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "flower" for ep in entry_points(group="celery.commands"))
+
+
+def not_installed(alternative: str = "") -> str:
+    """What to do when Flower is missing (one line): install the extra it comes with into this interpreter."""
+    return (f"Flower is not installed: it comes with tinkerq's ops extra, so run `{sys.executable} -m pip install "
+            f"-e '.[ops]'` in the tinkerq checkout (or pip install 'tinkerq[ops]')" + alternative)
+
+
 def run_flower(args: argparse.Namespace, settings: Settings) -> int:
     """Run Flower on the fleet's Redis with the fleet's Celery configuration (replaces this process).
 
@@ -41,6 +56,8 @@ def run_flower(args: argparse.Namespace, settings: Settings) -> int:
     says otherwise. The broker URL and the login reach Flower through its environment (FLOWER_BASIC_AUTH),
     never its command line, where every local user could read them.
     """
+    if not installed():
+        raise UserError(not_installed())
     if settings.broker_url is None:
         raise TinkerqError("no broker: set TINKERQ_BROKER_URL=redis://:PASSWORD@host:6379/0 (or pass --broker)")
     auth = args.basic_auth or os.environ.get("FLOWER_BASIC_AUTH")

@@ -6,6 +6,7 @@
     tinkerq rl                       RL with sampling and importance sampling on the demo task
     tinkerq worker --model PATH      serve a local Hugging Face model from a Redis fleet
     tinkerq gateway                  the HTTP gateway the official tinker SDK talks to (X-API-Key: tml-...)
+    tinkerq fleet up --model DIR     a local fleet: Redis, workers, Flower (and gateways: --gateway-port)
     tinkerq keys create NAME         a new API key for tenant NAME (printed once, alone on the last line)
     tinkerq keys list | revoke NAME  the tenants that have a key; remove one's key
     tinkerq families build DIR       tiny random models of every model family, one directory each, to serve
@@ -151,13 +152,16 @@ def cmd_dead(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from tinkerq.launcher.processes import port_problem
+    from tinkerq.launcher.processes import gateway_not_installed, port_problem
 
     settings = _settings(args)
     warn_about_broker(getattr(args, "broker", None), settings.require_broker())
     problem = port_problem(args.port, args.host)
     if problem:  # uvicorn would log it among its start-up lines and exit 3
         raise UserError(f"cannot listen on {args.host}:{args.port} ({problem}): pass --port with a free port")
+    missing = gateway_not_installed()
+    if missing:  # otherwise an ImportError traceback from the import below
+        raise UserError(missing)
     from tinkerq.gateway.server import serve
 
     return serve(settings, host=args.host, port=args.port)
@@ -248,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="serve a model: a Celery worker holding it")
     w.add_argument("--model", required=True, help="local Hugging Face model directory (from_pretrained)")
-    w.add_argument("--name", help="name producers use for the model (default: the directory's absolute path)")
+    w.add_argument("--served-name", "--name", dest="name", metavar="NAME",
+                   help="the name producers and SDK users ask for the model by, e.g. Qwen/Qwen3-8B (default: the "
+                        "directory's absolute path; `tinkerq fleet up` spells it the same, after each --model)")
     w.add_argument("--broker", help=BROKER_HELP)
     w.add_argument("--device", help="torch device: cpu, cuda, cuda:N ... (default: TINKERQ_DEVICE, else cpu)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")

@@ -1,4 +1,4 @@
-"""Starting the fleet's processes locally: redis-server, `tinkerq worker`, Flower.
+"""Starting the fleet's processes locally: redis-server, `tinkerq worker`, Flower, the gateways and their proxy.
 
 One place builds these command lines, so `tinkerq fleet up`, the tests, the benchmarks and
 docker-compose.yml (checked by tests/test_compose.py) run the same commands.
@@ -191,15 +191,47 @@ def gateway_command(broker: str | None, port: int, *, host: str = "127.0.0.1") -
 
 
 def gateway_up(url: str) -> bool:
-    """True once the gateway at ``url`` answers its health check."""
+    """True once the gateway at ``url`` (or the proxy in front of gateways) answers its health check."""
+    return http_ok(f"{url}/api/v1/healthz")
+
+
+def flower_up(port: int) -> bool:
+    """True once Flower on 127.0.0.1:``port`` answers HTTP (its /healthcheck needs no login)."""
+    return http_ok(f"http://127.0.0.1:{port}/healthcheck")
+
+
+def http_ok(url: str) -> bool:
+    """True when GET ``url`` answers 200 within 2 s."""
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2) as response:
             return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, ValueError):  # ValueError: http.client's "bad status line"
         return False
+
+
+GATEWAY_MODULES = ("fastapi", "uvicorn", "tinker")  # what the gateway extra brings (pyproject.toml)
+
+
+def gateway_not_installed() -> str | None:
+    """What to do (one line) when the gateway's extra is missing from this interpreter, or None."""
+    import importlib.util
+
+    missing = [m for m in GATEWAY_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"the gateway needs {', '.join(missing)}, which come with tinkerq's gateway extra: run `{sys.executable} "
+            f"-m pip install -e '.[gateway]'` in the tinkerq checkout (or pip install 'tinkerq[gateway]')")
+
+
+def proxy_command(listen_port: int, backend_ports: list[int], *, host: str = "127.0.0.1") -> list[str]:
+    """`tinkerq proxy`'s command line: ``host:listen_port`` in front of the gateways on ``backend_ports``."""
+    cmd = [sys.executable, "-m", "tinkerq.launcher.main", "proxy", "--listen", f"{host}:{listen_port}"]
+    for port in backend_ports:
+        cmd += ["--backend", f"127.0.0.1:{port}"]
+    return cmd
 
 
 def flower_command(broker: str | None, port: int, *, db: Path | None = None,

@@ -19,7 +19,17 @@ import torch
 
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
-from tinkerq.launcher.processes import ROOT, alive, free_port, start_redis, stop, wait_for
+from tinkerq.launcher.processes import (
+    ROOT,
+    alive,
+    flower_up,
+    free_port,
+    gateway_up,
+    port_problem,
+    start_redis,
+    stop,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -78,8 +88,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
     # The default ports are taken (by these sockets, or by whatever listens there already): `up` picks free ones.
     held = [hold_port(DEFAULT_REDIS_PORT), hold_port(DEFAULT_FLOWER_PORT)]
     try:
-        up = _tinkerq("fleet", "up", "--name", "t", "--model", str(model_dir), "--model", str(other),
-                      "--samplers", "1", "--gateway-port", str(gateway_port), env=env)
+        up = _tinkerq("fleet", "up", "--fleet", "t", "--model", str(model_dir), "--model", str(other),
+                      "--served-name", "org/Other-1B", "--samplers", "1", "--gateway-port", str(gateway_port), env=env)
     finally:
         for sock in held:
             if sock is not None:
@@ -93,7 +103,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
     assert "Flower: http://127.0.0.1:" in up.stdout
     assert f"Flower: http://127.0.0.1:{DEFAULT_FLOWER_PORT}/" not in up.stdout
     assert f"TINKER_BASE_URL=http://127.0.0.1:{gateway_port}" in up.stdout
-    assert "tinkerq fleet status --name t | tinkerq fleet down --name t" in up.stdout
+    assert "tinkerq fleet status --fleet t | tinkerq fleet down --fleet t" in up.stdout
+    assert f"{other} is served as 'org/Other-1B'" in up.stdout
     # No --threads: the cores are split between the four torch processes (each would otherwise take them all).
     threads = max(1, cpu_cores() // 4)
     assert f"torch threads per worker process: {threads} ({cpu_cores()} cores shared by 4 processes;" in up.stdout
@@ -101,14 +112,16 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
     state = json.loads((folder / "state.json").read_text())
     assert [w["threads"] for w in state["workers"]] == [threads] * 4
     try:
-        status = _tinkerq("fleet", "status", "--name", "t", env=env)
+        # "up" means serving: Flower and the gateway answer HTTP as soon as `up` has returned.
+        assert flower_up(state["flower"]["port"]) and gateway_up(f"http://127.0.0.1:{gateway_port}")
+        status = _tinkerq("fleet", "status", "--fleet", "t", env=env)
         assert status.returncode == 0, status.stderr
         assert status.stdout.count("running") == 7  # redis, two workers, two sampling workers, flower, gateway
         assert status.stdout.count(f"running  {threads} thread") == 4
 
         # The Redis password is on no command line (`ps` shows them to every local user): Redis reads it from an
         # owner-only file, the workers, Flower and the gateway from their environment.
-        pids = [state["redis"]["pid"], state["flower"]["pid"], state["gateway"]["pid"],
+        pids = [state["redis"]["pid"], state["flower"]["pid"], state["gateways"][0]["pid"],
                 *(w["pid"] for w in state["workers"])]
         assert_on_no_command_line(password, pids)
         assert_fleet_files_private(folder, password)
@@ -120,8 +133,10 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
 
         rest = tinker.ServiceClient(base_url=f"http://127.0.0.1:{gateway_port}", api_key=key).create_rest_client()
         names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
-        assert names == sorted([str(model_dir), str(other)])
+        assert names == sorted([str(model_dir), "org/Other-1B"])
         assert status.stdout.count("sampler ") == 2
+        assert status.stdout.count(f"{other} as 'org/Other-1B'") == 2  # its worker and its sampler
+        assert "  org/Other-1B  loss head" in status.stdout  # registered under its served name
         assert "4 registered worker(s)" in status.stdout and "idle" in status.stdout
         assert "0 training session(s):" in status.stdout  # listed from Redis (tests/test_observability.py)
         assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
@@ -129,8 +144,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
         # Two models share one Redis without interfering: each session lands on its own model's worker.
         with ServiceClient(broker_url=broker) as sc:
             served = [m.model_name for m in sc.get_server_capabilities().supported_models]
-            assert served == sorted([str(model_dir), str(other)])
-            a, b = sc.create_training_client(str(model_dir)), sc.create_training_client(str(other))
+            assert served == sorted([str(model_dir), "org/Other-1B"])
+            a, b = sc.create_training_client(str(model_dir)), sc.create_training_client("org/Other-1B")
             assert a.info.worker != b.info.worker
             data = make_batch(np.random.default_rng(40), 2)
             la = a.forward(data).result(timeout=60).metrics["loss:sum"]
@@ -157,7 +172,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
             seen: list[str] = []
 
             def shows_the_running_task() -> bool:
-                assert tinkerq_in_process(["fleet", "status", "--name", "t"]) == 0
+                assert tinkerq_in_process(["fleet", "status", "--fleet", "t"]) == 0
                 out = capsys.readouterr().out
                 if "-> forward_backward(" in out:
                     seen.append(out)
@@ -172,10 +187,10 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
                 future.result(timeout=120)
             a.close()
     finally:
-        down = _tinkerq("fleet", "down", "--name", "t", env=env)
+        down = _tinkerq("fleet", "down", "--fleet", "t", env=env)
     assert down.returncode == 0, down.stderr
     assert "8 process(es) stopped" in down.stdout or "7 process(es) stopped" in down.stdout
-    again = _tinkerq("fleet", "status", "--name", "t", env=env)
+    again = _tinkerq("fleet", "status", "--fleet", "t", env=env)
     assert again.returncode == 2 and "no fleet named 't'" in again.stderr
 
 
@@ -193,22 +208,22 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
     broker = f"redis://:{password}@127.0.0.1:{port}/0"
     pids: list[int] = []
     try:
-        up = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), "--shards", "2", "--broker-from-env",
+        up = _tinkerq("fleet", "up", "--fleet", "s", "--model", str(model_dir), "--shards", "2", "--broker-from-env",
                       "--flower-port", "0", "--threads", "1", env={**env, "TINKERQ_BROKER_URL": broker})
         assert up.returncode == 0, up.stderr[-3000:]
         pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
         assert "fleet 's' is up: 1 worker (2 shard processes) for 1 model;" in up.stdout  # a worker, not 2
         assert "torch threads per worker process: 1 (--threads)" in up.stdout
-        status = _tinkerq("fleet", "status", "--name", "s", env=env)
+        status = _tinkerq("fleet", "status", "--fleet", "s", env=env)
         assert status.stdout.count("running") == 2, status.stdout  # the two shards (Redis is not the fleet's)
         assert "(shard 0 of 2)" in status.stdout and "(shard 1 of 2)" in status.stdout
         assert "1 registered worker(s)" in status.stdout and "2 shards" in status.stdout  # one worker, 2 processes
         assert_on_no_command_line(password, pids)
         assert_fleet_files_private(tmp_path / "home" / "fleet" / "s", password)
         # A second `up` under the same name says how to reach the first: its name is in every hint.
-        again = _tinkerq("fleet", "up", "--name", "s", "--model", str(model_dir), env=env)
+        again = _tinkerq("fleet", "up", "--fleet", "s", "--model", str(model_dir), env=env)
         assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
-        assert "`tinkerq fleet status --name s`" in again.stderr and "`tinkerq fleet down --name s`" in again.stderr
+        assert "`tinkerq fleet status --fleet s`" in again.stderr and "`tinkerq fleet down --fleet s`" in again.stderr
         with ServiceClient(broker_url=broker) as sc:
             tc = sc.create_training_client(str(model_dir))
             assert tc.info.extra["shards"] == 2
@@ -230,12 +245,54 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
                 np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
             resumed.close()
     finally:
-        down = _tinkerq("fleet", "down", "--name", "s", env=env)
+        down = _tinkerq("fleet", "down", "--fleet", "s", env=env)
         stop(redis_proc.pid, timeout=10)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(alive(pid) for pid in pids)  # rank 1 stopped with rank 0 (or by down itself)
     logs = sorted((tmp_path / "home" / "fleet" / "s" / "logs").glob("worker-*-rank1.log"))
     assert logs and "rank 0 stopped; rank 1 stops too" in logs[0].read_text()
+
+
+def test_fleet_up_with_two_gateways_behind_the_proxy(tmp_path, model_dir):
+    """--gateways 2: two gateways on private ports, `tinkerq proxy` on --gateway-port passing connections to each in
+    turn; one gateway killed, clients still get answers through the other. No workers: the gateways alone."""
+    env = {"TINKERQ_HOME": str(tmp_path / "home")}
+    port = free_port()
+    up = _tinkerq("fleet", "up", "--fleet", "g", "--model", str(model_dir), "--workers", "0", "--no-flower",
+                  "--gateways", "2", "--gateway-port", str(port), "--redis-port", str(free_port()), env=env)
+    folder = tmp_path / "home" / "fleet" / "g"
+    pids: list[int] = []
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"TINKER_BASE_URL=http://127.0.0.1:{port}  (2 gateways behind a round-robin tinkerq proxy;" in up.stdout
+        state = json.loads((folder / "state.json").read_text())
+        gateways, front = state["gateways"], state["proxy"]
+        assert len(gateways) == 2 and front["port"] == port and port not in [g["port"] for g in gateways]
+        pids = [front["pid"], *(g["pid"] for g in gateways), state["redis"]["pid"]]
+        status = _tinkerq("fleet", "status", "--fleet", "g", env=env)
+        assert status.returncode == 0, status.stderr
+        for g in gateways:
+            assert f"running  http://127.0.0.1:{g['port']}/" in status.stdout
+        assert f"running  http://127.0.0.1:{port}/  (round robin over 2 gateways)" in status.stdout
+        assert status.stdout.count("  gateway ") == 2 and status.stdout.count("  proxy ") == 1
+
+        # Each request on its own connection: the proxy's log shows both gateways used.
+        proxy_log = Path(front["log"])
+        for _ in range(4):
+            assert gateway_up(f"http://127.0.0.1:{port}")
+        log = proxy_log.read_text()
+        for g in gateways:
+            assert f"-> backend 127.0.0.1:{g['port']}" in log, log
+
+        # A gateway gone (killed: as while it restarts): every request still answered, by the other one.
+        os.kill(gateways[0]["pid"], signal.SIGKILL)
+        wait_for(lambda: port_problem(gateways[0]["port"]) is None, 10, "the killed gateway's port to close")
+        assert all(gateway_up(f"http://127.0.0.1:{port}") for _ in range(4))
+        assert f"backend 127.0.0.1:{gateways[0]['port']} refused the connection: skipped" in proxy_log.read_text()
+    finally:
+        down = _tinkerq("fleet", "down", "--fleet", "g", env=env)
+    assert down.returncode == 0 and "process(es) stopped" in down.stdout, down.stdout + down.stderr
+    assert pids and not any(alive(pid) for pid in pids) and port_problem(port) is None
 
 
 def test_warm_shutdown_finishes_the_running_task(tmp_path, model_dir, redis_url):

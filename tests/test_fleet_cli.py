@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def _up_fails(*args: str, env: dict[str, str]) -> str:
 
 def test_fleet_up_failures_are_one_line_with_what_to_do(tmp_path, model_dir):
     env = {"TINKERQ_HOME": str(tmp_path / "home")}
-    model = ["--model", str(model_dir), "--name", "x"]
+    model = ["--model", str(model_dir), "--fleet", "x"]
 
     assert "model path" in _up_fails("--model", str(tmp_path / "nope"), env=env)
     assert "--shards must be at least 1, got 0" in _up_fails(*model, "--shards", "0", env=env)
@@ -39,9 +40,9 @@ def test_fleet_up_failures_are_one_line_with_what_to_do(tmp_path, model_dir):
     sock = hold_port(taken)
     assert sock is not None
     try:
-        for flag, what in (("--redis-port", "redis-server"), ("--flower-port", "Flower"),
-                           ("--gateway-port", "the gateway")):
-            line = _up_fails(*model, flag, str(taken), env=env)
+        for flag, what, extra in (("--redis-port", "redis-server", []), ("--flower-port", "Flower", []),
+                                  ("--gateway-port", "the gateway", [])):
+            line = _up_fails(*model, flag, str(taken), *extra, env=env)
             assert f"port {taken} ({flag}) for {what} is taken: pass {flag} with a free port (e.g. {flag} " in line
     finally:
         sock.close()
@@ -58,7 +59,7 @@ def test_fleet_up_failures_are_one_line_with_what_to_do(tmp_path, model_dir):
         result = _tinkerq("fleet", "up", *model, "--redis-port", str(taken), env=env, timeout=120)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert f"port {taken} (--redis-port) for redis-server is taken by fleet 'other' (stop it with " \
-               f"`tinkerq fleet down --name other`)" in result.stderr
+               f"`tinkerq fleet down --fleet other`)" in result.stderr
     finally:
         sock.close()
         other.unlink()
@@ -72,12 +73,94 @@ def test_fleet_up_failures_are_one_line_with_what_to_do(tmp_path, model_dir):
     # A worker that cannot start: its own error, from its log; Redis, started first, is stopped again.
     (tmp_path / "not-a-model").mkdir()
     redis_port = free_port()
-    line = _up_fails("--model", str(tmp_path / "not-a-model"), "--name", "x", "--redis-port", str(redis_port),
+    line = _up_fails("--model", str(tmp_path / "not-a-model"), "--fleet", "x", "--redis-port", str(redis_port),
                      "--flower-port", "0", env=env)
     assert f"the worker for {tmp_path / 'not-a-model'} exited during start-up: " in line
     assert "has no config.json" in line and "worker-not-a-model-0.log" in line
     assert port_problem(redis_port) is None  # the fleet's redis-server was stopped
 
-    status = _tinkerq("fleet", "status", "--name", "x", env=env)
+    status = _tinkerq("fleet", "status", "--fleet", "x", env=env)
     assert status.returncode == 2
-    assert "no fleet named 'x' is running (start one with `tinkerq fleet up --name x --model DIR`)" in status.stderr
+    assert "no fleet named 'x' is running (start one with `tinkerq fleet up --fleet x --model DIR`)" in status.stderr
+
+
+def _in_process_fails(capsys, *args: str) -> str:
+    """`tinkerq ARGS`, run in this process, exits 2 with one line on stderr; returns it."""
+    from tinkerq.launcher.main import main as tinkerq_in_process
+
+    try:
+        code = tinkerq_in_process(list(args))
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_fleet_flags_mean_what_they_mean_on_the_other_commands(tmp_path, model_dir, monkeypatch, capsys):
+    """--fleet names the fleet on every subcommand; --name (a model's served name on `tinkerq worker`) is refused
+    there with a pointer to the flag meant; --served-name belongs to the --model before it; --gateways and
+    --no-flower agree with the ports given. All refused before anything starts."""
+    monkeypatch.setenv("TINKERQ_HOME", str(tmp_path / "home"))
+    for args in (["up", "--name", "t", "--model", str(model_dir)], ["status", "--name", "t"], ["down", "--name"]):
+        err = _in_process_fails(capsys, "fleet", *args)
+        assert "--name is not a `tinkerq fleet` option: the fleet's name is --fleet " in err
+        assert ("--served-name NAME after its --model" in err) == (args[0] == "up"), err
+    model = ["--model", str(model_dir)]
+    taken = free_port()
+    sock = hold_port(taken)
+    assert sock is not None
+    try:
+        for args, expected in (
+                (["--served-name", "Qwen/Qwen3-8B", *model], "put it after that --model DIR"),
+                ([*model, "--served-name", "a", "--served-name", "b"], "has two --served-name"),
+                ([*model, "--served-name", ""], "is empty"),
+                ([*model, "--served-name", "m", *model, "--served-name", "m"], "two --model are served as 'm'"),
+                ([*model, "--gateways", "2"], "--gateways 2 needs --gateway-port PORT"),
+                ([*model, "--gateways", "0", "--gateway-port", "8000"], "--gateways 0 starts no gateway, but"),
+                ([*model, "--no-flower", "--flower-port", "5555"], "--no-flower and --flower-port 5555 contradict"),
+                ([*model, "--redis-port", "0"], "--redis-port 0 is no port"),
+                ([*model, "--gateways", "2", "--gateway-port", str(taken)],
+                 f"port {taken} (--gateway-port) for the gateways' proxy is taken")):
+            assert expected in _in_process_fails(capsys, "fleet", "up", *args), args
+    finally:
+        sock.close()
+    assert not list((tmp_path / "home").glob("fleet/*/state.json"))
+
+
+def test_fleet_up_without_flower_says_how_to_install_it(tmp_path, model_dir, monkeypatch, capsys):
+    """Flower comes with the ops extra. Missing, `up` says so before starting anything; and should `celery flower`
+    still fail as it does without Flower (it exits with "No such command"), `up` says the same and stops what it
+    had started."""
+    from tinkerq.launcher import flower, processes
+    from tinkerq.launcher.main import main as tinkerq_in_process
+
+    monkeypatch.setenv("TINKERQ_HOME", str(tmp_path / "home"))
+    redis_port = free_port()
+    up = ["fleet", "up", "--fleet", "f", "--model", str(model_dir), "--workers", "0", "--redis-port", str(redis_port)]
+
+    monkeypatch.setattr(flower, "installed", lambda: False)
+    assert tinkerq_in_process(up) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Flower is not installed: it comes with tinkerq's ops extra" in err, err
+    assert "-m pip install -e '.[ops]'" in err and "or pass --no-flower" in err
+    monkeypatch.undo()
+
+    celery_without_flower = [sys.executable, "-c", "import sys; sys.stderr.write(\"Usage: python -m celery [OPTIONS] "
+                             "[COMMAND] [ARGS]...\\n\\nError: No such command 'flower'.\\n\"); sys.exit(2)"]
+    monkeypatch.setenv("TINKERQ_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(processes, "flower_command", lambda *args, **kwargs: celery_without_flower)
+    assert tinkerq_in_process(up) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "Flower exited during start-up: Error: No such command 'flower'. Flower is not installed" in err, err
+    assert "or pass --no-flower" in err and "flower.log" in err
+    assert port_problem(redis_port) is None  # the redis-server it had started is stopped
+    assert not list((tmp_path / "home").glob("fleet/*/state.json"))
+
+    # --no-flower: the same fleet comes up without it.
+    assert tinkerq_in_process([*up, "--no-flower"]) == 0
+    out = capsys.readouterr().out
+    assert "fleet 'f' is up: 0 workers for 1 model" in out and "Flower:" not in out
+    assert tinkerq_in_process(["fleet", "down", "--fleet", "f"]) == 0
+    assert "1 process(es) stopped" in capsys.readouterr().out
