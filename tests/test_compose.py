@@ -46,12 +46,15 @@ def test_services(compose):
     assert "redis-server -" in redis and 'requirepass "$$REDIS_PASSWORD"' in redis and "--requirepass" not in redis
     assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD")
     assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
-    for name in ("worker", "worker-cpu", "flower", "sft", "gateway"):
+    for name in ("worker", "worker-cpu", "flower", "sft", "gateway", "gateway-2"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
-    # The gateway is the only way in for SDK users: published on loopback, checked through its health endpoint.
-    assert services["gateway"]["profiles"] == ["gateway"]
-    assert services["gateway"]["ports"] == ["127.0.0.1:${GATEWAY_PORT:-8000}:8000"]
-    assert "/api/v1/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
+    # The gateways' proxy is the only way in for SDK users: published on loopback, checked through the gateways'
+    # health endpoint; the gateways themselves are not published.
+    for name in ("gateway", "gateway-2", "gateway-proxy"):
+        assert services[name]["profiles"] == ["gateway"]
+        assert "/api/v1/healthz" in " ".join(services[name]["healthcheck"]["test"])
+    assert services["gateway-proxy"]["ports"] == ["127.0.0.1:${GATEWAY_PORT:-8000}:8000"]
+    assert "ports" not in services["gateway"] and "ports" not in services["gateway-2"]
 
 
 def test_every_command_is_a_real_tinkerq_command(compose):
@@ -89,7 +92,7 @@ def test_gpu_reservation_is_well_formed(compose):
 
 def test_sharded_services_form_one_group(compose):
     """Ranks 0..N-1, the same --shards, rendezvous and name, one distinct GPU each, a shared checkpoint volume."""
-    shards = {name: s for name, s in compose["services"].items() if "--shards" in s["command"]}
+    shards = {name: s for name, s in compose["services"].items() if "--shards" in s.get("command", [])}
     assert shards, "no sharded services"
     args = {name: _parse(s["command"]) for name, s in shards.items()}
     n = {a.shards for a in args.values()}
@@ -157,6 +160,77 @@ def test_local_launcher_builds_the_same_commands(compose):
     assert local_flower.func is compose_flower.func and local_flower.port == compose_flower.port
     assert local_flower.broker is None and local_flower.basic_auth is None
     assert set(processes.secret_env("redis://:p@h:1/0", "a:b")) == {"TINKERQ_BROKER_URL", "FLOWER_BASIC_AUTH"}
+    local_named = build_parser().parse_args(processes.worker_command("/models/model", None,
+                                                                     extra=["--served-name", "org/M"])[3:])
+    assert local_named.name == "org/M"  # what `fleet up --served-name` passes; compose passes the same flag
+    proxy = build_parser().parse_args(processes.proxy_command(8000, [8001, 8002])[3:])
+    assert proxy.listen == "127.0.0.1:8000" and proxy.backend == ["127.0.0.1:8001", "127.0.0.1:8002"]
+
+
+def _nginx_blocks(text: str) -> dict[str, list[str]]:
+    """The directives of ops/nginx-gateways.conf by the block they are in ("" for the top level, "upstream NAME",
+    "server", "location /"), comments dropped."""
+    blocks: dict[str, list[str]] = {"": []}
+    stack = [""]
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.endswith("{"):
+            stack.append(line[:-1].strip())
+            blocks.setdefault(stack[-1], [])
+        elif line == "}":
+            stack.pop()
+        elif line:
+            blocks[stack[-1]].append(line.rstrip(";"))
+    assert stack == [""], "unbalanced braces"
+    return blocks
+
+
+def _seconds(value: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)?", value).groups()  # type: ignore[union-attr]
+    return int(number) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[unit]
+
+
+def test_gateways_behind_a_round_robin_proxy(compose):
+    """`--profile gateway`: two identical stateless gateways behind nginx, which sends each request to the next
+    one in turn (its default), around one that refuses, and waits out the SDK's 45 s long polls."""
+    services = compose["services"]
+    gateways = {name: s for name, s in services.items() if "build" in s and _parse(s["command"]).func.__name__ ==
+                "cmd_gateway"}
+    assert set(gateways) == {"gateway", "gateway-2"}
+    assert gateways["gateway"] == gateways["gateway-2"]  # one definition (a YAML anchor): any may serve any request
+    port = _parse(gateways["gateway"]["command"]).port
+    proxy = services["gateway-proxy"]
+    image, version = proxy["image"].split(":")
+    assert image == "nginx" and tuple(map(int, version.split("-")[0].split("."))) >= (1, 27, 3)  # `resolve`
+    assert proxy["volumes"] == ["./ops/nginx-gateways.conf:/etc/nginx/conf.d/default.conf:ro"]
+    assert {name: d["condition"] for name, d in proxy["depends_on"].items()} == dict.fromkeys(gateways,
+                                                                                             "service_healthy")
+
+    blocks = _nginx_blocks((ROOT / "ops" / "nginx-gateways.conf").read_text())
+    (upstream,) = [b for b in blocks if b.startswith("upstream ")]
+    servers = [d.split()[1] for d in blocks[upstream] if d.startswith("server ")]
+    assert sorted(servers) == sorted(f"{name}:{port}" for name in gateways)
+    assert all(d.split()[-1] == "resolve" for d in blocks[upstream] if d.startswith("server "))
+    assert any(d.startswith("resolver 127.0.0.11") for d in blocks[""])  # Docker's DNS, for `resolve`
+    balancing = {"hash", "ip_hash", "least_conn", "least_time", "random", "sticky"}
+    assert not [d for d in blocks[upstream] if d.split()[0] in balancing]  # round robin
+    listen = [d.split()[1] for d in blocks["server"] if d.startswith("listen ")]
+    assert listen == [proxy["ports"][0].rsplit(":", 1)[1]]
+    location = dict(d.split(None, 1) for d in blocks["location /"])
+    assert location["proxy_pass"] == f"http://{upstream.split()[1]}"
+    assert _seconds(location["proxy_read_timeout"]) >= 60 and _seconds(location["proxy_send_timeout"]) >= 60
+    assert "non_idempotent" not in location["proxy_next_upstream"]  # a POST a gateway received is never resent
+    assert location["client_max_body_size"] == "0"  # the gateway's own limit applies, not nginx's 1 MB
+
+
+def test_workers_are_served_under_one_configurable_name(compose):
+    """TINKERQ_SERVED_NAME reaches every worker of the model as --served-name (`tinkerq worker --name`'s
+    spelling in `tinkerq fleet up`), defaulting to the model's directory, which was the name before."""
+    for name in ("worker", "worker-cpu", "sampler"):
+        args = _parse(compose["services"][name]["command"])
+        assert args.name == "VALUE", name
+        assert "--served-name" in compose["services"][name]["command"]
+        assert "${TINKERQ_SERVED_NAME:-/models/model}" in compose["services"][name]["command"]
 
 
 def test_dockerfiles_never_install_pypi_apex():
