@@ -7,6 +7,7 @@ final (400, 401, 404, 413, 422) or retryable (503) as fits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinkerq.errors import TinkerqError
+from tinkerq.gateway import lookups
+from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.service import Gateway, HTTPError
 from tinkerq.tenants import ApiKeys
 
@@ -88,6 +91,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         gw = gateway_factory()
+        gw.start()
         state["gateway"], state["keys"] = gw, ApiKeys(gw.store, cache_s=AUTH_CACHE_S)
         try:
             yield
@@ -124,7 +128,8 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
         # Operators see every refusal (what, to whom, why); a user sees the same reason in the SDK's error.
         log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.detail)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        headers = {} if exc.retry_after_s is None else {"retry-after": f"{exc.retry_after_s:g}"}
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(TinkerqError)
     async def _fleet_error(request: Request, exc: TinkerqError) -> JSONResponse:
@@ -253,14 +258,16 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.post(f"{v1}/retrieve_future")
     async def retrieve_future(t: str = Tenant, body: dict[str, Any] = Body) -> Response:
-        request_id = body.get("request_id")
-        entry = gateway().futures.get(str(request_id), t)
-        if entry is None:
+        request_id = str(body.get("request_id"))
+        record = await asyncio.to_thread(gateway().futures.get, request_id, t)
+        if record is None:
             raise HTTPError(404, f"request {request_id!r} not found (unknown, expired, or made with another API key)")
-        answer = await gateway().futures.wait(entry)
-        if answer is None:  # 408 + try_again: the SDK polls again at once, quietly
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
-                                status_code=408)
+        answer = await gateway().futures.wait(request_id, record)
+        if isinstance(answer, Waiting):  # 408 + try_again: the SDK polls again at once, quietly
+            waiting: dict[str, Any] = {"type": "try_again", "request_id": request_id, "queue_state": answer.state}
+            if answer.reason:
+                waiting["queue_state_reason"] = answer.reason
+            return JSONResponse(waiting, status_code=408)
         if answer.proto is not None:
             return Response(answer.proto, media_type=PROTOBUF)
         return JSONResponse(answer.json)
@@ -269,15 +276,15 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.get(f"{v1}/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0, t: str = Tenant) -> dict[str, Any]:
-        return gateway().training_runs(t, max(1, min(limit, 1000)), max(0, offset))
+        return gateway().lookup(lookups.training_runs, t, max(1, min(limit, 1000)), max(0, offset))
 
     @app.get(f"{v1}/training_runs/{{run_id}}")
     async def training_run(run_id: str, t: str = Tenant) -> dict[str, Any]:
-        return gateway().training_run(t, run_id)
+        return gateway().lookup(lookups.training_run, t, run_id)
 
     @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
     async def checkpoints(run_id: str, t: str = Tenant) -> dict[str, Any]:
-        return gateway().list_checkpoints(t, run_id)
+        return gateway().lookup(lookups.list_checkpoints, t, run_id)
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:

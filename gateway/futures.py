@@ -1,28 +1,48 @@
-"""The gateway's futures: every submission answers at once with a request id; ``retrieve_future`` long-polls it.
+"""The gateway's futures, shared by every gateway of a fleet through Redis.
 
-Each future is an asyncio task that awaits the fleet's answer and turns it into what the SDK expects
-(:class:`Answer`: protobuf bytes for forward_backward and sample results, JSON for the rest, or a failure
-body). A poll waits at most ``poll_s`` for the task (the SDK gives up on a poll after 45 s and re-polls at
-once on a ``try_again``, so the wait must be long enough not to be a hot loop and short enough not to time
-out). Results stay retrievable for ``keep_s`` after they are ready: a delivered answer can be lost on the
-way and polled again.
+Every submission answers at once with a request id; ``retrieve_future`` long-polls it, on any gateway.
+
+A future is a record in Redis (``future`` table of :mod:`gateway.records`: its tenant, kind, the gateway that
+owns it, and its *job*, a JSON description of the work that any gateway can run again), and, once ready, an
+answer (:class:`Answer`, msgpack under :func:`tinkerq.keys.gateway_answer`). The owner runs the job as an asyncio
+task, stores the answer (the first stored answer wins), and publishes the request id on a Redis channel so that
+gateways holding polls for it answer at once.
+
+A gateway that dies (or restarts) loses nothing: its heartbeat stops, and the next poll of one of its pending
+futures, through any gateway, *adopts* it: one gateway wins a claim on it and runs the job again. Jobs are safe to
+run twice (gateway/jobs.py): a training request is re-posted with the same sequence number, which a worker
+answers from its kept reply without applying it again.
+
+A poll waits at most ``poll_s`` (the SDK gives up on a poll after 45 s and re-polls at once on a ``try_again``, so
+the wait must be long enough not to be a hot loop and short enough not to time out). Answers stay retrievable for
+``keep_s``: a delivered answer can be lost on the way and polled again. Nothing about a future is kept in a
+gateway's memory once its answer is stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from tinkerq import keys
 from tinkerq.errors import ServerError, TinkerqError
+from tinkerq.gateway.records import Records
+from tinkerq.store import RedisStore
+from tinkerq.wire import codec
 
 log = logging.getLogger("tinkerq.gateway")
+
+BEAT_S = 1.0  # how often a gateway says it is alive
+LOST_AFTER_S = 5.0  # a gateway silent this long has lost its futures to whoever polls them next
+PENDING_TTL_S = 24 * 3600.0  # a future not answered within a day is forgotten
+CHECK_S = 1.0  # a poll of another gateway's future re-reads Redis at least this often (a missed announcement)
 
 
 @dataclass(frozen=True)
@@ -37,66 +57,203 @@ class Answer:
         # 200 with error + category: the SDK raises RequestFailedError and the training client goes on.
         return cls(json={"error": exc.message, "category": exc.category})
 
+    def pack(self) -> bytes:
+        return codec.packb({"json": self.json, "proto": self.proto})
 
-@dataclass
-class Entry:
-    tenant: str
-    kind: str  # what the SDK asked for (x-tinker-request-type), for logs
-    task: asyncio.Task[Answer]
-    ready_at: float | None = None  # monotonic, once the task finished
-    created_at: float = field(default_factory=time.monotonic)
+    @classmethod
+    def unpack(cls, raw: bytes) -> Answer:
+        body = codec.unpackb(raw)
+        return cls(json=body.get("json"), proto=body.get("proto"))
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a future is not ready yet, as the SDK's ``queue_state`` says it: ``active`` (queued or running),
+    ``paused_rate_limit`` (the key's quota holds it) or ``paused_capacity`` (no worker can take it now)."""
+
+    state: str = "active"
+    reason: str | None = None
+
+
+RunJob = Callable[[str, str, dict[str, Any]], Awaitable[Answer]]  # (request id, tenant, job) -> its answer
 
 
 class Futures:
-    def __init__(self, *, poll_s: float = 25.0, keep_s: float = 600.0) -> None:
+    def __init__(self, store: RedisStore, records: Records, run_job: RunJob, *, poll_s: float = 25.0,
+                 keep_s: float = 600.0) -> None:
+        self.store = store.with_retry(0)
+        self.records = records
+        self.run_job = run_job
         self.poll_s = poll_s
         self.keep_s = keep_s
-        self._entries: dict[str, Entry] = {}
-        self._added = itertools.count()
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        self._tasks: dict[str, asyncio.Task[Answer]] = {}  # futures this gateway is running now
+        self._events: dict[str, set[asyncio.Event]] = {}  # polls waiting for another gateway's answer
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
-    def add(self, tenant: str, kind: str, work: Awaitable[Answer]) -> str:
-        """Start ``work`` and return its request id."""
-        request_id = uuid.uuid4().hex
-        task = asyncio.ensure_future(_answer(work, kind, request_id))
-        entry = Entry(tenant, kind, task)
-        task.add_done_callback(lambda _t: setattr(entry, "ready_at", time.monotonic()))
-        self._entries[request_id] = entry
-        if next(self._added) % 256 == 0:
-            self.sweep()
+    # -- life -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Beat and listen for answers (call on the event loop that will run the futures)."""
+        self._loop = asyncio.get_running_loop()
+        self._beat()
+        self._threads = [threading.Thread(target=self._beating, name="tinkerq-gw-beat", daemon=True),
+                         threading.Thread(target=self._listening, name="tinkerq-gw-answers", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        """Stop, and say so at once: the futures this gateway was running go to whoever polls them next."""
+        self._stop.set()
+        for task in self._tasks.values():
+            task.cancel()
+        with contextlib.suppress(Exception):
+            self.store.forget(keys.GATEWAY_HEARTBEATS, self.gateway_id)
+
+    def _beat(self) -> None:
+        with contextlib.suppress(Exception):  # Redis away: polls fail anyway; beat again when it is back
+            self.store.beat(keys.GATEWAY_HEARTBEATS, self.gateway_id)
+
+    def _beating(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            self._beat()
+
+    def _listening(self) -> None:
+        """Wake the polls waiting for an announced answer (a dropped connection: reconnect; polls re-read Redis)."""
+        while not self._stop.is_set():
+            try:
+                pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(keys.GATEWAY_ANSWERS)
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None and self._loop is not None:
+                        request_id = message["data"].decode() if isinstance(message["data"], bytes) else ""
+                        self._loop.call_soon_threadsafe(self._wake, request_id)
+            except Exception as exc:  # Redis away: try again shortly
+                log.debug("answers channel: %s", exc)
+                self._stop.wait(1.0)
+
+    def _wake(self, request_id: str) -> None:
+        for event in self._events.get(request_id, ()):
+            event.set()
+
+    # -- submitting -------------------------------------------------------------------------------------------
+
+    def add(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str | None = None,
+            waiting: Waiting | None = None) -> str:
+        """Record a future whose work is ``job`` and start it here; return its request id."""
+        request_id = request_id or uuid.uuid4().hex
+        record = {"tenant": tenant, "kind": kind, "owner": self.gateway_id, "created": time.time(), "job": job}
+        if waiting is not None:
+            record.update(state=waiting.state, reason=waiting.reason)
+        self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
+        self._start(request_id, tenant, kind, job)
         return request_id
 
-    def get(self, request_id: str, tenant: str) -> Entry | None:
-        """The entry, or None when it does not exist or belongs to another tenant (the same 404 either way)."""
-        entry = self._entries.get(request_id)
-        return entry if entry is not None and entry.tenant == tenant else None
+    def _start(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> asyncio.Task[Answer]:
+        task = asyncio.ensure_future(self._run(request_id, tenant, kind, job))
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
+        return task
 
-    async def wait(self, entry: Entry) -> Answer | None:
-        """The answer, or None after ``poll_s`` (the caller answers try_again)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            return await asyncio.wait_for(asyncio.shield(entry.task), self.poll_s)
-        return None
+    async def _run(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> Answer:
+        """Never raises: a fleet error becomes the SDK's failure body (user or server category)."""
+        try:
+            answer = await self.run_job(request_id, tenant, job)
+        except TinkerqError as exc:
+            answer = Answer.failure(exc)
+        except asyncio.CancelledError:
+            raise  # this gateway is stopping: the future goes to the next gateway that polls it
+        except Exception as exc:  # a gateway bug: the caller still gets an answer, the operator a traceback
+            log.exception("%s request %s failed in the gateway", kind, request_id)
+            answer = Answer.failure(ServerError(f"the gateway failed while answering this {kind} request: {exc}"))
+        return await asyncio.to_thread(self._store_answer, request_id, answer)
 
-    def sweep(self, now: float | None = None) -> None:
-        """Forget answers ready for longer than ``keep_s``."""
-        now = time.monotonic() if now is None else now
-        stale = [rid for rid, e in self._entries.items() if e.ready_at is not None and now - e.ready_at > self.keep_s]
-        for rid in stale:
-            del self._entries[rid]
+    def _store_answer(self, request_id: str, answer: Answer) -> Answer:
+        """Store ``answer`` unless one is stored already (then that one is the answer), and announce it."""
+        key = keys.gateway_answer(request_id)
+        if not self.store.set_if_absent(key, answer.pack(), self.keep_s):
+            raw = self.store.get(key)
+            answer = Answer.unpack(raw) if raw is not None else answer
+        self.store.expire(keys.gateway_record("future", request_id), self.keep_s)
+        self.store.delete(keys.gateway_body(request_id))
+        self.store.client.publish(keys.GATEWAY_ANSWERS, request_id)
+        return answer
 
-    def pending(self) -> int:
-        return sum(1 for e in self._entries.values() if e.ready_at is None)
+    def set_waiting(self, request_id: str, tenant: str, waiting: Waiting) -> None:
+        """Say why the future is held (polls on every gateway report it), as its job goes on."""
+        record = self.records.get("future", request_id, tenant)
+        if record is not None and (record.get("state"), record.get("reason")) != (waiting.state, waiting.reason):
+            record.update(state=waiting.state, reason=waiting.reason)
+            self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
 
-    def cancel_all(self) -> None:
-        for entry in self._entries.values():
-            entry.task.cancel()
+    # -- polling ----------------------------------------------------------------------------------------------
 
+    def get(self, request_id: str, tenant: str) -> dict[str, Any] | None:
+        """The future's record, or None when it does not exist or belongs to another tenant (the same 404)."""
+        return self.records.get("future", request_id, tenant)
 
-async def _answer(work: Awaitable[Answer], kind: str, request_id: str) -> Answer:
-    """Never raises: a fleet error becomes the SDK's failure body (user or server category)."""
-    try:
-        return await work
-    except TinkerqError as exc:
-        return Answer.failure(exc)
-    except Exception as exc:  # a gateway bug: the caller still gets an answer, the operator a traceback
-        log.exception("%s request %s failed in the gateway", kind, request_id)
-        return Answer.failure(ServerError(f"the gateway failed while answering this {kind} request: {exc}"))
+    async def wait(self, request_id: str, record: dict[str, Any]) -> Answer | Waiting:
+        """The answer, or why it is not ready after ``poll_s`` (the caller answers try_again)."""
+        deadline = time.monotonic() + self.poll_s
+        event = asyncio.Event()
+        self._events.setdefault(request_id, set()).add(event)
+        try:
+            while True:
+                raw = await asyncio.to_thread(self.store.get, keys.gateway_answer(request_id))
+                if raw is not None:
+                    return Answer.unpack(raw)
+                task = self._tasks.get(request_id)
+                if task is None:
+                    record = await asyncio.to_thread(self._record, request_id, record)
+                    task = await asyncio.to_thread(self._adopt, request_id, record)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Waiting(str(record.get("state") or "active"), record.get("reason"))
+                if task is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        return await asyncio.wait_for(asyncio.shield(task), min(left, self.poll_s))
+                    return await asyncio.to_thread(self._waiting, request_id, record)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(left, CHECK_S))
+                event.clear()
+        finally:
+            waiters = self._events.get(request_id)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._events[request_id]
+
+    def _record(self, request_id: str, fallback: dict[str, Any]) -> dict[str, Any]:
+        return self.records.get("future", request_id, fallback["tenant"]) or fallback
+
+    def _waiting(self, request_id: str, record: dict[str, Any]) -> Waiting:
+        record = self._record(request_id, record)
+        return Waiting(str(record.get("state") or "active"), record.get("reason"))
+
+    def _adopt(self, request_id: str, record: dict[str, Any]) -> asyncio.Task[Answer] | None:
+        """Run the future here if its owner is gone and this gateway wins the claim on it (else None)."""
+        owner = str(record.get("owner"))
+        if owner == self.gateway_id or not isinstance(record.get("job"), dict):
+            return None
+        age = self.store.ages(keys.GATEWAY_HEARTBEATS).get(owner)
+        if age is not None and age < LOST_AFTER_S:
+            return None
+        claim = keys.gateway_claim(f"adopt:{request_id}:{owner}")
+        if not self.store.set_if_absent(claim, self.gateway_id.encode(), PENDING_TTL_S):
+            return None
+        log.warning("adopting %s request %s of gateway %s (silent for %s)", record.get("kind"), request_id, owner,
+                    "ever" if age is None else f"{age:.1f} s")
+        record["owner"] = self.gateway_id
+        self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self._start_later(request_id, record), self._loop).result()
+
+    async def _start_later(self, request_id: str, record: dict[str, Any]) -> asyncio.Task[Answer]:
+        return self._start(request_id, record["tenant"], str(record.get("kind")), record["job"])
+
+    def running(self) -> int:
+        """How many futures this gateway is running now."""
+        return len(self._tasks)

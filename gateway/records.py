@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinkerq import keys
-from tinkerq.store import KeyValueStore
+from tinkerq.retry import retrying
+from tinkerq.store import KeyValueStore, RedisStore
 
 # Sessions and training runs are kept a week after their last use; checkpoints until their ttl (or forever).
 IDLE_TTL_S = 7 * 24 * 3600
@@ -101,6 +102,64 @@ class Records:
 
     def touch(self, table: str, ident: str, ttl_s: float = IDLE_TTL_S) -> None:
         self.store.expire(keys.gateway_record(table, ident), ttl_s)
+
+    # -- first-come claims, shared by every gateway ---------------------------------------------------------
+
+    def claim(self, what: str, value: str, *, ttl_s: float = IDLE_TTL_S) -> str | None:
+        """Claim ``what`` for ``value``: None if this call got it, else the value of whoever did first."""
+        key = keys.gateway_claim(what)
+        for _ in range(3):  # a claim that expires between the two calls: try again
+            if self.store.set_if_absent(key, value.encode(), ttl_s):
+                return None
+            raw = self.store.get(key)
+            if raw is not None:
+                return raw.decode()
+        return None
+
+    def set_claim(self, what: str, value: str, *, ttl_s: float = IDLE_TTL_S) -> None:
+        self.store.set(keys.gateway_claim(what), value.encode(), ttl_s)
+
+    # -- per training run: its highest sequence id and last request time (sorted sets: atomic max, no read) --
+
+    def raise_top(self, model_id: str, seq_id: int) -> None:
+        """Remember that ``seq_id`` of ``model_id`` is taken (the run's top only grows) and when it came."""
+        redis = self._redis()
+
+        def run() -> None:
+            with redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(keys.GATEWAY_RUN_TOPS, {model_id: seq_id}, gt=True)
+                pipe.zadd(keys.GATEWAY_LAST_REQUEST, {model_id: time.time()})
+                pipe.execute()
+
+        retrying(run, deadline_s=0, what="recording a training request")
+
+    def top(self, model_id: str) -> int:
+        """The run's highest sequence id taken so far (0: none)."""
+        redis = self._redis()
+        score = retrying(lambda: redis.zscore(keys.GATEWAY_RUN_TOPS, model_id), deadline_s=0,
+                         what="reading a run's requests")
+        return int(score or 0)
+
+    def last_request(self, model_id: str) -> float | None:
+        redis = self._redis()
+        return retrying(lambda: redis.zscore(keys.GATEWAY_LAST_REQUEST, model_id), deadline_s=0,
+                        what="reading a run's requests")
+
+    def forget_run(self, model_id: str) -> None:
+        redis = self._redis()
+
+        def run() -> None:
+            with redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(keys.GATEWAY_RUN_TOPS, model_id)
+                pipe.zrem(keys.GATEWAY_LAST_REQUEST, model_id)
+                pipe.execute()
+
+        retrying(run, deadline_s=0, what="forgetting a run")
+
+    def _redis(self) -> Any:
+        assert isinstance(self.store, RedisStore), "the gateway needs a Redis store"
+        return self.store.client
+
 
 
 def _dumps(record: dict[str, Any]) -> bytes:

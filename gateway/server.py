@@ -20,6 +20,6 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000) -> i
     app = BodyLimit(create_app(lambda: Gateway(settings)), settings.max_message_bytes)
     log.info("tinkerq gateway on http://%s:%d (point the SDK at it: TINKER_BASE_URL=http://%s:%d)",
              host, port, host, port)
-    # One process: the gateway keeps its live clients and futures in memory (docs/gateway.md).
+    # One process per gateway; run several behind a load balancer (all state is in Redis: docs/gateway.md).
     uvicorn.run(app, host=host, port=port, log_level="info", access_log=False, timeout_keep_alive=75)
     return 0

@@ -1,15 +1,20 @@
 """The gateway's logic: Tinker's HTTP requests turned into producer calls on the fleet, per tenant.
 
-The gateway is a producer (one :class:`producer.ServiceClient`, one Redis connection, shared by every
-tenant), and uses its public API only (tests/test_layering.py): ``open_training_client`` /
-``attach_training_client`` for worker sessions, ``TrainingClient.submit(op, body, seq_id=...)`` and ``skip``
-for requests. Training requests keep the SDK's ``seq_id``: a model's request ``n`` is posted as the worker
-session's sequence number ``n + offset`` (offset 1 for a model made by create-via-load, whose first
-request was the load), so the worker's own ordering (worker/ordering.py) applies them in the SDK's order,
-buffers what arrives early (the SDK sends a forward_backward's chunks last-first) and fails a gap after the
-gap timeout. A resend of ``(model_id, seq_id)`` gets the original request id and is never applied twice.
-A request the gateway refuses after reading its ``seq_id`` still fills that position (``skip``: an ``echo``), so
-the model's later requests are not held up by the hole.
+Stateless: every record a gateway needs (sessions, training runs, sampling sessions, checkpoints, futures, which
+sequence ids are taken) lives in Redis, so any number of gateways serve one fleet behind a plain load balancer
+and any of them answers any request or poll (docs/gateway.md). What a gateway holds in memory is a cache: the
+producer clients of the runs and sampling sessions it served lately, rebuilt from their records on a miss.
+
+The gateway is a producer (one :class:`producer.ServiceClient`, one Redis connection, shared by every tenant),
+and uses its public API only (tests/test_layering.py): ``open_training_client`` / ``attach_training_client`` for
+worker sessions, ``TrainingClient.submit(op, body, seq_id=...)`` and ``skip`` for requests. Training requests
+keep the SDK's ``seq_id``: a model's request ``n`` is posted as the worker session's sequence number
+``n + offset`` (offset 1 for a model made by create-via-load, whose first request was the load), so the
+worker's own ordering (worker/ordering.py) applies them in the SDK's order, buffers what arrives early (the SDK
+sends a forward_backward's chunks last-first, and two gateways post in parallel) and fails a gap after the gap
+timeout. A resend of ``(model_id, seq_id)``, to any gateway, gets the original request id (a claim in Redis)
+and is never applied twice. A request refused after its ``seq_id`` was read still fills that position (``skip``:
+an ``echo``), so the model's later requests are not held up by the hole.
 
 Every id and path belongs to the tenant whose API key made it (gateway/records.py); anything else is 404.
 """
@@ -22,36 +27,38 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from tinkerq import types
+from tinkerq import keys, types
 from tinkerq.errors import TinkerqError, UnknownModelError
-from tinkerq.gateway import proto
-from tinkerq.gateway.futures import Answer, Futures
-from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name, checkpoint_record
+from tinkerq.gateway import lookups, proto
+from tinkerq.gateway.futures import Futures, Waiting
+from tinkerq.gateway.jobs import Jobs
+from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
 from tinkerq.producer.client import ServiceClient, TrainingClient
-from tinkerq.producer.futures import APIFuture
 from tinkerq.producer.sampling import SamplingClient
+from tinkerq.quotas import Quotas
 from tinkerq.settings import Settings
 from tinkerq.store import RedisStore
+from tinkerq.usage import Usage
 from tinkerq.validation import validate_adam, validate_lora
 from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
 
-KEPT_SEQ_IDS = 4096  # per model / sampler: resends older than this many requests are not recognised
+CACHED_CLIENTS = 4096  # runs and sampling sessions whose producer clients a gateway keeps at hand
 
 
 class HTTPError(Exception):
     """An answer other than 200, with a JSON ``{"detail": ...}`` body the SDK shows to the user."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.retry_after_s = retry_after_s
 
 
 def not_found(what: str, ident: Any) -> HTTPError:
@@ -66,13 +73,12 @@ def submit_error(exc: TinkerqError) -> HTTPError:
 
 @dataclass
 class Run:
-    """A live training run: the producer's client for its worker session, and its recent sequence ids."""
+    """A training run: its record, and the producer's client for its worker session."""
 
     model_id: str  # the SDK's: the training run's id, <session>:train:<n> (the worker session's is client.model_id)
     record: dict[str, Any]
     client: TrainingClient
     offset: int  # worker sequence number = SDK seq_id + offset
-    seen: OrderedDict[int, tuple[str, str]] = field(default_factory=OrderedDict)  # seq_id -> (request id, type)
 
 
 @dataclass
@@ -83,7 +89,6 @@ class Sampler:
     sampler_id: str
     record: dict[str, Any]
     client: SamplingClient
-    seen: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)  # seq_id -> promise
 
 
 class Gateway:
@@ -95,13 +100,19 @@ class Gateway:
             raise TinkerqError("the gateway needs a Redis broker (redis://, rediss:// or sentinel://), not memory://")
         self.store = store
         self.records = Records(store)
-        self.futures = Futures(poll_s=settings.gateway_poll_s, keep_s=settings.gateway_keep_s)
-        self.runs: dict[str, Run] = {}
-        self.samplers: dict[str, Sampler] = {}
-        self.creating: dict[str, str] = {}  # model id -> request id of its create_model / create-via-load
+        self.quotas = Quotas(store)
+        self.usage = Usage(store)
+        self.jobs = Jobs(self)
+        self.futures = Futures(store, self.records, self.jobs.run, poll_s=settings.gateway_poll_s,
+                               keep_s=settings.gateway_keep_s)
+        self.runs: OrderedDict[str, Run] = OrderedDict()
+        self.samplers: OrderedDict[str, Sampler] = OrderedDict()
+
+    def start(self) -> None:
+        self.futures.start()
 
     def close(self) -> None:
-        self.futures.cancel_all()
+        self.futures.close()
         self.service.close()
 
     # -- sessions ---------------------------------------------------------------------------------------------
@@ -132,9 +143,10 @@ class Gateway:
         record = self.session(tenant, session_id)
         record["finished"] = True
         self.records.put("session", session_id, record)
-        for run in [r for r in self.runs.values() if r.record["session_id"] == session_id]:
-            self._drop_run(run)
-            await asyncio.to_thread(_close_quietly, run.client)
+        for run_record in await asyncio.to_thread(self.records.scan, "run", tenant, f"{session_id}:train:"):
+            run = await asyncio.to_thread(self.run, tenant, run_record["model_id"], closed_ok=True)
+            if run is not None:
+                await asyncio.to_thread(self.close_run, run)
         return {}
 
     # -- training runs ----------------------------------------------------------------------------------------
@@ -145,67 +157,88 @@ class Gateway:
         if session["finished"]:
             raise HTTPError(400, f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self.creating:  # a resend
-            return {"request_id": self.creating[model_id], "model_id": model_id}
         _check_optimizer(body.get("optimizer_config"))
         base_model = str(body["base_model"])
         lora = _lora_config(body.get("lora_config"))
         if lora is not None:
             validate_lora(lora, max_rank=self.settings.max_lora_rank)  # refused now (400), not in the future
         await self._check_served(base_model)
+        job = {"type": "create", "model_id": model_id, "session_id": session_id, "base_model": base_model,
+               "lora": None if lora is None else messages.encode_lora(lora), "user_metadata": body.get("user_metadata")}
+        return {"request_id": self._create_once(tenant, model_id, "CreateModel", job), "model_id": model_id}
 
-        async def work() -> Answer:
-            client = await asyncio.to_thread(self.service.open_training_client, base_model, lora)
-            self._add_run(tenant, model_id, session_id, base_model, lora, client, offset=0,
-                          user_metadata=body.get("user_metadata"))
-            return Answer(json={"model_id": model_id, "type": "create_model"})
+    def _create_once(self, tenant: str, model_id: str, kind: str, job: dict[str, Any]) -> str:
+        """Start the create of ``model_id`` unless some gateway did (a resend): the request id either way."""
+        request_id = uuid.uuid4().hex
+        prior = self.records.claim(f"create:{model_id}", request_id)
+        if prior is not None:
+            return prior
+        return self.futures.add(tenant, kind, job, request_id=request_id)
 
-        request_id = self.futures.add(tenant, "CreateModel", work())
-        self.creating[model_id] = request_id
-        return {"request_id": request_id, "model_id": model_id}
+    def admit_training_client(self, tenant: str, model_id: str) -> bool:
+        return self.quotas.try_open_training_client(tenant, model_id)
 
-    def _add_run(self, tenant: str, model_id: str, session_id: str, base_model: str, lora: types.LoraConfig | None,
-                 client: TrainingClient, *, offset: int, user_metadata: Any) -> Run:
+    def quotas_release_training_client(self, tenant: str, model_id: str) -> None:
+        self.quotas.close_training_client(tenant, model_id)
+
+    def add_run(self, tenant: str, model_id: str, job: dict[str, Any], lora: types.LoraConfig | None,
+                client: TrainingClient) -> Run:
+        offset = 0 if job.get("load") is None else 1
         record = {
-            "tenant": tenant, "model_id": model_id, "session_id": session_id, "base_model": base_model,
+            "tenant": tenant, "model_id": model_id, "session_id": job["session_id"], "base_model": job["base_model"],
             "lora": None if lora is None else messages.encode_lora(lora), "created": time.time(),
-            "last_request_time": time.time(), "user_metadata": user_metadata,
-            # What a restarted gateway needs to drive the same worker session again (see run()).
+            "user_metadata": job.get("user_metadata"),
+            # What any gateway needs to drive the same worker session (see run()).
             "info": dataclasses.asdict(client.info), "offset": offset, "closed": False,
         }
         self.records.put("run", model_id, record)
-        run = Run(model_id, record, client, offset)
-        self.runs[model_id] = run
-        return run
+        return self._cache(self.runs, model_id, Run(model_id, record, client, offset))
 
-    def run(self, tenant: str, model_id: Any) -> Run:
+    def run(self, tenant: str, model_id: Any, *, closed_ok: bool = False) -> Run | None:
+        """The run, driven from its record (made here or by another gateway: the worker session is the same)."""
         run = self.runs.get(str(model_id))
         if run is None:
-            run = self._reopen(tenant, str(model_id))
+            record = self.records.get("run", str(model_id), tenant)
+            if record is not None and not record.get("closed") and isinstance(record.get("info"), dict):
+                client = self.service.attach_training_client(types.ModelInfo(**record["info"]))
+                run = self._cache(self.runs, str(model_id), Run(str(model_id), record, client, int(record["offset"])))
         if run is None or run.record["tenant"] != tenant:
+            if closed_ok:
+                return None
             raise not_found("model", model_id)
         return run
 
-    def _reopen(self, tenant: str, model_id: str) -> Run | None:
-        """A run this gateway does not hold (it restarted, or another gateway made it): its worker session
-        lives on, so drive it again from its record. Resends of requests already applied are safe: the
-        worker answers a repeated sequence number from its kept replies, never applying it twice."""
-        record = self.records.get("run", model_id, tenant)
-        if record is None or record.get("closed") or not isinstance(record.get("info"), dict):
-            return None
-        client = self.service.attach_training_client(types.ModelInfo(**record["info"]))
-        run = Run(model_id, record, client, int(record["offset"]))
-        self.runs[model_id] = run
-        return run
-
-    def _drop_run(self, run: Run) -> None:
+    def close_run(self, run: Run) -> None:
+        """Close the run's worker session after every request taken for it (on any gateway), and forget it."""
+        last = self.records.top(run.model_id) + run.offset
+        try:
+            run.client.submit("close_model", {}, seq_id=last + 1).result(timeout=30.0)
+        except TinkerqError as exc:  # the worker may be gone already: nothing left to free
+            log.info("closing %s: %s", run.model_id, exc.message)
         self.runs.pop(run.model_id, None)
-        self.creating.pop(run.model_id, None)
         run.record["closed"] = True
         self.records.put("run", run.model_id, run.record)
+        self.records.forget_run(run.model_id)
+        self.quotas.close_training_client(run.record["tenant"], run.model_id)
+
+    @staticmethod
+    def close_quietly(client: TrainingClient) -> None:
+        try:
+            client.close()
+        except TinkerqError as exc:  # the worker may be gone already: nothing left to free
+            log.info("closing %s: %s", client.model_id, exc.message)
+
+    @staticmethod
+    def _cache(cache: OrderedDict[str, Any], key: str, value: Any) -> Any:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > CACHED_CLIENTS:
+            cache.popitem(last=False)
+        return value
 
     def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
         run = self.run(tenant, model_id)
+        assert run is not None
         lora = run.record["lora"]
         base_model = run.record["base_model"]
         return {
@@ -217,85 +250,76 @@ class Gateway:
         }
 
     async def unload_model(self, tenant: str, model_id: str) -> dict[str, Any]:
-        run = self.run(tenant, model_id)
-
-        async def work() -> Answer:
-            await asyncio.to_thread(run.client.close)
-            self._drop_run(run)
-            return Answer(json={"model_id": model_id, "type": "unload_model"})
-
-        return {"request_id": self.futures.add(tenant, "UnloadModel", work()), "model_id": model_id}
+        self.run(tenant, model_id)
+        request_id = self.futures.add(tenant, "UnloadModel", {"type": "unload", "model_id": model_id})
+        return {"request_id": request_id, "model_id": model_id}
 
     # -- ordered training requests ------------------------------------------------------------------------------
 
     def _ordered(self, tenant: str, model_id: Any, seq_id: Any, kind: str,
-                 prepare: Callable[[Run, int], Awaitable[Answer]]) -> dict[str, Any]:
-        """Accept request ``seq_id`` of a model once: ``prepare(run, worker_seq)`` checks and posts it (and
-        may raise a user error, which is answered 400 after the position is filled)."""
+                 prepare: Callable[[Run, str], dict[str, Any]], *, tokens: int = 0) -> dict[str, Any]:
+        """Accept request ``seq_id`` of a model once, on any gateway: ``prepare(run, request_id)`` checks it and
+        returns its job (it may raise a user error, answered 400 after the position is filled)."""
         run = self.run(tenant, model_id)
+        assert run is not None
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
             raise HTTPError(400, f"seq_id must be an integer >= 1, got {seq_id!r}")
-        if seq_id in run.seen:
-            request_id, seen_kind = run.seen[seq_id]
+        request_id = uuid.uuid4().hex
+        prior = self.records.claim(f"seq:{run.model_id}:{seq_id}", f"{kind}|{request_id}")
+        if prior is not None:  # a resend, to this gateway or another
+            seen_kind, _, seen = prior.partition("|")
+            if seen_kind == "refused":
+                raise HTTPError(400, seen)
             if seen_kind != kind:
                 raise HTTPError(400, f"seq_id {seq_id} of model {model_id} was already used by a {seen_kind} request")
-            if request_id.startswith("refused:"):
-                raise HTTPError(400, request_id.removeprefix("refused:"))
-            return {"request_id": request_id, "model_id": run.model_id}
+            return {"request_id": seen, "model_id": run.model_id}
         worker_seq = seq_id + run.offset
+        self.records.raise_top(run.model_id, seq_id)
         try:
-            work = prepare(run, worker_seq)
+            job = prepare(run, request_id)
         except (TinkerqError, PathError, HTTPError) as exc:
-            message = exc.message if isinstance(exc, TinkerqError) else str(exc)
+            message = exc.message if isinstance(exc, TinkerqError) else str(exc) if isinstance(exc, PathError) \
+                else exc.detail
             # Fill the position so the requests after it run; the resend of this one gets the same answer.
             run.client.skip(worker_seq, "refused by the gateway")
-            self._remember(run.seen, seq_id, (f"refused:{message}", kind))
+            self.records.set_claim(f"seq:{run.model_id}:{seq_id}", f"refused|{message}")
             raise (exc if isinstance(exc, HTTPError) else HTTPError(400, message)) from None
-        request_id = self.futures.add(tenant, kind, work)
-        self._remember(run.seen, seq_id, (request_id, kind))
-        run.record["last_request_time"] = time.time()
+        post_at = self.quotas.schedule(tenant, run.model_id, tokens)
+        job.update(type="ordered", model_id=run.model_id, seq_id=seq_id, worker_seq=worker_seq, tokens=tokens,
+                   post_at=post_at)
+        waiting = None
+        if post_at > time.time() + 0.05:
+            waiting = Waiting("paused_rate_limit", f"this API key's max_tokens_per_minute holds it until "
+                                                   f"{lookups.iso(post_at)}")
+        self.futures.add(tenant, kind, job, request_id=request_id, waiting=waiting)
         return {"request_id": request_id, "model_id": run.model_id}
-
-    @staticmethod
-    def _remember(seen: OrderedDict[int, Any], seq_id: int, value: Any) -> None:
-        seen[seq_id] = value
-        while len(seen) > KEPT_SEQ_IDS:
-            seen.popitem(last=False)
 
     def forward_backward(self, tenant: str, body: bytes) -> dict[str, Any]:
         call = proto.decode_forward_backward_request(body)  # a user error here: no seq_id to fill
         kind = "Forward" if call.forward_only else "ForwardBackward"
+        op = "forward" if call.forward_only else "forward_backward"
+        tokens = sum(d.model_input.length for d in call.data)
 
-        def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
+        def prepare(run: Run, request_id: str) -> dict[str, Any]:
             run.client.check_loss_request(call.data, call.loss_fn, call.loss_fn_config)
-            tokens = sum(d.model_input.length for d in call.data)
-            future = run.client.submit(
-                "forward" if call.forward_only else "forward_backward",
-                messages.encode_loss_request(call.data, call.loss_fn, call.loss_fn_config),
-                seq_id=worker_seq, decode=messages.decode_forward_backward_output,
-                argsrepr=f"loss_fn={call.loss_fn} datums={len(call.data)} tokens={tokens}",
-            )
-            return _proto_answer(future, proto.encode_forward_backward_output)
+            # Kept until answered: a gateway that adopts this future posts it from here.
+            self.store.with_retry(0).set(keys.gateway_body(request_id), body, self.settings.gateway_keep_s * 6)
+            self.jobs.hint(request_id, call)
+            return {"op": op, "finish": "loss",
+                    "argsrepr": f"loss_fn={call.loss_fn} datums={len(call.data)} tokens={tokens}"}
 
-        return self._ordered(tenant, call.model_id, call.seq_id, kind, prepare)
+        return self._ordered(tenant, call.model_id, call.seq_id, kind, prepare, tokens=tokens)
 
     def optim_step(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
+        def prepare(_run: Run, _request_id: str) -> dict[str, Any]:
             if body.get("optimizer_params") is not None:
                 raise HTTPError(400, "only AdamW is served: send adam_params (optimizer_params is not supported)")
             raw = body.get("adam_params") or {}
             params = types.AdamParams(**{k: raw[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
                                                              "grad_clip_norm") if k in raw})
             validate_adam(params)
-            future = run.client.submit("optim_step", messages.encode_adam(params), seq_id=worker_seq,
-                                       decode=messages.decode_optim_step_response,
-                                       argsrepr=f"lr={params.learning_rate:g}")
-
-            async def answer() -> Answer:
-                out = await future
-                return Answer(json={"metrics": dict(out.metrics or {}), "type": "optim_step"})
-
-            return answer()
+            return {"op": "optim_step", "finish": "optim", "body": messages.encode_adam(params),
+                    "argsrepr": f"lr={params.learning_rate:g}"}
 
         return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), "OptimStep", prepare)
 
@@ -306,15 +330,16 @@ class Gateway:
     def save_weights_for_sampler(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("path") is None:  # save_weights_and_get_sampling_client: a sampling snapshot, in memory
             return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), "SaveWeightsForSampler",
-                                 lambda run, worker_seq: self._sampling_snapshot(tenant, run, worker_seq, body))
+                                 lambda _run, _rid: {"op": "create_sampler", "finish": "snapshot", "body": {}})
         return self._save(tenant, body, "sampler_weights", "SaveWeightsForSampler")
 
     def _save(self, tenant: str, body: dict[str, Any], segment: str, kind: str) -> dict[str, Any]:
-        def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
+        def prepare(run: Run, _request_id: str) -> dict[str, Any]:
             name = check_name(body.get("path"))
             ttl = _ttl(body.get("ttl_seconds"))
             path = TinkerPath(run.model_id, segment, name)
             overwrite = body.get("overwrite", False)
+            keep = self.quotas.limits(tenant).keep_checkpoints
             if segment == "weights":
                 if not isinstance(overwrite, bool):
                     raise HTTPError(400, f"overwrite must be true or false, got {overwrite!r}")
@@ -323,32 +348,12 @@ class Gateway:
                 op, request = "save_state", {"name": name, "ttl_seconds": ttl, "overwrite": overwrite}
             else:
                 op, request = "save_weights_for_sampler", {"name": name, "merged": False, "ttl_seconds": ttl}
-            future = run.client.submit(op, request, seq_id=worker_seq, argsrepr=f"name={name}")
-
-            async def answer() -> Answer:
-                out = await future
-                record = checkpoint_record(tenant, path, str(out["path"]), run.record, ttl, body.get("user_metadata"))
-                self.records.put("checkpoint", str(path), record, ttl_s=ttl)
-                return Answer(json={"path": str(path), "type": "save_weights" if segment == "weights"
-                                    else "save_weights_for_sampler"})
-
-            return answer()
+            if keep is not None:
+                request["keep_newest"] = keep
+            return {"op": op, "finish": "save", "body": request, "argsrepr": f"name={name}",
+                    "args": {"path": str(path), "ttl": ttl, "user_metadata": body.get("user_metadata")}}
 
         return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), kind, prepare)
-
-    def _sampling_snapshot(self, tenant: str, run: Run, worker_seq: int,
-                           body: dict[str, Any]) -> Awaitable[Answer]:
-        """Freeze the run's weights on its worker (create_sampler) and open a sampling session on them."""
-        seq_id = body["seq_id"]
-        future = run.client.submit("create_sampler", {}, seq_id=worker_seq, decode=lambda b: str(b["sampler_id"]))
-
-        async def answer() -> Answer:
-            snapshot_id = await future  # the worker's name for the frozen weights
-            sampler_id = f"{run.model_id}:sample:{seq_id}"
-            await self._add_sampler(tenant, sampler_id, run.record["base_model"], {"snapshot": snapshot_id}, None)
-            return Answer(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
-
-        return answer()
 
     # -- loading ----------------------------------------------------------------------------------------------
 
@@ -357,48 +362,27 @@ class Gateway:
         if not isinstance(optimizer, bool):
             raise HTTPError(400, f"optimizer must be true or false, got {optimizer!r}")
         if body.get("session_id") is None:  # legacy TrainingClient.load_state: an ordered request
-            def prepare(run: Run, worker_seq: int) -> Awaitable[Answer]:
+            def prepare(_run: Run, _request_id: str) -> dict[str, Any]:
                 checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights")
-                future = run.client.submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer},
-                                           seq_id=worker_seq, argsrepr=f"path={body.get('path')}")
-                return _json_answer(future, lambda _out: {"path": body["path"], "model_id": run.model_id,
-                                                          "type": "load_weights"})
+                return {"op": "load_state", "finish": "load", "argsrepr": f"path={body.get('path')}",
+                        "body": {"path": checkpoint["directory"], "optimizer": optimizer},
+                        "args": {"path": body.get("path")}}
 
             return self._ordered(tenant, body.get("model_id"), body.get("seq_id"), "LoadWeights", prepare)
-        return await self._create_from_state(tenant, body, optimizer)
-
-    async def _create_from_state(self, tenant: str, body: dict[str, Any], optimizer: bool) -> dict[str, Any]:
-        """create_training_client_from_state[_with_optimizer]: a new model whose first request is the load."""
+        # create_training_client_from_state[_with_optimizer]: a new model whose first request is the load.
         session_id, model_seq_id = str(body.get("session_id")), body.get("model_seq_id")
         session = self.session(tenant, session_id)
         if session["finished"]:
             raise HTTPError(400, f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self.creating:
-            return {"request_id": self.creating[model_id], "model_id": model_id}
         _check_optimizer(body.get("optimizer_config"))
         checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights")
         base_model = str(body.get("base_model") or checkpoint["base_model"])
         await self._check_served(base_model)
-        lora = None if checkpoint.get("lora") is None else messages.decode_lora(checkpoint["lora"])
-
-        async def work() -> Answer:
-            client = await asyncio.to_thread(self.service.open_training_client, base_model, lora)
-            # The load is the worker session's request 1; the SDK's requests 1, 2... follow as 2, 3...
-            load = client.submit("load_state", {"path": checkpoint["directory"], "optimizer": optimizer}, seq_id=1,
-                                 argsrepr=f"path={body['path']}")
-            try:
-                await load
-            except TinkerqError:
-                await asyncio.to_thread(_close_quietly, client)
-                raise
-            self._add_run(tenant, model_id, session_id, base_model, lora, client, offset=1,
-                          user_metadata=body.get("user_metadata"))
-            return Answer(json={"path": body["path"], "model_id": model_id, "type": "load_weights"})
-
-        request_id = self.futures.add(tenant, "LoadWeights", work())
-        self.creating[model_id] = request_id
-        return {"request_id": request_id, "model_id": model_id}
+        job = {"type": "create", "model_id": model_id, "session_id": session_id, "base_model": base_model,
+               "lora": checkpoint.get("lora"), "user_metadata": body.get("user_metadata"),
+               "load": {"directory": checkpoint["directory"], "optimizer": optimizer, "path": body["path"]}}
+        return {"request_id": self._create_once(tenant, model_id, "LoadWeights", job), "model_id": model_id}
 
     def _checkpoint(self, tenant: str, path: Any, *, segment: str | None = None) -> dict[str, Any]:
         try:
@@ -420,7 +404,7 @@ class Gateway:
         session_id, k = body.get("session_id"), body.get("sampling_session_seq_id")
         self.session(tenant, session_id)
         sampler_id = f"{session_id}:sample:{k}"
-        if sampler_id in self.samplers:  # a resend
+        if self.records.get("sampler", sampler_id, tenant) is not None:  # a resend, to any gateway
             return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
         model_path = body.get("model_path")
         if model_path is not None:
@@ -432,30 +416,30 @@ class Gateway:
         else:
             raise HTTPError(400, "create_sampling_session needs model_path (a tinker:// sampler path) or base_model")
         await self._check_served(base_model)
-        await self._add_sampler(tenant, sampler_id, base_model, source, model_path)
+        await self.add_sampler(tenant, sampler_id, base_model, source, model_path)
         return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
-    async def _add_sampler(self, tenant: str, sampler_id: str, base_model: str, source: dict[str, Any],
-                           model_path: str | None) -> None:
+    async def add_sampler(self, tenant: str, sampler_id: str, base_model: str, source: dict[str, Any],
+                          model_path: str | None) -> None:
         try:
             client = await asyncio.to_thread(SamplingClient, self.service, source, base_model)
         except TinkerqError as exc:
             raise submit_error(exc) from None
         record = {"tenant": tenant, "sampler_id": sampler_id, "base_model": base_model, "model_path": model_path,
-                  "source": source}
+                  "source": source, "session_id": sampler_id.split(":", 1)[0]}
         self.records.put("sampler", sampler_id, record)
-        self.samplers[sampler_id] = Sampler(sampler_id, record, client)
+        self._cache(self.samplers, sampler_id, Sampler(sampler_id, record, client))
 
     def sampler(self, tenant: str, sampler_id: Any) -> Sampler:
         sampler = self.samplers.get(str(sampler_id))
-        if sampler is None:  # made before a restart, or by another gateway: its weights are still named
+        if sampler is None:  # made by another gateway, or before a restart: its weights are still named
             record = self.records.get("sampler", str(sampler_id), tenant)
             if record is not None:
                 try:
                     client = SamplingClient(self.service, record["source"], record["base_model"])
                 except TinkerqError as exc:
                     raise submit_error(exc) from None
-                sampler = self.samplers[str(sampler_id)] = Sampler(str(sampler_id), record, client)
+                sampler = self._cache(self.samplers, str(sampler_id), Sampler(str(sampler_id), record, client))
         if sampler is None or sampler.record["tenant"] != tenant:
             raise not_found("sampling session", sampler_id)
         return sampler
@@ -467,8 +451,35 @@ class Gateway:
     def asample(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         sampler = self.sampler(tenant, body.get("sampling_session_id"))
         seq_id = body.get("seq_id")
-        if isinstance(seq_id, int) and seq_id in sampler.seen:  # a resend after a 429 or a lost answer
-            return sampler.seen[seq_id]
+        request_id = uuid.uuid4().hex
+        claim = f"sample:{sampler.sampler_id}:{seq_id}"
+        if isinstance(seq_id, int):
+            prior = self.records.claim(claim, request_id)
+            if prior is not None:  # a resend after a 429 or a lost answer, to any gateway
+                return _sample_promise(prior, body.get("num_samples", 1))
+        try:
+            prompt, params, options = self.sample_request(body)
+            if not self.quotas.try_start_sample(tenant, request_id):
+                limit = self.quotas.limits(tenant).max_sampling_inflight
+                raise HTTPError(429, f"this API key has {limit} sampling requests in flight "
+                                     f"(max_sampling_inflight); retry when some finish", retry_after_s=1.0)
+            future = sampler.client.sample(prompt, body.get("num_samples", 1), params, **options)
+            if future.done():  # refused by the producer's checks: a final 400, not a failed future
+                error = future.exception(0)
+                if error is not None:
+                    self.quotas.end_sample(tenant, request_id)
+                    raise HTTPError(400 if error.is_user_error else 503, error.message)
+        except HTTPError:
+            if isinstance(seq_id, int):  # the resend is a new request
+                self.store.with_retry(0).delete(keys.gateway_claim(claim))
+            raise
+        self.jobs.hint(request_id, future)
+        self.futures.add(tenant, "Sample", {"type": "sample", "sampler_id": sampler.sampler_id, "request": body},
+                         request_id=request_id)
+        return _sample_promise(request_id, body.get("num_samples", 1))
+
+    def sample_request(self, body: dict[str, Any]) -> tuple[types.ModelInput, types.SamplingParams, dict[str, Any]]:
+        """The prompt, parameters and options of an asample body; HTTPError 400 when malformed or unsupported."""
         for option, default in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
                                 ("target_prompt_logprobs", None), ("record_stability_info", False)):
             if body.get(option) not in (default, None):
@@ -479,20 +490,16 @@ class Gateway:
             params = _sampling_params(body.get("sampling_params"))
         except (KeyError, TypeError, ValueError) as exc:
             raise HTTPError(400, f"malformed sample request: {exc}") from None
-        num_samples = body.get("num_samples", 1)
-        future = sampler.client.sample(prompt, num_samples, params,
-                                       include_prompt_logprobs=bool(body.get("prompt_logprobs")),
-                                       prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"))
-        if future.done():  # refused by the producer's checks: a final 400, not a failed future
-            error = future.exception(0)
-            if error is not None:
-                raise HTTPError(400 if error.is_user_error else 503, error.message)
-        request_id = self.futures.add(tenant, "Sample", _proto_answer(future, proto.encode_sample_response))
-        n = num_samples if isinstance(num_samples, int) else 0
-        promise = {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
-        if isinstance(seq_id, int):
-            self._remember(sampler.seen, seq_id, promise)
-        return promise
+        return prompt, params, {"include_prompt_logprobs": bool(body.get("prompt_logprobs")),
+                                "prompt_logprobs_last_n": body.get("prompt_logprobs_last_n")}
+
+    def end_sample(self, tenant: str, request_id: str) -> None:
+        self.quotas.end_sample(tenant, request_id)
+
+    def account(self, tenant: str, session_id: str, counts: dict[str, int], request_id: str) -> None:
+        """Add a request's usage once (a future answered by two gateways is counted once)."""
+        if counts:
+            self.usage.record(tenant, session_id, counts, once=request_id)
 
     # -- capabilities and REST lookups ----------------------------------------------------------------------------
 
@@ -510,37 +517,11 @@ class Gateway:
             served = [m["model_name"] for m in (await self.capabilities())["supported_models"]]
             raise HTTPError(400, f"base model {base_model!r} is not served here; served now: {served or 'none'}")
 
-    def training_run(self, tenant: str, run_id: str) -> dict[str, Any]:
-        record = self.records.get("run", run_id, tenant)
-        if record is None:
-            raise not_found("training run", run_id)
-        return self._training_run_view(record)
-
-    def training_runs(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
-        records = sorted(self.records.scan("run", tenant), key=lambda r: r["created"], reverse=True)
-        page = records[offset:offset + limit]
-        return {"training_runs": [self._training_run_view(r) for r in page],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
-
-    def _training_run_view(self, record: dict[str, Any]) -> dict[str, Any]:
-        lora = record.get("lora")
-        checkpoints = self.records.scan("checkpoint", record["tenant"], f"tinker://{record['model_id']}/")
-        last = {kind: max((c for c in checkpoints if c["checkpoint_type"] == kind), key=lambda c: c["time"],
-                          default=None) for kind in ("training", "sampler")}
-        run = self.runs.get(record["model_id"])
-        last_request = (run.record if run is not None else record)["last_request_time"]
-        return {
-            "training_run_id": record["model_id"], "base_model": record["base_model"], "model_owner": record["tenant"],
-            "is_lora": lora is not None, "lora_rank": None if lora is None else lora["rank"], "corrupted": False,
-            "last_request_time": _iso(last_request), "user_metadata": _str_map(record.get("user_metadata")),
-            "last_checkpoint": None if last["training"] is None else _checkpoint_view(last["training"]),
-            "last_sampler_checkpoint": None if last["sampler"] is None else _checkpoint_view(last["sampler"]),
-        }
-
-    def list_checkpoints(self, tenant: str, run_id: str) -> dict[str, Any]:
-        self.training_run(tenant, run_id)
-        records = sorted(self.records.scan("checkpoint", tenant, f"tinker://{run_id}/"), key=lambda c: c["time"])
-        return {"checkpoints": [_checkpoint_view(c) for c in records]}
+    def lookup(self, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        try:
+            return fn(self.records, *args)
+        except lookups.NotFound as exc:
+            raise not_found(exc.what, exc.ident) from None
 
     def delete_checkpoint(self, tenant: str, run_id: str, checkpoint_id: str) -> dict[str, Any]:
         path = f"tinker://{run_id}/{checkpoint_id}"
@@ -549,32 +530,15 @@ class Gateway:
         return {}
 
     def weights_info(self, tenant: str, tinker_path: Any) -> dict[str, Any]:
-        record = self._checkpoint(tenant, tinker_path)
-        lora = record.get("lora")
-        info: dict[str, Any] = {"base_model": record["base_model"], "is_lora": lora is not None,
-                                "optimizer_config": {"type": "adamw"}}
-        if lora is not None:
-            info.update({"lora_rank": lora["rank"], "train_unembed": lora.get("train_unembed"),
-                         "train_mlp": lora.get("train_mlp"), "train_attn": lora.get("train_attn")})
-        return info
+        return lookups.weights_info(self._checkpoint(tenant, tinker_path))
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
 
 
-async def _proto_answer(future: APIFuture[Any], encode: Callable[[Any], bytes]) -> Answer:
-    return Answer(proto=encode(await future))
-
-
-async def _json_answer(future: APIFuture[Any], view: Callable[[Any], dict[str, Any]]) -> Answer:
-    return Answer(json=view(await future))
-
-
-def _close_quietly(client: TrainingClient) -> None:
-    try:
-        client.close()
-    except TinkerqError as exc:  # the worker may be gone already: nothing left to free
-        log.info("closing %s: %s", client.model_id, exc.message)
+def _sample_promise(request_id: str, num_samples: Any) -> dict[str, Any]:
+    n = num_samples if isinstance(num_samples, int) else 0
+    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
 
 def _check_optimizer(config: Any) -> None:
@@ -616,23 +580,6 @@ def _model_input(raw: Any) -> types.ModelInput:
 def _sampling_params(raw: Any) -> types.SamplingParams:
     known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
     return types.SamplingParams(**{k: v for k, v in dict(raw).items() if k in known})
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
-
-
-def _str_map(value: Any) -> dict[str, str] | None:
-    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else None
-
-
-def _checkpoint_view(record: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "checkpoint_id": record["checkpoint_id"], "checkpoint_type": record["checkpoint_type"],
-        "time": _iso(record["time"]), "tinker_path": record["tinker_path"], "public": False,
-        "user_metadata": _str_map(record.get("user_metadata")),
-        "expires_at": None if record.get("expires_at") is None else _iso(record["expires_at"]),
-    }
 
 
 __all__ = ["Gateway", "HTTPError", "UnknownModelError"]

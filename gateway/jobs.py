@@ -1,0 +1,188 @@
+"""What a gateway future does, from its *job*: a JSON description any gateway can run (gateway/futures.py).
+
+A job is written when the request is accepted, before anything is posted, so that the gateway that runs it
+can be any gateway: the one that accepted it, or one that adopted it after that one died. Every job is safe to
+run more than once:
+
+* ``ordered``: one request of a training run, posted with the run's worker sequence number. A second post of
+  the same number is answered by the worker from its kept reply, never applied twice. Its body (the SDK's
+  protobuf for forward_backward) waits in Redis until the answer is stored.
+* ``create``: a training run (create_model, or create-via-load). A run already recorded is answered as is.
+* ``unload``: closes the run's worker session after its last request.
+* ``sample``: one sampling request. Run twice, it samples twice; the first answer stored is the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tinkerq import keys, types
+from tinkerq.errors import CapacityError, RequestTimeoutError, ServerError, TinkerqError
+from tinkerq.gateway import proto
+from tinkerq.gateway.futures import Answer, Waiting
+from tinkerq.gateway.records import TinkerPath, checkpoint_record
+from tinkerq.wire import messages
+
+if TYPE_CHECKING:
+    from tinkerq.gateway.service import Gateway, Run
+
+CAPACITY_RETRY_S = 2.0  # how often a create held by a full fleet (or a key's client quota) is tried again
+QUOTA_RETRY_S = 1.0
+
+
+class Jobs:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self._decoded: dict[str, Any] = {}  # request id -> the request as its accepting gateway decoded it
+
+    def hint(self, request_id: str, decoded: Any) -> None:
+        """Keep the decoded request for the job about to start here (an adopter decodes the stored body)."""
+        self._decoded[request_id] = decoded
+
+    async def run(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
+        kind = job.get("type")
+        try:
+            if kind == "ordered":
+                return await self._ordered(request_id, tenant, job)
+            if kind == "create":
+                return await self._create(request_id, tenant, job)
+            if kind == "unload":
+                return await self._unload(tenant, job)
+            if kind == "sample":
+                return await self._sample(request_id, tenant, job)
+            raise ServerError(f"unknown gateway job {kind!r}")
+        finally:
+            self._decoded.pop(request_id, None)
+
+    # -- training runs --------------------------------------------------------------------------------------
+
+    async def _create(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
+        gw, model_id = self.gw, job["model_id"]
+        done = await asyncio.to_thread(gw.records.get, "run", model_id, tenant)
+        if done is None:
+            lora = None if job.get("lora") is None else messages.decode_lora(job["lora"])
+            client = await self._open(request_id, tenant, model_id, job["base_model"], lora)
+            load = job.get("load")
+            if load is not None:  # the load is the worker session's request 1; the SDK's 1, 2... follow as 2, 3...
+                try:
+                    await client.submit("load_state", {"path": load["directory"], "optimizer": load["optimizer"]},
+                                        seq_id=1, argsrepr=f"path={load['path']}")
+                except TinkerqError:
+                    await asyncio.to_thread(gw.close_quietly, client)
+                    raise
+            await asyncio.to_thread(gw.add_run, tenant, model_id, job, lora, client)
+        if job.get("load") is not None:
+            return Answer(json={"path": job["load"]["path"], "model_id": model_id, "type": "load_weights"})
+        return Answer(json={"model_id": model_id, "type": "create_model"})
+
+    async def _open(self, request_id: str, tenant: str, model_id: str, base_model: str,
+                    lora: types.LoraConfig | None) -> Any:
+        """A worker session for the run, once the key's quota and the fleet have room for it (waiting, not
+        failing, while either is full: the poll says which)."""
+        gw = self.gw
+        waited_since = time.monotonic()
+        while not await asyncio.to_thread(gw.admit_training_client, tenant, model_id):
+            await asyncio.to_thread(gw.futures.set_waiting, request_id, tenant, Waiting(
+                "paused_rate_limit", "this API key holds its maximum of training clients (max_training_clients); "
+                                     "it goes on when one of them is unloaded"))
+            await asyncio.sleep(QUOTA_RETRY_S)
+        while True:
+            try:
+                return await asyncio.to_thread(gw.service.open_training_client, base_model, lora)
+            except (CapacityError, RequestTimeoutError) as exc:
+                if time.monotonic() - waited_since > gw.settings.gateway_capacity_wait_s:
+                    await asyncio.to_thread(gw.quotas_release_training_client, tenant, model_id)
+                    raise
+                await asyncio.to_thread(gw.futures.set_waiting, request_id, tenant,
+                                        Waiting("paused_capacity", exc.message))
+                await asyncio.sleep(CAPACITY_RETRY_S)
+            except TinkerqError:
+                await asyncio.to_thread(gw.quotas_release_training_client, tenant, model_id)
+                raise
+
+    async def _unload(self, tenant: str, job: dict[str, Any]) -> Answer:
+        gw = self.gw
+        run = await asyncio.to_thread(gw.run, tenant, job["model_id"], closed_ok=True)
+        if run is not None:
+            await asyncio.to_thread(gw.close_run, run)
+        return Answer(json={"model_id": job["model_id"], "type": "unload_model"})
+
+    async def _ordered(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
+        gw = self.gw
+        delay = float(job.get("post_at") or 0) - time.time()
+        if delay > 0:  # the key's token rate holds it (the poll says so); nothing is dropped
+            await asyncio.sleep(delay)
+        run = await asyncio.to_thread(gw.run, tenant, job["model_id"])
+        assert run is not None
+        op, finish = job["op"], job["finish"]
+        if op in ("forward", "forward_backward"):
+            call = self._decoded.get(request_id)
+            if call is None:
+                raw = await asyncio.to_thread(gw.records.store.get, keys.gateway_body(request_id))
+                if raw is None:
+                    raise ServerError("this request's body expired before it was posted; send it again")
+                call = proto.decode_forward_backward_request(raw)
+            body = messages.encode_loss_request(call.data, call.loss_fn, call.loss_fn_config)
+            decode: Callable[[Any], Any] | None = messages.decode_forward_backward_output
+        else:
+            body = dict(job["body"])
+            decode = messages.decode_optim_step_response if op == "optim_step" else None
+        out = await run.client.submit(op, body, seq_id=int(job["worker_seq"]), decode=decode,
+                                      argsrepr=str(job.get("argsrepr", "")))
+        answer = await self._finish(finish, tenant, run, job, out)
+        tokens = int(job.get("tokens") or 0)
+        counts = {"training_tokens": tokens} if op == "forward_backward" else \
+            {"prefill_tokens": tokens} if op == "forward" else {}
+        if finish == "save":
+            counts = {"checkpoints": 1, "checkpoint_bytes": int(out.get("bytes") or 0)}
+        await asyncio.to_thread(gw.account, tenant, run.record.get("session_id", ""), counts, request_id)
+        return answer
+
+    async def _finish(self, finish: str, tenant: str, run: Run, job: dict[str, Any], out: Any) -> Answer:
+        gw = self.gw
+        if finish == "loss":
+            return Answer(proto=proto.encode_forward_backward_output(out))
+        if finish == "optim":
+            return Answer(json={"metrics": dict(out.metrics or {}), "type": "optim_step"})
+        if finish == "load":
+            return Answer(json={"path": job["args"]["path"], "model_id": run.model_id, "type": "load_weights"})
+        if finish == "save":
+            args = job["args"]
+            path = TinkerPath.parse(args["path"])
+            record = checkpoint_record(tenant, path, str(out["path"]), run.record, args.get("ttl"),
+                                       args.get("user_metadata"))
+            await asyncio.to_thread(gw.records.put, "checkpoint", str(path), record, ttl_s=args.get("ttl"))
+            for name in out.get("pruned") or ():  # the key's retention removed these on the worker
+                await asyncio.to_thread(gw.records.delete, "checkpoint", str(TinkerPath(run.model_id, path.segment,
+                                                                                          str(name))))
+            return Answer(json={"path": str(path), "type": "save_weights" if path.segment == "weights"
+                                else "save_weights_for_sampler"})
+        if finish == "snapshot":  # save_weights_and_get_sampling_client: a sampling session on frozen weights
+            sampler_id = f"{run.model_id}:sample:{job['seq_id']}"
+            await gw.add_sampler(tenant, sampler_id, run.record["base_model"], {"snapshot": str(out["sampler_id"])},
+                                 None)
+            return Answer(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+        raise ServerError(f"unknown way to finish a gateway job: {finish!r}")
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+
+    async def _sample(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
+        gw = self.gw
+        try:
+            sampler = await asyncio.to_thread(gw.sampler, tenant, job["sampler_id"])
+            prompt, params, options = gw.sample_request(job["request"])
+            future = self._decoded.get(request_id)  # posted by the accepting gateway; an adopter samples again
+            if future is None:
+                future = sampler.client.sample(prompt, job["request"].get("num_samples", 1), params, **options)
+            out: types.SampleResponse = await future
+        finally:
+            await asyncio.to_thread(gw.end_sample, tenant, request_id)
+        sampled = sum(len(s.tokens) for s in out.sequences)
+        cached = int(getattr(out, "prompt_cache_hit_tokens", 0) or 0)
+        await asyncio.to_thread(gw.account, tenant, sampler.record.get("session_id", ""), {
+            "prefill_tokens": prompt.length, "cached_prefill_tokens": cached, "sampled_tokens": sampled},
+            request_id)
+        return Answer(proto=proto.encode_sample_response(out))
