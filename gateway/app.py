@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import prometheus_client
 import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -289,6 +290,21 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:
         return gateway().delete_checkpoint(t, run_id, checkpoint_id)
+
+    # -- usage ---------------------------------------------------------------------------------------------------
+
+    @app.get(f"{v1}/billing/usage/events")
+    async def billing_usage(starting_on: str = "", ending_before: str = "", t: str = Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(gateway().billing_usage, t, starting_on, ending_before)
+
+    @app.get(f"{v1}/billing/usage/checkpoints/current")
+    async def checkpoint_storage(t: str = Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(gateway().checkpoint_storage, t)
+
+    @app.get("/metrics")
+    async def metrics(_t: str = Tenant) -> Response:
+        # Per-key counters (tinkerq.usage) for Prometheus; behind a key, as tenants' names are not public.
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post(f"{v1}/weights_info")
     async def weights_info(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:

@@ -154,6 +154,7 @@ class Jobs:
             path = TinkerPath.parse(args["path"])
             record = checkpoint_record(tenant, path, str(out["path"]), run.record, args.get("ttl"),
                                        args.get("user_metadata"))
+            record["bytes"] = int(out.get("bytes") or 0)
             await asyncio.to_thread(gw.records.put, "checkpoint", str(path), record, ttl_s=args.get("ttl"))
             for name in out.get("pruned") or ():  # the key's retention removed these on the worker
                 await asyncio.to_thread(gw.records.delete, "checkpoint", str(TinkerPath(run.model_id, path.segment,

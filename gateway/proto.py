@@ -351,4 +351,6 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
         # None (position 0 has no context) travels as NaN; the SDK turns NaN back into None.
         values = [math.nan if lp is None else float(lp) for lp in resp.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    # The prompt tokens a prompt cache served (the cookbook's cost estimate reads it): 0, there is no cache yet.
+    msg.prompt_cache_hit_tokens = int(getattr(resp, "prompt_cache_hit_tokens", 0) or 0)
     return msg.SerializeToString()

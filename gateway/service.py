@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tinkerq import keys, types
+from tinkerq import keys, types, usage
 from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.gateway import lookups, proto
 from tinkerq.gateway.futures import Futures, Waiting
@@ -522,6 +522,20 @@ class Gateway:
             return fn(self.records, *args)
         except lookups.NotFound as exc:
             raise not_found(exc.what, exc.ident) from None
+
+    def billing_usage(self, tenant: str, starting_on: str, ending_before: str) -> dict[str, Any]:
+        """SDK 0.38's ``AdminClient.get_billing_usage``: this key's usage, hour by hour, session by session."""
+        start, end = usage.billing_window(starting_on, ending_before)
+        rows = self.usage.rows(tenant, since=start)
+        metadata = {}
+        for session_id in {row.session_id for row in rows if row.session_id}:
+            record = self.records.get("session", session_id, tenant)
+            metadata[session_id] = lookups.str_map(record.get("user_metadata")) if record else None
+        return usage.billing_usage_view(rows, starting_on=start, ending_before=end, session_metadata=metadata)
+
+    def checkpoint_storage(self, tenant: str) -> dict[str, Any]:
+        found = self.records.scan("checkpoint", tenant)
+        return usage.checkpoint_storage_view(tenant, len(found), sum(int(c.get("bytes") or 0) for c in found))
 
     def delete_checkpoint(self, tenant: str, run_id: str, checkpoint_id: str) -> dict[str, Any]:
         path = f"tinker://{run_id}/{checkpoint_id}"
