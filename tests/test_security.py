@@ -323,7 +323,7 @@ def test_fleet_keeps_secrets_off_command_lines_and_its_files_private(tmp_path, m
         return subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=200)
 
-    up = tinkerq("fleet", "up", "--name", "sec", "--model", str(model_dir), "--redis-port", str(free_port()),
+    up = tinkerq("fleet", "up", "--fleet", "sec", "--model", str(model_dir), "--redis-port", str(free_port()),
                  "--flower-port", str(free_port()), "--threads", "1")
     folder = tmp_path / "home" / "fleet" / "sec"
     try:
@@ -336,7 +336,7 @@ def test_fleet_keeps_secrets_off_command_lines_and_its_files_private(tmp_path, m
         assert any("tinkerq.launcher.main worker" in c for c in cmdlines)  # the scan sees the fleet's processes
         for secret in (redis_password, flower_password):
             assert not [c for c in cmdlines if secret in c]
-        status = tinkerq("fleet", "status", "--name", "sec")
+        status = tinkerq("fleet", "status", "--fleet", "sec")
         assert status.returncode == 0, status.stderr
         assert redis_password not in status.stdout and flower_password not in status.stdout
         # Owner-only: the state (it holds the secrets), the logs, the AOF and Redis's config file.
@@ -344,5 +344,5 @@ def test_fleet_keeps_secrets_off_command_lines_and_its_files_private(tmp_path, m
         loose = [str(p) for p in [folder, *folder.rglob("*")] if stat.S_IMODE(os.lstat(p).st_mode) & 0o077]
         assert not loose, loose
     finally:
-        down = tinkerq("fleet", "down", "--name", "sec")
+        down = tinkerq("fleet", "down", "--fleet", "sec")
     assert down.returncode == 0, down.stderr
