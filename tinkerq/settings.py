@@ -50,6 +50,9 @@ class Settings:
     # How long a create_model waits (its polls saying paused_capacity) while no worker can take the session,
     # before it answers the workers' refusal.
     gateway_capacity_wait_s: float = 3600.0
+    # A session whose SDK sent no heartbeat for this long (it sends one every 10 s) is gone: when its API key is at
+    # max_training_clients, its training runs are closed to make room.
+    gateway_session_stale_s: float = 300.0
     max_datums: int = 8192
     max_batch_tokens: int = 4 * 1024 * 1024
     # Seconds a producer waits for the broker to answer before failing.
@@ -201,7 +204,7 @@ class Settings:
                      "max_batch_tokens", "max_sessions", "max_lora_sessions", "max_lora_rank",
                      "lora_batch_max_datums", "microbatch_tokens", "max_samplers", "sample_max_rows",
                      "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s", "gateway_poll_s",
-                     "gateway_keep_s", "gateway_capacity_wait_s"):
+                     "gateway_keep_s", "gateway_capacity_wait_s", "gateway_session_stale_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.shards < 1 or not 0 <= self.shard_rank < self.shards:
