@@ -130,8 +130,14 @@ class Settings:
     # How long a producer whose session's worker was lost waits for another worker to adopt the session
     # (replaying snapshot + journal) before its pending requests fail with WorkerLostError.
     adopt_timeout_s: float = 30.0
-    # Sessions idle this long may be closed to make room for a new one.
+    # Sessions idle this long may be closed to make room for a new one (released instead, like below, when
+    # journaling is on: the session can come back).
     session_idle_ttl_s: float = 1800.0
+    # Idle release (docs/reliability.md): a training session that has had no request for this long is released
+    # from its worker's memory: snapshotted, dropped, and recorded as parked; its client's next request restores
+    # it (the adoption path), with the same numbers. With journaling off (TINKERQ_JOURNAL_MAX_ENTRIES=0) a
+    # released session cannot come back and its next request fails saying so. 0: never released.
+    session_release_idle_s: float = 3600.0
     # A request that waits this long for a missing predecessor fails (with every request after it), and
     # the session refuses further work: its order can no longer be kept. Bounded, never a silent hang.
     gap_timeout_s: float = 300.0
@@ -223,6 +229,9 @@ class Settings:
         if self.journal_max_entries < 0:
             raise SettingsError(f"{ENV_PREFIX}JOURNAL_MAX_ENTRIES must be 0 (off) or positive, got "
                                 f"{self.journal_max_entries}")
+        if self.session_release_idle_s < 0:
+            raise SettingsError(f"{ENV_PREFIX}SESSION_RELEASE_IDLE_S must be 0 (off) or positive, got "
+                                f"{self.session_release_idle_s}")
         for name in ("rendezvous_timeout_s", "collective_timeout_s", "auto_snapshot_ttl_s", "adopt_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")

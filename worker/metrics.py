@@ -43,6 +43,10 @@ class WorkerMetrics:
                                                "automatic snapshot was written", buckets=_SECONDS, registry=r)
         self.adoptions = Counter("tinkerq_adoptions", "Training sessions of lost workers adopted here (snapshot + "
                                  "journal replayed)", registry=r)
+        self.idle_releases = Counter("tinkerq_idle_releases", "Training sessions released from memory after "
+                                     "TINKERQ_SESSION_RELEASE_IDLE_S idle, or to make room (parked)", registry=r)
+        self.idle_resumes = Counter("tinkerq_idle_resumes", "Parked training sessions restored here for their "
+                                    "returning client", registry=r)
         self.journal_entries = Gauge("tinkerq_journal_entries", "Requests in the journals of this worker's sessions "
                                      "(applied since their latest automatic snapshot)", registry=r)
         self.shard_state_bytes = Gauge("tinkerq_shard_state_bytes", "Parameters + gradients + AdamW state held by "
@@ -55,6 +59,10 @@ class WorkerMetrics:
 
     def adoptions_count(self) -> int:
         return int(self.registry.get_sample_value("tinkerq_adoptions_total") or 0)
+
+    def count(self, counter: str) -> int:
+        """A counter's total (``tinkerq_idle_releases``...), for `inspect stats`."""
+        return int(self.registry.get_sample_value(f"{counter}_total") or 0)
 
     def watch_sampling(self, rows: Callable[[], int], compute_seconds: Callable[[], dict[str, float]]) -> None:
         """Gauges read at scrape time: the sampling batch's rows, and compute time by kind (worker/turns.py)."""

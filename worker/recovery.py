@@ -134,7 +134,7 @@ class Recovery:
                                       seq_id=seq_id, expires_at=time.time() + s.auto_snapshot_ttl_s)
             record = SnapshotRecord(path, seq_id, time.time(), self.worker_id)
             self.store.set(keys.auto_snapshot(session.model_id), record.dumps(), s.auto_snapshot_ttl_s)
-            slot.snapshot_at = record.time
+            slot.snapshot_at, slot.snapshot_seq = record.time, seq_id
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
             return
@@ -186,7 +186,10 @@ class Recovery:
                 home = SessionHome.loads(store.get(key))
                 if home is None or ages.get(home.worker, float("inf")) <= limit:
                     continue
-                self.service.run_control(lambda h=home: self.adopt(h, store))
+                if home.parked:  # released idle: it stays out of memory, restored here on its next request
+                    self.service.idle.take_over(home, store)
+                else:
+                    self.service.run_control(lambda h=home: self.adopt(h, store))
                 adopted += 1
             except Exception:
                 log.exception("adopting session %s failed; another worker may try", model_id)
@@ -221,21 +224,35 @@ class Recovery:
         return shards is None or (shards.group.healthy and self.outage is None)
 
     def adopt(self, home: SessionHome, store: Any) -> None:
-        """Re-make a lost worker's session here (compute loop): snapshot, then the journal's later requests."""
+        """Re-make a lost worker's session here (compute loop): snapshot, then the journal's later requests.
+
+        A parked session (released idle, worker/idle_release.py) is re-made here the same way when its client
+        comes back: it must then reach the request it was parked after, and its record names it live here."""
         model_id, lost, service = home.model_id, home.worker, self.service
         started = time.perf_counter()
         slot = service.open_session(model_id, home.lora)
         try:
             last, entries = self.rebuild(slot, store, resume=False)
+            if home.parked and slot.lane.ordering.next_seq - 1 != home.seq_id:
+                raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request "
+                                  f"{slot.lane.ordering.next_seq - 1}, not request {home.seq_id}, which it was "
+                                  f"parked after")
             record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
-            slot.snapshot_at, slot.adopted_from = (record.time if record else None), lost
-            store.set(keys.session_home(model_id), home.moved_to(self.worker_id).dumps(),
-                      self.settings.auto_snapshot_ttl_s)
+            slot.snapshot_at = record.time if record else None
+            slot.adopted_from = home.adopted_from if home.parked else lost
+            again = home.live_on(self.worker_id) if home.parked else home.moved_to(self.worker_id)
+            store.set(keys.session_home(model_id), again.dumps(), self.settings.auto_snapshot_ttl_s)
         except BaseException:
             service.drop_session(model_id)
             raise
-        service.metrics.adoptions.inc()
         service.metrics.sessions.set(len(service.slots))
+        if home.parked:
+            service.metrics.idle_resumes.inc()
+            log.warning("restored parked session %s (released after %.0f s idle): snapshot after request %d + %d "
+                        "journaled request(s) replayed in %.1f s", model_id, home.idle_s, last, len(entries),
+                        time.perf_counter() - started)
+            return
+        service.metrics.adoptions.inc()
         log.warning("adopted session %s of lost worker %s: snapshot after request %d + %d journaled request(s) "
                     "replayed in %.1f s", model_id, lost, last, len(entries), time.perf_counter() - started)
 
@@ -255,6 +272,7 @@ class Recovery:
         last = 0
         if (directory / checkpoints.STATE_FILE).is_file():
             last = int(slot.session.load_state(Path(directory), optimizer=True)["seq_id"])
+            slot.snapshot_seq = last
         journal = sorted((JournalEntry.loads(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
                          key=lambda e: e.seq)
         if not resume:
@@ -489,6 +507,7 @@ class Recovery:
                 try:
                     service.expire_gaps()
                     self.expire_outage()
+                    service.idle.sweep()
                     # Only once this worker has been in touch with Redis for a while: after an outage every
                     # heartbeat is old, and live workers must get the time to beat again.
                     settled = time.monotonic() - service.redis_back_at > 4 * self.settings.heartbeat_s

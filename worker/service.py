@@ -34,6 +34,7 @@ from tinkerq.errors import (
 from tinkerq.wire import codec, messages
 from tinkerq.worker.compute import ComputeLoop
 from tinkerq.worker.events import TaskEvents
+from tinkerq.worker.idle_release import IdleRelease
 from tinkerq.worker.intake import DeadLetters, store_reply
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.metrics import WorkerMetrics
@@ -90,6 +91,7 @@ class WorkerService:
             admit_sampler=lambda session: self.factory.admit_sampler(session, self.slots),
             on_metrics=self._shard_metrics)
         self.recovery = Recovery(self)
+        self.idle = IdleRelease(self)
         self.compute = ComputeLoop(self)
         self.metrics.watch_sampling(self.engine.load, lambda: dict(self.scheduler.seconds))
         self.metrics.watch_lora(lambda: (self.compute.passes, self.compute.pass_requests))
@@ -118,7 +120,7 @@ class WorkerService:
             outcome = ("error", WorkerError(f"{op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(), {})
         return None if outcome is None else self.reply(outcome)
 
-    def _take(self, op: str, envelope: Any, caller: Caller, label: str) -> Outcome | None:
+    def _take(self, op: str, envelope: Any, caller: Caller, label: str, tries: int = 3) -> Outcome | None:
         if op in ("sample", "create_model"):  # in no session's order
             model_id, _, _ = messages.check_envelope(envelope, op)
             request = Request(op, envelope, [caller], model_id=model_id, label=label)
@@ -142,9 +144,7 @@ class WorkerService:
                     return None
                 slot = self.slots.get(model_id)
                 if slot is None:
-                    raise UnknownModelError(
-                        f"training session {model_id} is not open on worker {self.worker_id} (closed, evicted, or "
-                        f"the worker restarted); create a new training client")
+                    break
                 ordering = slot.lane.ordering
                 if ordering.classify(seq_id) == "repeat":
                     kept = ordering.reply_for(seq_id)
@@ -168,6 +168,12 @@ class WorkerService:
                 # Its session's queue is full of requests that will run: wait for room (this holds the broker's
                 # next messages back too: the bound in bytes is what keeps a worker's memory finite).
                 self.cond.wait(1.0)
+        if slot is None:  # released idle (worker/idle_release.py): restored, then taken again; or why it is gone
+            if tries <= 0:
+                raise WorkerError(f"training session {model_id} was restored but released again before request "
+                                  f"seq {seq_id} reached it; send it again")
+            outcome = self.idle.take(op, model_id, seq_id)
+            return outcome if outcome is not None else self._take(op, envelope, caller, label, tries - 1)
         # Hand the GIL over: the compute loop, woken above, starts the request now rather than after this thread's
         # next few milliseconds of Celery bookkeeping (measured: 1.5 ms median from submit to start otherwise).
         time.sleep(0)
@@ -222,7 +228,7 @@ class WorkerService:
     # -- sessions ------------------------------------------------------------------------------------------------
 
     def open_session(self, model_id: str, lora: Any) -> Slot:
-        session = self.factory.make(model_id, lora, self.slots, self.close_session)
+        session = self.factory.make(model_id, lora, self.slots, self.idle.make_room)
         with self.cond:
             slot = Slot(session, self.scheduler.open(model_id, session.pass_group))
             self.slots[model_id] = slot
@@ -371,7 +377,9 @@ class WorkerService:
         work = self.compute.current
         running = [{"name": f"tinkerq.{r.op}", "args": r.label} for r in (work.requests if work else [])]
         return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
-                "restored": self.recovery.restores, "sessions": self.session_stats(), "running": running}
+                "restored": self.recovery.restores, "released": self.metrics.count("tinkerq_idle_releases"),
+                "resumed": self.metrics.count("tinkerq_idle_resumes"), "sessions": self.session_stats(),
+                "running": running}
 
     def _shard_metrics(self, metrics: dict[str, float]) -> None:
         if "shard_state_bytes:max" in metrics:

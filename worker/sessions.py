@@ -44,6 +44,7 @@ class Slot:
     journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
     snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
     snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
+    snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
     adopted_from: str | None = None  # the lost worker this session was adopted from
 
 
@@ -61,8 +62,9 @@ class SessionFactory:
 
     def make(self, model_id: str, lora: dict[str, Any] | types.LoraConfig | None, slots: dict[str, Slot],
              close: Callable[[str], None]) -> Session:
-        """A new session (``lora``: its config, else full-parameter), after its kind's count limit (closing a
-        broken or idle session of the kind when at it) and memory admission."""
+        """A new session (``lora``: its config, else full-parameter), after its kind's count limit (at it, a broken
+        session of the kind is closed, or an idle one given to ``close``: the service releases it, parked, when
+        it can come back: worker/idle_release.py) and memory admission."""
         if isinstance(lora, dict):
             lora = types.LoraConfig(**lora)
         if lora is None:
@@ -115,7 +117,7 @@ class SessionFactory:
                 and now - s.session.last_used > self.settings.session_idle_ttl_s]
         if idle:
             oldest = min(idle, key=lambda mid: slots[mid].session.last_used)
-            log.warning("closing idle session %s to make room", oldest)
+            log.warning("idle session %s makes room for a new one", oldest)
             close(oldest)
             return
         raise CapacityError(

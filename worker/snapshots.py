@@ -96,6 +96,19 @@ class Snapshots:
             self._withdraw(published.popleft())
         return snapshot_id
 
+    def release_session(self, session_id: str) -> None:
+        """A training session released idle (worker/idle_release.py): its snapshots stay announced, their weights
+        published (Redis or the checkpoint directory, as for an automatic snapshot) and no longer held here, so a
+        sample naming one loads it like another worker's. One that cannot be published stays held."""
+        for snapshot_id in list(self._published.get(session_id, ())):
+            try:
+                self.publish(snapshot_id)
+            except Exception as exc:  # (OSError, Redis) sampling from it must keep working: it stays held
+                log.warning("could not publish snapshot %s of released session %s: %s", snapshot_id, session_id, exc)
+                continue
+            with self._lock:
+                self._own.pop(snapshot_id, None)
+
     def forget_session(self, session_id: str) -> None:
         """A closed session's snapshots stay published until their TTL (sampling clients may outlive it)."""
         self._published.pop(session_id, None)
