@@ -97,8 +97,15 @@ class Records:
 
     def scan(self, table: str, tenant: str, prefix: str = "") -> list[dict[str, Any]]:
         """Every record of ``table`` whose id starts with ``prefix`` that ``tenant`` owns."""
-        found = self.store.get_many(self.store.scan(keys.gateway_records_pattern(table, prefix)))
-        return [record for record in (_owned(raw, tenant) for raw in found) if record is not None]
+        return [record for _, record in self.scan_items(table, tenant, prefix)]
+
+    def scan_items(self, table: str, tenant: str, prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+        """(id, record) of every record of ``table`` whose id starts with ``prefix`` that ``tenant`` owns."""
+        names = self.store.scan(keys.gateway_records_pattern(table, prefix))
+        head = len(keys.gateway_record(table, ""))
+        owned = ((name[head:], _owned(raw, tenant)) for name, raw in zip(names, self.store.get_many(names),
+                                                                         strict=True))
+        return [(ident, record) for ident, record in owned if record is not None]
 
     def touch(self, table: str, ident: str, ttl_s: float = IDLE_TTL_S) -> None:
         self.store.expire(keys.gateway_record(table, ident), ttl_s)

@@ -33,7 +33,7 @@ from typing import Any
 
 from tinkerq import keys, types, usage
 from tinkerq.errors import TinkerqError, UnknownModelError
-from tinkerq.gateway import lookups, proto
+from tinkerq.gateway import lifecycle, lookups, proto
 from tinkerq.gateway.futures import Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
@@ -135,7 +135,8 @@ class Gateway:
         record = self.session(tenant, session_id)
         if record["finished"]:
             raise HTTPError(410, f"session {session_id} is finished")  # the SDK stops heartbeating
-        self.records.touch("session", session_id)
+        record["heartbeat_at"] = time.time()  # (and its ttl renewed): stale_runs() reads it
+        self.records.put("session", session_id, record)
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, tenant: str, session_id: str) -> dict[str, Any]:
@@ -176,7 +177,30 @@ class Gateway:
         return self.futures.add(tenant, kind, job, request_id=request_id)
 
     def admit_training_client(self, tenant: str, model_id: str) -> bool:
-        return self.quotas.try_open_training_client(tenant, model_id)
+        """Count the new run against the key's max_training_clients; at the cap, first close the key's runs whose
+        SDK stopped heartbeating (a process that exited without unloading) and try again."""
+        if self.quotas.try_open_training_client(tenant, model_id):
+            return True
+        stale = self.stale_runs(tenant)
+        for record in stale:
+            log.warning("closing training run %s of %s: its session has not sent a heartbeat for over %g s",
+                        record["model_id"], tenant, self.settings.gateway_session_stale_s)
+            lifecycle.close_run(self.service, self.records, self.quotas, record)
+        return bool(stale) and self.quotas.try_open_training_client(tenant, model_id)
+
+    def stale_runs(self, tenant: str) -> list[dict[str, Any]]:
+        """The key's counted runs whose session is gone, finished, or silent for TINKERQ_GATEWAY_SESSION_STALE_S."""
+        stale = []
+        for model_id in self.quotas.training_clients(tenant):
+            record = self.records.get("run", model_id, tenant)
+            if record is None:
+                continue  # being created now
+            session = self.records.get("session", record["session_id"], tenant)
+            last = None if session is None else session.get("heartbeat_at", session.get("created"))
+            if session is None or last is None or time.time() - float(last) > self.settings.gateway_session_stale_s \
+                    or session.get("finished"):
+                stale.append(record)
+        return stale
 
     def quotas_release_training_client(self, tenant: str, model_id: str) -> None:
         self.quotas.close_training_client(tenant, model_id)
@@ -210,16 +234,8 @@ class Gateway:
 
     def close_run(self, run: Run) -> None:
         """Close the run's worker session after every request taken for it (on any gateway), and forget it."""
-        last = self.records.top(run.model_id) + run.offset
-        try:
-            run.client.submit("close_model", {}, seq_id=last + 1).result(timeout=30.0)
-        except TinkerqError as exc:  # the worker may be gone already: nothing left to free
-            log.info("closing %s: %s", run.model_id, exc.message)
         self.runs.pop(run.model_id, None)
-        run.record["closed"] = True
-        self.records.put("run", run.model_id, run.record)
-        self.records.forget_run(run.model_id)
-        self.quotas.close_training_client(run.record["tenant"], run.model_id)
+        lifecycle.close_run(self.service, self.records, self.quotas, run.record, run.client)
 
     @staticmethod
     def close_quietly(client: TrainingClient) -> None:
