@@ -24,7 +24,7 @@ from tinkerq.errors import (
     WorkerError,
 )
 from tinkerq.wire import codec, messages
-from tinkerq.worker import memory
+from tinkerq.worker import creation, memory
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.operations import sample_response, tokens_of
 from tinkerq.worker.scheduler import Request, Work
@@ -149,17 +149,17 @@ class ComputeLoop:
         lora = messages.decode_lora(body.get("lora"))
         forwarded = isinstance(request.envelope.get("forwarded_by"), str)
         if model_id not in service.slots:
-            holder = service.claim_creation(model_id)
+            holder = creation.claim_creation(service, model_id)
             if holder != service.worker_id:
                 log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
                 if forwarded:  # never forwarded twice
                     return None
-                service.forward_create(request, holder)
+                creation.forward_create(service, request, holder)
                 return holder
             slot = service.open_session(model_id, lora)
             service.recovery.write_home(slot.session)
             log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
-        elif forwarded and service.answered(request):  # the holder's own copy was answered: once is enough
+        elif forwarded and creation.answered(service, request):  # the holder's own copy was answered: once is enough
             return None
         return ("ok", codec.packb(service.model_info(service.slots[model_id].session)), {})
 
@@ -197,7 +197,7 @@ class ComputeLoop:
                 if op == "optim_step":
                     service.recovery.step_taken(slot)
             except TinkerqError as exc:
-                if isinstance(exc, ShardGroupError) and service.recovery.rerun_later(slot, request):
+                if isinstance(exc, ShardGroupError) and service.recovery.group.rerun_later(slot, request):
                     return  # the shard group failed under it: it runs again on the re-made session
                 outcome = ("error", exc.to_wire(), timing)
                 if isinstance(exc, MalformedMessageError):
@@ -251,7 +251,7 @@ class ComputeLoop:
             shared = f"pass {self.passes} of {len(chunk)} request(s)" if len(items) == len(chunk) else \
                 f"passes {self.passes - 1}.. of {len(items)} request(s)"
         for request, slot, item, raw in items:
-            if isinstance(item.error, ShardGroupError) and service.recovery.rerun_later(slot, request):
+            if isinstance(item.error, ShardGroupError) and service.recovery.group.rerun_later(slot, request):
                 continue  # the shard group failed under the pass: it runs again on the re-made session
             timing = queue_wait(request.envelope, started)
             compute = time.time() - started

@@ -6,11 +6,12 @@
   automatic snapshot and the journal is cut: every answered request is in the snapshot or the journal.
 * The watchdog thread (:meth:`Recovery.start_watchdog`) expires gaps, reaps dead workers, and claims the
   sessions of lost workers (SET NX); the adoption itself (snapshot + journal replay) runs on the compute loop.
-* On a sharded worker (rank 0), a shard group that fails holds its sessions (:meth:`Recovery.hold`): their
-  requests wait, the one that was running included, and once the group re-forms each session is re-made from
-  its snapshot and journal by the same code an adopter runs (:meth:`Recovery.group_formed`). A group that does
-  not re-form within ``adopt_timeout_s`` gives its sessions up (:meth:`Recovery.expire_outage`): to another
-  worker of the model (this one stops beating, so they adopt them), else with a ShardGroupError.
+* On a sharded worker (rank 0), a shard group that fails holds its sessions (worker/group_outage.py,
+  ``Recovery.group``): their requests wait, the one that was running included, and once the group re-forms each
+  session is re-made from its snapshot and journal by the same code an adopter runs (:meth:`Recovery.rebuild`).
+  A group that does not re-form within ``adopt_timeout_s`` gives its sessions up: to another worker of the model
+  (this one stops beating, so they adopt them), else with a ShardGroupError.
+* A session released idle (worker/idle_release.py) is re-made by :meth:`Recovery.adopt` when its client returns.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tinkerq import keys
-from tinkerq.errors import ShardGroupError, TinkerqError, WorkerError
+from tinkerq.errors import TinkerqError, WorkerError
 from tinkerq.records import JournalEntry, SessionHome, SnapshotRecord
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
+from tinkerq.worker.group_outage import GroupHold
 from tinkerq.worker.operations import STATELESS_OPS
-from tinkerq.worker.registry import LOST_AFTER_BEATS, adopters, reap_dead_workers
-from tinkerq.worker.scheduler import PASS_OPS, Lane, Request
+from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
+from tinkerq.worker.scheduler import PASS_OPS
 from tinkerq.worker.session import Session
 from tinkerq.worker.sessions import Slot
 
@@ -42,16 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tinkerq.worker")
 
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
-@dataclass
-class GroupOutage:
-    """Rank 0's shard group is down: the sessions it held wait here (their lanes out of the scheduler, so nothing
-    of theirs runs) until the group re-forms, or until ``adopt_timeout_s`` has passed (then they are given up)."""
-
-    reason: str
-    since: float = field(default_factory=time.monotonic)
-    held: dict[str, Lane] = field(default_factory=dict)  # model id -> its lane, taken out of the scheduler
-    given_up: bool = False  # the bound passed: sessions failed or handed off; nothing is held until it re-forms
-
 
 class Recovery:
     def __init__(self, service: WorkerService) -> None:
@@ -60,12 +51,11 @@ class Recovery:
         self.store = service.connection.store
         self.worker_id = service.worker_id
         self.moved: dict[str, str] = {}  # sessions adopted by another worker while this one was taken for lost
-        # A sharded worker (rank 0) whose group is down, and what it holds (guarded by the service's lock).
-        self.outage: GroupOutage | None = None
         # Set by the worker's assembly (worker/runtime.py): stop beating, so that other workers of the model take
         # this one for lost and adopt its sessions (a group that did not re-form in time hands them over).
         self.on_hand_off: Callable[[], None] | None = None
-        self.restores = 0  # sessions re-made here after their shard group re-formed (`inspect stats`, tests)
+        # A sharded worker (rank 0): its sessions held through its shard group's outages (worker/group_outage.py).
+        self.group = GroupHold(self)
 
     @property
     def journaling(self) -> bool:
@@ -221,7 +211,7 @@ class Recovery:
     def _can_adopt(self) -> bool:
         """A shard group takes no other worker's session while it is down (it could not build one)."""
         shards = self.service.shards
-        return shards is None or (shards.group.healthy and self.outage is None)
+        return shards is None or (shards.group.healthy and self.group.outage is None)
 
     def adopt(self, home: SessionHome, store: Any) -> None:
         """Re-make a lost worker's session here (compute loop): snapshot, then the journal's later requests.
@@ -330,166 +320,6 @@ class Recovery:
         if entry.op == "forward_backward" and out != value:
             log.warning("replayed forward_backward of %s differs from the lost worker's answer", session.model_id)
 
-    # -- a shard group's outage (rank 0) -----------------------------------------------------------------------
-
-    def hold(self, reason: str) -> set[str]:
-        """The shard group failed (any thread; under the service's lock): hold its sessions instead of failing
-        them. Their lanes leave the scheduler, so their requests wait (callers see nothing, bounded by their own
-        timeouts); the producers keep waiting too, as this worker still beats. Returns the model ids held (none
-        when journaling is off, or when the outage was already given up: those sessions fail as before)."""
-        service = self.service
-        if not self.journaling or service.shards is None:
-            return set()
-        outage = self.outage
-        if outage is None:
-            outage = self.outage = GroupOutage(reason)
-            log.warning("the shard group failed; holding its %d session(s) and their requests until it re-forms "
-                        "(at most %g s, TINKERQ_ADOPT_TIMEOUT_S)", len(service.slots), self.settings.adopt_timeout_s)
-        elif outage.given_up:
-            return set()
-        for model_id, slot in service.slots.items():
-            if slot.broken is None and model_id not in outage.held:
-                outage.held[model_id] = slot.lane
-                service.scheduler.lanes.pop(model_id, None)
-        return set(outage.held)
-
-    def rerun_later(self, slot: Slot, request: Request) -> bool:
-        """``request`` failed with a ShardGroupError while it ran (compute loop): the group broke under it, so it
-        was not applied. Hold it to run again once its session is re-made; False: answer the error."""
-        service = self.service
-        shards = service.shards
-        if shards is None:
-            return False
-        with service.cond:
-            model_id = slot.session.model_id
-            if self.outage is None and shards.group.healthy:  # not the group's failure (it would be down)
-                return False
-            if self.outage is None:  # the ping thread broke the group and has not told us yet
-                self.hold(shards.group.broken or "the shard group failed")
-            outage = self.outage
-            if outage is None or model_id not in outage.held or request.seq_id is None:
-                return False
-            lane = slot.lane
-            if not lane.ordering.buffer(request.seq_id, request.op, request.envelope, request.callers[0].task_id):
-                return False
-            lane.requests[request.seq_id] = request
-        log.warning("%s seq %d of session %s was interrupted by the shard group's failure: it runs again once the "
-                    "session is re-made", request.op, request.seq_id, model_id)
-        return True
-
-    def group_formed(self) -> None:
-        """The shard group re-formed (its re-forming thread): re-make every session it held, on the compute loop,
-        from its automatic snapshot and journal; then their waiting requests run, the interrupted one first."""
-        with self.service.cond:
-            outage, self.outage = self.outage, None
-        if outage is None:
-            return
-        if outage.given_up:
-            log.warning("the shard group re-formed after its sessions were given up")
-            return
-        down = time.monotonic() - outage.since
-        for model_id in list(outage.held):
-            self.service.run_control(lambda m=model_id: self._restore(m, down))
-
-    def _restore(self, model_id: str, down: float) -> None:
-        """Re-make one held session after its group re-formed (compute loop); if that fails for another reason than
-        the group failing again, the session is broken and its waiting requests are answered with the reason."""
-        service = self.service
-        with service.cond:
-            slot = service.slots.get(model_id)
-            if slot is None or self.outage is not None:  # closed meanwhile, or the group failed again: held anew
-                return
-        started = time.perf_counter()
-        store = self.store.with_retry(self.settings.heartbeat_s)
-        try:
-            others = {mid: s for mid, s in service.slots.items() if mid != model_id}  # not counted twice
-            recipe = slot.session.recipe()
-            slot.session.close()  # its shards went with the group; nothing to do on a re-formed group
-            slot.session = service.factory.make(model_id, recipe, others, service.close_session)
-            slot.lane.pass_group = slot.session.pass_group
-            last, entries = self.rebuild(slot, store, resume=True)
-        except ShardGroupError as exc:
-            if self.outage is not None:  # failed again while re-making it: held until the next re-forming
-                log.warning("re-making session %s was interrupted: %s", model_id, exc.message)
-                return
-            self._fail_held(model_id, slot, f"session {model_id} could not be re-made after its shard group "
-                                            f"re-formed: {exc.message}")
-            return
-        except Exception as exc:
-            log.exception("re-making session %s after its shard group re-formed failed", model_id)
-            message = exc.message if isinstance(exc, TinkerqError) else f"{type(exc).__name__}: {exc}"
-            self._fail_held(model_id, slot, f"session {model_id} could not be re-made after its shard group "
-                                            f"re-formed ({message}); {self._resume_hint(model_id)}")
-            return
-        with service.cond:
-            if self.outage is None:  # else the group failed again meanwhile: the new outage holds its lane
-                service.scheduler.lanes[model_id] = slot.lane
-                service.cond.notify_all()
-        self.restores += 1
-        log.warning("re-made session %s after its shard group re-formed (down %.1f s): snapshot after request %d + "
-                    "%d journaled request(s) replayed in %.1f s; %d waiting request(s) go on", model_id, down, last,
-                    len(entries), time.perf_counter() - started, len(slot.lane.requests))
-
-    def _fail_held(self, model_id: str, slot: Slot, message: str) -> None:
-        """A held session cannot go on: broken, its lane back in the scheduler, its waiting requests answered."""
-        service = self.service
-        log.error(message)
-        with service.cond:
-            slot.broken, slot.broken_error = message, ShardGroupError
-            waiting = service.scheduler.drop_waiting(slot.lane)
-            if service.slots.get(model_id) is slot:
-                service.scheduler.lanes[model_id] = slot.lane
-        error = ShardGroupError(message, session_broken=True).to_wire()
-        for request in waiting:
-            service.finish(request, ("error", error, {}))
-
-    def expire_outage(self) -> None:
-        """The group has not re-formed within ``adopt_timeout_s`` (watchdog): give the held sessions up. When
-        another worker of the model could adopt them, this worker stops beating (``on_hand_off``): the fleet takes
-        it for lost, a worker adopts each session from its snapshot and journal, and the producers send the waiting
-        requests there. Else they fail with a ShardGroupError that says how to resume."""
-        service, s = self.service, self.settings
-        with service.cond:
-            outage = self.outage
-            if outage is None or outage.given_up or time.monotonic() - outage.since < s.adopt_timeout_s:
-                return
-            outage.given_up = True
-            held = dict(outage.held)
-            outage.held.clear()
-        if not held:
-            return
-        store = self.store.with_retry(s.heartbeat_s)
-        others = adopters(store, service.base_model, self.worker_id, LOST_AFTER_BEATS * s.heartbeat_s)
-        if others and self.on_hand_off is not None:
-            log.error("the shard group has not re-formed within %g s (TINKERQ_ADOPT_TIMEOUT_S): handing its %d "
-                      "session(s) to the other worker(s) of the model (%s); this worker stops beating until the "
-                      "group re-forms", s.adopt_timeout_s, len(held), ", ".join(sorted(others)))
-            self.on_hand_off()
-            for model_id in held:
-                self.moved[model_id] = "another worker of the model"  # late requests: the adopter answers them
-                service.run_control(lambda m=model_id: service.drop_session(m))  # its requests go unanswered
-            return
-        cause = outage.reason.rstrip(".; ")
-        for model_id, lane in held.items():
-            slot = service.slots.get(model_id)
-            if slot is None or slot.lane is not lane:
-                continue
-            self._fail_held(model_id, slot, (
-                f"{cause}. The group did not re-form within {s.adopt_timeout_s:g} s (TINKERQ_ADOPT_TIMEOUT_S) and no "
-                f"other worker of {service.base_model} can adopt session {model_id}: restart the failed shard (the "
-                f"group re-forms by itself), then {self._resume_hint(model_id)}"))
-
-    def _resume_hint(self, model_id: str) -> str:
-        """How to go on from a session's latest automatic snapshot, or from a save_state checkpoint."""
-        try:
-            record = SnapshotRecord.loads(self.store.get(keys.auto_snapshot(model_id)))
-        except TinkerqError:
-            record = None
-        if record is None:
-            return "resume from your last save_state checkpoint"
-        return (f"resume from its latest automatic snapshot, the state after its request {record.seq_id}: "
-                f"sc.create_training_client_from_state_with_optimizer({record.path!r}), then send again the "
-                f"requests after that one (or resume from your last save_state checkpoint)")
 
     # -- watchdog ----------------------------------------------------------------------------------------------
 
@@ -506,7 +336,7 @@ class Recovery:
                 ticks += 1
                 try:
                     service.expire_gaps()
-                    self.expire_outage()
+                    self.group.expire_outage()
                     service.idle.sweep()
                     # Only once this worker has been in touch with Redis for a while: after an outage every
                     # heartbeat is old, and live workers must get the time to beat again.

@@ -258,36 +258,6 @@ class WorkerService:
         for request in waiting:
             self.finish(request, gone)
 
-    def claim_creation(self, model_id: str) -> str:
-        """Claim the right to build session ``model_id`` (SET NX); the worker that holds the claim.
-
-        A ``create_model`` can reach two workers (docs/reliability.md, "Exactly once"); only the first to claim
-        builds the session. A claim held here for a session no longer open means it was built and closed."""
-        store = self.connection.store.with_retry(self.settings.heartbeat_s)
-        ttl_s = self.settings.auto_snapshot_ttl_s
-        if store.set_if_absent(keys.session_claim(model_id), self.worker_id.encode(), ttl_s):
-            return self.worker_id
-        raw = store.get(keys.session_claim(model_id))
-        holder = raw.decode(errors="replace") if raw else self.worker_id
-        if holder == self.worker_id:
-            raise UnknownModelError(f"training session {model_id} was already created here and closed; "
-                                    f"create a new training client")
-        return holder
-
-    def forward_create(self, request: Request, holder: str) -> None:
-        """Send a copy of a create_model to the worker that holds its session (same task id and inbox): that one
-        answers it, whichever worker the producer's copy reached."""
-        envelope = {**request.envelope, "forwarded_by": self.worker_id}
-        for caller in request.callers:
-            self.connection.app.send_task(
-                TASK_NAMES["create_model"], args=(envelope,), queue=keys.worker_queue(holder), task_id=caller.task_id,
-                headers={messages.REPLY_HEADER: caller.inbox}, argsrepr=request.label, kwargsrepr="{}")
-
-    def answered(self, request: Request) -> bool:
-        """Whether every caller of ``request`` has an answer stored already."""
-        store = self.connection.store.with_retry(self.settings.heartbeat_s)
-        return all(store.get(keys.reply(c.task_id)) is not None for c in request.callers)
-
     def model_info(self, session: Session) -> dict[str, Any]:
         extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
                  "shards": self.settings.shards, "heartbeat_s": self.settings.heartbeat_s, **session.describe()}
@@ -326,7 +296,7 @@ class WorkerService:
         lost = (f"{reason.rstrip('.')}. Its training sessions are lost: restart the failed shard (the group "
                 f"re-forms by itself) and resume from your last save_state checkpoint")
         with self.cond:
-            held = self.recovery.hold(reason)
+            held = self.recovery.group.hold(reason)
             waiting = []
             for model_id, slot in self.slots.items():
                 if model_id in held:
@@ -340,7 +310,7 @@ class WorkerService:
     def shard_group_formed(self) -> None:
         """The shard group re-formed (its re-forming thread): re-make the sessions held through the outage from
         their snapshots and journals (on the compute loop; this waits for it), then their requests run."""
-        self.recovery.group_formed()
+        self.recovery.group.group_formed()
 
     def start_watchdog(self, period_s: float = 1.0) -> threading.Event:
         return self.recovery.start_watchdog(period_s)
@@ -377,7 +347,7 @@ class WorkerService:
         work = self.compute.current
         running = [{"name": f"tinkerq.{r.op}", "args": r.label} for r in (work.requests if work else [])]
         return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
-                "restored": self.recovery.restores, "released": self.metrics.count("tinkerq_idle_releases"),
+                "restored": self.recovery.group.restores, "released": self.metrics.count("tinkerq_idle_releases"),
                 "resumed": self.metrics.count("tinkerq_idle_resumes"), "sessions": self.session_stats(),
                 "running": running}
 
