@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tinkerq import keys, types
+from tinkerq import keys, types, usage
 from tinkerq.errors import CapacityError, RequestTimeoutError, ServerError, TinkerqError
 from tinkerq.gateway import proto
 from tinkerq.gateway.futures import Answer, Waiting
@@ -133,11 +133,10 @@ class Jobs:
         out = await run.client.submit(op, body, seq_id=int(job["worker_seq"]), decode=decode,
                                       argsrepr=str(job.get("argsrepr", "")))
         answer = await self._finish(finish, tenant, run, job, out)
-        tokens = int(job.get("tokens") or 0)
-        counts = {"training_tokens": tokens} if op == "forward_backward" else \
-            {"prefill_tokens": tokens} if op == "forward" else {}
+        # Usage (docs/operations.md): forward and forward_backward tokens are training tokens.
+        counts = {usage.request_counter(op): 1, "training_tokens": int(job.get("tokens") or 0)}
         if finish == "save":
-            counts = {"checkpoints": 1, "checkpoint_bytes": int(out.get("bytes") or 0)}
+            counts.update(checkpoints=1, checkpoint_bytes=int(out.get("bytes") or 0))
         await asyncio.to_thread(gw.account, tenant, run.record.get("session_id", ""), counts, request_id)
         return answer
 
@@ -184,6 +183,7 @@ class Jobs:
         sampled = sum(len(s.tokens) for s in out.sequences)
         cached = int(getattr(out, "prompt_cache_hit_tokens", 0) or 0)
         await asyncio.to_thread(gw.account, tenant, sampler.record.get("session_id", ""), {
-            "prefill_tokens": prompt.length, "cached_prefill_tokens": cached, "sampled_tokens": sampled},
+            usage.request_counter("sample"): 1, "prefill_tokens": prompt.length - cached,
+            "cached_prefill_tokens": cached, "sampled_tokens": sampled},
             request_id)
         return Answer(proto=proto.encode_sample_response(out))

@@ -514,6 +514,7 @@ class Gateway:
 
     def account(self, tenant: str, session_id: str, counts: dict[str, int], request_id: str) -> None:
         """Add a request's usage once (a future answered by two gateways is counted once)."""
+        counts = {name: n for name, n in counts.items() if n}
         if counts:
             self.usage.record(tenant, session_id, counts, once=request_id)
 

@@ -179,8 +179,10 @@ def test_usage_totals_are_exactly_what_the_sdk_sent(gateway, api_keys, redis_url
     assert out.prompt_cache_hit_tokens == 0
     store = redis.Redis.from_url(redis_url)
     totals = Usage(RedisStore(store)).totals(tenant)
-    assert totals["training_tokens"] == sum(d.model_input.length for b in batches for d in b)
-    assert totals["prefill_tokens"] == sum(d.model_input.length for d in batches[0]) + 4
+    assert totals["training_tokens"] == sum(d.model_input.length for b in [*batches, batches[0]] for d in b)
+    assert totals["prefill_tokens"] == 4 and totals["cached_prefill_tokens"] == 0
+    assert totals["requests_forward_backward"] == 3 and totals["requests_forward"] == 1
+    assert totals["requests_sample"] == 1
     assert totals["sampled_tokens"] == sum(len(s.tokens) for s in out.sequences)
     assert totals["checkpoints"] == 2 and totals["checkpoint_bytes"] > 0
     # keep_checkpoints=1: the older sampler checkpoint went, on disk and from the run's list.
