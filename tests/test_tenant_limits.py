@@ -233,3 +233,30 @@ def test_a_silent_session_gives_its_client_slot_back(gateway, api_keys):
         assert time.monotonic() < deadline, r.text
     assert r.json()["type"] == "create_model", r.text
     result(url, key, post(url, "unload_model", key, {"model_id": r.json()["model_id"]}).json()["request_id"])
+
+
+def test_a_flood_of_polls_is_bounded_and_disturbs_no_one(gateway, api_keys):
+    """64 concurrent polls of one held future each get one answer (try_again with its queue_state, or the
+    result), another tenant's requests go on meanwhile, and the other tenant cannot see the future (404)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = gateway
+    big = make_batch(np.random.default_rng(90), 8, min_len=30, max_len=31)
+    _, key = new_key(api_keys, max_tokens_per_minute=sum(d.model_input.length for d in big))
+    _, other = new_key(api_keys)
+    session = post(url, "create_session", key, {}).json()["session_id"]
+    model_id = result(url, key, create_run(url, key, session, 0)["request_id"]).json()["model_id"]
+    first = post(url, "forward_backward", key, fb_proto(model_id, 1, big), proto=True).json()["request_id"]
+    held = post(url, "forward_backward", key, fb_proto(model_id, 2, big[:1]), proto=True).json()["request_id"]
+    with ThreadPoolExecutor(64) as pool:
+        polls = [pool.submit(poll_once, url, key, held) for _ in range(64)]
+        other_session = post(url, "create_session", other, {}).json()["session_id"]
+        other_run = result(url, other, create_run(url, other, other_session, 0)["request_id"]).json()
+        assert other_run["type"] == "create_model"
+        answers = [p.result(timeout=60) for p in polls]
+    assert {a.status_code for a in answers} <= {200, 408}
+    assert any(a.status_code == 408 and a.json()["queue_state"] == "paused_rate_limit" for a in answers)
+    assert poll_once(url, other, held).status_code == 404
+    assert result(url, key, first).status_code == 200 and result(url, key, held).status_code == 200
+    for k, m in ((key, model_id), (other, other_run["model_id"])):
+        result(url, k, post(url, "unload_model", k, {"model_id": m}).json()["request_id"])
