@@ -144,13 +144,29 @@ class Futures:
     def add(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str | None = None,
             waiting: Waiting | None = None) -> str:
         """Record a future whose work is ``job`` and start it here; return its request id."""
+        request_id = self.record(tenant, kind, job, request_id=request_id, waiting=waiting)
+        self._start(request_id, tenant, kind, job)
+        return request_id
+
+    def record(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str | None = None,
+               waiting: Waiting | None = None) -> str:
+        """Write the future's record without starting it (:meth:`begin` does): a caller that must claim the
+        request's identity first (a seq_id) writes the record before the claim, so that a claim never names a
+        future that does not exist, whenever this gateway dies."""
         request_id = request_id or uuid.uuid4().hex
         record = {"tenant": tenant, "kind": kind, "owner": self.gateway_id, "created": time.time(), "job": job}
         if waiting is not None:
             record.update(state=waiting.state, reason=waiting.reason)
         self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
-        self._start(request_id, tenant, kind, job)
         return request_id
+
+    def begin(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> None:
+        self._start(request_id, tenant, kind, job)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a recorded future that was never started (its claim went to an earlier copy of the request)."""
+        self.records.delete("future", request_id)
+        self.store.delete(keys.gateway_body(request_id))
 
     def _start(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> asyncio.Task[Answer]:
         task = asyncio.ensure_future(self._run(request_id, tenant, kind, job))

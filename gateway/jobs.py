@@ -42,6 +42,9 @@ class Jobs:
         """Keep the decoded request for the job about to start here (an adopter decodes the stored body)."""
         self._decoded[request_id] = decoded
 
+    def forget(self, request_id: str) -> None:
+        self._decoded.pop(request_id, None)
+
     async def run(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
         kind = job.get("type")
         try:

@@ -123,8 +123,9 @@ class Records:
                 return raw.decode()
         return None
 
-    def set_claim(self, what: str, value: str, *, ttl_s: float = IDLE_TTL_S) -> None:
-        self.store.set(keys.gateway_claim(what), value.encode(), ttl_s)
+    def get_claim(self, what: str) -> str | None:
+        raw = self.store.get(keys.gateway_claim(what))
+        return None if raw is None else raw.decode()
 
     # -- per training run: its highest sequence id and last request time (sorted sets: atomic max, no read) --
 

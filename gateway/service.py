@@ -170,11 +170,16 @@ class Gateway:
 
     def _create_once(self, tenant: str, model_id: str, kind: str, job: dict[str, Any]) -> str:
         """Start the create of ``model_id`` unless some gateway did (a resend): the request id either way."""
-        request_id = uuid.uuid4().hex
-        prior = self.records.claim(f"create:{model_id}", request_id)
+        prior = self.records.get_claim(f"create:{model_id}")
         if prior is not None:
             return prior
-        return self.futures.add(tenant, kind, job, request_id=request_id)
+        request_id = self.futures.record(tenant, kind, job)  # before the claim: see _ordered
+        prior = self.records.claim(f"create:{model_id}", request_id)
+        if prior is not None:
+            self.futures.discard(request_id)
+            return prior
+        self.futures.begin(request_id, tenant, kind, job)
+        return request_id
 
     def admit_training_client(self, tenant: str, model_id: str) -> bool:
         """Count the new run against the key's max_training_clients; at the cap, first close the key's runs whose
@@ -280,25 +285,23 @@ class Gateway:
         assert run is not None
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
             raise HTTPError(400, f"seq_id must be an integer >= 1, got {seq_id!r}")
-        request_id = uuid.uuid4().hex
-        prior = self.records.claim(f"seq:{run.model_id}:{seq_id}", f"{kind}|{request_id}")
+        claim = f"seq:{run.model_id}:{seq_id}"
+        prior = self.records.get_claim(claim)
         if prior is not None:  # a resend, to this gateway or another
-            seen_kind, _, seen = prior.partition("|")
-            if seen_kind == "refused":
-                raise HTTPError(400, seen)
-            if seen_kind != kind:
-                raise HTTPError(400, f"seq_id {seq_id} of model {model_id} was already used by a {seen_kind} request")
-            return {"request_id": seen, "model_id": run.model_id}
+            return self._resent(prior, kind, run, seq_id)
+        request_id = uuid.uuid4().hex
         worker_seq = seq_id + run.offset
-        self.records.raise_top(run.model_id, seq_id)
         try:
             job = prepare(run, request_id)
         except (TinkerqError, PathError, HTTPError) as exc:
             message = exc.message if isinstance(exc, TinkerqError) else str(exc) if isinstance(exc, PathError) \
                 else exc.detail
+            prior = self.records.claim(claim, f"refused|{message}")
+            if prior is not None:
+                return self._resent(prior, kind, run, seq_id)
             # Fill the position so the requests after it run; the resend of this one gets the same answer.
+            self.records.raise_top(run.model_id, seq_id)
             run.client.skip(worker_seq, "refused by the gateway")
-            self.records.set_claim(f"seq:{run.model_id}:{seq_id}", f"refused|{message}")
             raise (exc if isinstance(exc, HTTPError) else HTTPError(400, message)) from None
         post_at = self.quotas.schedule(tenant, run.model_id, tokens)
         job.update(type="ordered", model_id=run.model_id, seq_id=seq_id, worker_seq=worker_seq, tokens=tokens,
@@ -307,8 +310,26 @@ class Gateway:
         if post_at > time.time() + 0.05:
             waiting = Waiting("paused_rate_limit", f"this API key's max_tokens_per_minute holds it until "
                                                    f"{lookups.iso(post_at)}")
-        self.futures.add(tenant, kind, job, request_id=request_id, waiting=waiting)
+        # The future's record first, then the claim: a claim must never name a future that does not exist.
+        self.records.raise_top(run.model_id, seq_id)
+        self.futures.record(tenant, kind, job, request_id=request_id, waiting=waiting)
+        prior = self.records.claim(claim, f"{kind}|{request_id}")
+        if prior is not None:  # an earlier copy got there first, on another gateway
+            self.futures.discard(request_id)
+            self.jobs.forget(request_id)
+            return self._resent(prior, kind, run, seq_id)
+        self.futures.begin(request_id, tenant, kind, job)
         return {"request_id": request_id, "model_id": run.model_id}
+
+    @staticmethod
+    def _resent(prior: str, kind: str, run: Run, seq_id: int) -> dict[str, Any]:
+        """The answer to a request whose seq_id was claimed already: its request id, or its refusal."""
+        seen_kind, _, seen = prior.partition("|")
+        if seen_kind == "refused":
+            raise HTTPError(400, seen)
+        if seen_kind != kind:
+            raise HTTPError(400, f"seq_id {seq_id} of model {run.model_id} was already used by a {seen_kind} request")
+        return {"request_id": seen, "model_id": run.model_id}
 
     def forward_backward(self, tenant: str, body: bytes) -> dict[str, Any]:
         call = proto.decode_forward_backward_request(body)  # a user error here: no seq_id to fill
@@ -468,30 +489,35 @@ class Gateway:
         sampler = self.sampler(tenant, body.get("sampling_session_id"))
         seq_id = body.get("seq_id")
         request_id = uuid.uuid4().hex
-        claim = f"sample:{sampler.sampler_id}:{seq_id}"
-        if isinstance(seq_id, int):
-            prior = self.records.claim(claim, request_id)
+        claim = f"sample:{sampler.sampler_id}:{seq_id}" if isinstance(seq_id, int) else None
+        if claim is not None:
+            prior = self.records.get_claim(claim)
             if prior is not None:  # a resend after a 429 or a lost answer, to any gateway
                 return _sample_promise(prior, body.get("num_samples", 1))
-        try:
-            prompt, params, options = self.sample_request(body)
-            if not self.quotas.try_start_sample(tenant, request_id):
-                limit = self.quotas.limits(tenant).max_sampling_inflight
-                raise HTTPError(429, f"this API key has {limit} sampling requests in flight "
-                                     f"(max_sampling_inflight); retry when some finish", retry_after_s=1.0)
-            future = sampler.client.sample(prompt, body.get("num_samples", 1), params, **options)
-            if future.done():  # refused by the producer's checks: a final 400, not a failed future
-                error = future.exception(0)
-                if error is not None:
-                    self.quotas.end_sample(tenant, request_id)
-                    raise HTTPError(400 if error.is_user_error else 503, error.message)
-        except HTTPError:
-            if isinstance(seq_id, int):  # the resend is a new request
-                self.store.with_retry(0).delete(keys.gateway_claim(claim))
-            raise
+        prompt, params, options = self.sample_request(body)
+        if not self.quotas.try_start_sample(tenant, request_id):
+            limit = self.quotas.limits(tenant).max_sampling_inflight
+            raise HTTPError(429, f"this API key has {limit} sampling requests in flight (max_sampling_inflight); "
+                                 f"retry when some finish", retry_after_s=1.0)
+        job = {"type": "sample", "sampler_id": sampler.sampler_id, "request": body}
+        # The future's record first, then the claim (see _ordered), then the post.
+        self.futures.record(tenant, "Sample", job, request_id=request_id)
+        prior = None if claim is None else self.records.claim(claim, request_id)
+        if prior is not None:
+            self.futures.discard(request_id)
+            self.quotas.end_sample(tenant, request_id)
+            return _sample_promise(prior, body.get("num_samples", 1))
+        future = sampler.client.sample(prompt, body.get("num_samples", 1), params, **options)
+        if future.done():  # refused by the producer's checks: a final 400, not a failed future
+            error = future.exception(0)
+            if error is not None:
+                self.quotas.end_sample(tenant, request_id)
+                self.futures.discard(request_id)
+                if claim is not None:  # the resend is a new request
+                    self.store.with_retry(0).delete(keys.gateway_claim(claim))
+                raise HTTPError(400 if error.is_user_error else 503, error.message)
         self.jobs.hint(request_id, future)
-        self.futures.add(tenant, "Sample", {"type": "sample", "sampler_id": sampler.sampler_id, "request": body},
-                         request_id=request_id)
+        self.futures.begin(request_id, tenant, "Sample", job)
         return _sample_promise(request_id, body.get("num_samples", 1))
 
     def sample_request(self, body: dict[str, Any]) -> tuple[types.ModelInput, types.SamplingParams, dict[str, Any]]:
