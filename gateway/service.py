@@ -48,7 +48,7 @@ from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
 
-CACHED_CLIENTS = 4096  # runs and sampling sessions whose producer clients a gateway keeps at hand
+CACHED_CLIENTS = 1024  # runs and sampling sessions whose producer clients a gateway keeps at hand (LRU)
 
 
 class HTTPError(Exception):
