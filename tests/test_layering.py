@@ -77,7 +77,7 @@ def test_the_private_use_check_notices_them():
         "from tinkerq.producer.client import _background", "run.client._submit", "service._open"]
 
 
-KEYS_ONLY = ["gateway/*.py", "tinkerq/tenants.py"]
+KEYS_ONLY = ["gateway/*.py", "tinkerq/tenants.py", "tinkerq/quotas.py", "tinkerq/usage.py"]
 
 
 def _key_literals(tree: ast.AST) -> list[tuple[int, str]]:
@@ -92,7 +92,8 @@ def _key_literals(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_key_names_come_from_tinkerq_keys():
-    """The gateway's records and the tenants' API keys are named by tinkerq/keys.py's builders, never by hand."""
+    """The gateway's records, the tenants' API keys, quotas and usage are named by tinkerq/keys.py's builders, never by
+    hand."""
     offenders = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for pattern in KEYS_ONLY
                  for path in sorted(ROOT.glob(pattern))
                  for line, text in _key_literals(ast.parse(path.read_text()))]
