@@ -7,8 +7,11 @@
     tinkerq worker --model PATH      serve a local Hugging Face model from a Redis fleet
     tinkerq gateway                  the HTTP gateway the official tinker SDK talks to (X-API-Key: tml-...)
     tinkerq fleet up --model DIR     a local fleet: Redis, workers, Flower (and gateways: --gateway-port)
+    tinkerq proxy --listen H:P --backend H:P ...   round robin over gateways (fleet up --gateways N starts one)
     tinkerq keys create NAME         a new API key for tenant NAME (printed once, alone on the last line)
-    tinkerq keys list | revoke NAME  the tenants that have a key; remove one's key
+    tinkerq keys update NAME --max-tokens-per-minute N ...   a tenant's quotas (create takes them too)
+    tinkerq keys list | revoke NAME  the tenants, their limits; remove one's key and end its sessions
+    tinkerq usage [--key NAME]       tokens, samples and checkpoints per key, hourly (--json)
     tinkerq families build DIR       tiny random models of every model family, one directory each, to serve
     tinkerq plan --model DIR|NAME    how many shards and LoRA tenants a model needs/fits per device (no weights)
 
