@@ -51,6 +51,9 @@ class Answer:
 
     json: dict[str, Any] | None = None
     proto: bytes | None = None
+    # What answering used ({tenant, session_id, counts}), never sent to the client: counted once, from the
+    # answer that was stored (a re-run by an adopter may sample other tokens than the first run did).
+    usage: dict[str, Any] | None = None
 
     @classmethod
     def failure(cls, exc: TinkerqError) -> Answer:
@@ -58,12 +61,12 @@ class Answer:
         return cls(json={"error": exc.message, "category": exc.category})
 
     def pack(self) -> bytes:
-        return codec.packb({"json": self.json, "proto": self.proto})
+        return codec.packb({"json": self.json, "proto": self.proto, "usage": self.usage})
 
     @classmethod
     def unpack(cls, raw: bytes) -> Answer:
         body = codec.unpackb(raw)
-        return cls(json=body.get("json"), proto=body.get("proto"))
+        return cls(json=body.get("json"), proto=body.get("proto"), usage=body.get("usage"))
 
 
 @dataclass(frozen=True)
@@ -76,14 +79,16 @@ class Waiting:
 
 
 RunJob = Callable[[str, str, dict[str, Any]], Awaitable[Answer]]  # (request id, tenant, job) -> its answer
+Account = Callable[[str, Answer], None]  # (request id, its stored answer): count its usage, once per request id
 
 
 class Futures:
-    def __init__(self, store: RedisStore, records: Records, run_job: RunJob, *, poll_s: float = 25.0,
-                 keep_s: float = 600.0) -> None:
+    def __init__(self, store: RedisStore, records: Records, run_job: RunJob, account: Account, *,
+                 poll_s: float = 25.0, keep_s: float = 600.0) -> None:
         self.store = store.with_retry(0)
         self.records = records
         self.run_job = run_job
+        self.account = account
         self.poll_s = poll_s
         self.keep_s = keep_s
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
@@ -196,6 +201,7 @@ class Futures:
         self.store.expire(keys.gateway_record("future", request_id), self.keep_s)
         self.store.delete(keys.gateway_body(request_id))
         self.store.client.publish(keys.GATEWAY_ANSWERS, request_id)
+        self.account(request_id, answer)  # once per request id: a gateway dying here leaves it to the next poll
         return answer
 
     def set_waiting(self, request_id: str, tenant: str, waiting: Waiting) -> None:
@@ -220,7 +226,9 @@ class Futures:
             while True:
                 raw = await asyncio.to_thread(self.store.get, keys.gateway_answer(request_id))
                 if raw is not None:
-                    return Answer.unpack(raw)
+                    answer = Answer.unpack(raw)
+                    await asyncio.to_thread(self.account, request_id, answer)  # a no-op once counted
+                    return answer
                 task = self._tasks.get(request_id)
                 if task is None:
                     record = await asyncio.to_thread(self._record, request_id, record)

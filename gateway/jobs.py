@@ -15,6 +15,7 @@ run more than once:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,7 @@ class Jobs:
         counts = {usage.request_counter(op): 1, "training_tokens": int(job.get("tokens") or 0)}
         if finish == "save":
             counts.update(checkpoints=1, checkpoint_bytes=int(out.get("bytes") or 0))
-        await asyncio.to_thread(gw.account, tenant, run.record.get("session_id", ""), counts, request_id)
-        return answer
+        return dataclasses.replace(answer, usage=usage_of(tenant, run.record.get("session_id", ""), counts))
 
     async def _finish(self, finish: str, tenant: str, run: Run, job: dict[str, Any], out: Any) -> Answer:
         gw = self.gw
@@ -185,8 +185,12 @@ class Jobs:
             await asyncio.to_thread(gw.end_sample, tenant, request_id)
         sampled = sum(len(s.tokens) for s in out.sequences)
         cached = int(getattr(out, "prompt_cache_hit_tokens", 0) or 0)
-        await asyncio.to_thread(gw.account, tenant, sampler.record.get("session_id", ""), {
-            usage.request_counter("sample"): 1, "prefill_tokens": prompt.length - cached,
-            "cached_prefill_tokens": cached, "sampled_tokens": sampled},
-            request_id)
-        return Answer(proto=proto.encode_sample_response(out))
+        return Answer(proto=proto.encode_sample_response(out), usage=usage_of(
+            tenant, sampler.record.get("session_id", ""), {
+                usage.request_counter("sample"): 1, "prefill_tokens": prompt.length - cached,
+                "cached_prefill_tokens": cached, "sampled_tokens": sampled}))
+
+
+def usage_of(tenant: str, session_id: str, counts: dict[str, int]) -> dict[str, Any]:
+    """What an answer used, stored with it: the usage of the answer the client gets is the one counted."""
+    return {"tenant": tenant, "session_id": session_id, "counts": counts}

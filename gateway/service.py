@@ -34,7 +34,7 @@ from typing import Any
 from tinkerq import keys, types, usage
 from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.gateway import lifecycle, lookups, proto
-from tinkerq.gateway.futures import Futures, Waiting
+from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
 from tinkerq.producer.client import ServiceClient, TrainingClient
@@ -103,7 +103,7 @@ class Gateway:
         self.quotas = Quotas(store)
         self.usage = Usage(store)
         self.jobs = Jobs(self)
-        self.futures = Futures(store, self.records, self.jobs.run, poll_s=settings.gateway_poll_s,
+        self.futures = Futures(store, self.records, self.jobs.run, self.account, poll_s=settings.gateway_poll_s,
                                keep_s=settings.gateway_keep_s)
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self.samplers: OrderedDict[str, Sampler] = OrderedDict()
@@ -538,11 +538,13 @@ class Gateway:
     def end_sample(self, tenant: str, request_id: str) -> None:
         self.quotas.end_sample(tenant, request_id)
 
-    def account(self, tenant: str, session_id: str, counts: dict[str, int], request_id: str) -> None:
-        """Add a request's usage once (a future answered by two gateways is counted once)."""
-        counts = {name: n for name, n in counts.items() if n}
+    def account(self, request_id: str, answer: Answer) -> None:
+        """Count the usage stored with a request's answer, once per request id (any gateway, any number of polls)."""
+        if answer.usage is None:
+            return
+        counts = {name: int(n) for name, n in answer.usage["counts"].items() if n}
         if counts:
-            self.usage.record(tenant, session_id, counts, once=request_id)
+            self.usage.record(answer.usage["tenant"], answer.usage["session_id"], counts, once=request_id)
 
     # -- capabilities and REST lookups ----------------------------------------------------------------------------
 
