@@ -1,5 +1,6 @@
 """A test-only HTTP reverse proxy that sends each request to the next gateway in turn (per request, not per
-connection, so one SDK client alternates between gateways on every call). A gateway that refuses the
+connection, so one SDK client alternates between gateways on every call; each path takes its own turns, so two
+forward_backward submissions always reach two gateways, whatever polls came between them). A gateway that refuses the
 connection is skipped, as a load balancer's health check would. Counts what each gateway served."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class AlternatingProxy:
         self.port = port
         self.served: Counter[str] = Counter()
         self.log: list[tuple[str, str]] = []  # (path, gateway) of every request served
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count[int]] = {}  # path -> its own turn counter
         self._server = uvicorn.Server(uvicorn.Config(self._app, host="127.0.0.1", port=port, log_level="warning",
                                                      interface="asgi3", lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
@@ -46,7 +47,7 @@ class AlternatingProxy:
         request = Request(scope, receive)
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        start = next(self._turn)
+        start = next(self._turns.setdefault(request.url.path, itertools.count()))
         response: Response = Response(b'{"detail": "no gateway is up"}', status_code=503)
         async with httpx.AsyncClient(timeout=60) as client:
             for i in range(len(self.backends)):
