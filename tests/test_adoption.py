@@ -171,7 +171,7 @@ def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
             futures += chunk
             if i % 3 == 1:  # right after an automatic snapshot: the journal was just emptied
                 before = fleet.redis.get(keys.auto_snapshot(tc.model_id))
-                wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b, 60,
+                wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b, 120,
                          "a new automatic snapshot")
             else:
                 point = int(rng.integers(0, len(chunk) - 1))
