@@ -9,9 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.helpers import build_tiny_llama
 from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
+from tinkerq.store import KeyValueStore, MemoryStore, RedisStore
 
 # Small micro-batches in the test worker, so batch splitting inside the worker is exercised too.
 WORKER_MICROBATCH_TOKENS = 96
@@ -64,6 +66,18 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(params=["redis", "memory"])
+def store(request: pytest.FixtureRequest) -> Iterator[KeyValueStore]:
+    """Each test that takes it runs twice: on the private redis-server (the store's Lua scripts) and on the
+    in-memory store, which must give the same answers."""
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    yield RedisStore(client, retry_s=5)
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -6,28 +6,16 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
-import redis
 
 from tinkerq.errors import UserError, ValidationError
 from tinkerq.launcher.processes import wait_for
 from tinkerq.quotas import LIMIT_NAMES, Limits, Quotas, check_limit, parse_limit, refusal
-from tinkerq.store import KeyValueStore, MemoryStore, RedisStore
+from tinkerq.store import KeyValueStore
 from tinkerq.tenants import ApiKeys
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=["redis", "memory"])
-def store(request: pytest.FixtureRequest) -> Iterator[KeyValueStore]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
-    yield RedisStore(client, retry_s=5)
-    client.close()
 
 
 def _tenant(store: KeyValueStore, **limits: int) -> str:

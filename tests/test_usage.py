@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +39,6 @@ H = 1_780_000_000 // 3600 * 3600  # an hour's start, in 2026
 
 def _name() -> str:
     return f"u-{uuid.uuid4().hex[:8]}"  # the Redis is shared by the test session: names never collide
-
-
-@pytest.fixture(params=["redis", "memory"])
-def store(request: pytest.FixtureRequest) -> Iterator[KeyValueStore]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
-    yield RedisStore(client, retry_s=5)
-    client.close()
 
 
 def test_counts_add_up_in_hour_buckets_per_session(store: KeyValueStore):
