@@ -36,6 +36,15 @@ SLOW_MODULES_FIRST = [
 ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One torch thread per test process when they run in parallel (scripts/test): on 2 cores with 3 test
+        # processes and their worker processes, two threads each made in-process tests 2x slower, not faster.
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests keep their order

@@ -167,10 +167,12 @@ def test_ten_kills_in_one_run_lose_nothing(fleet, redis_url):
         tc = _open(sc, fleet.name, lora=False)
         futures: list = []
         for i in range(KILLS):
+            # Read before the chunk goes out: a chunk of CHUNK steps holds at least one snapshot (EVERY < CHUNK),
+            # and it may be its last one and done before a read after the submissions.
+            before = fleet.redis.get(keys.auto_snapshot(tc.model_id))
             chunk = _submit_pairs(tc, batches[i * CHUNK:(i + 1) * CHUNK])
             futures += chunk
             if i % 3 == 1:  # right after an automatic snapshot: the journal was just emptied
-                before = fleet.redis.get(keys.auto_snapshot(tc.model_id))
                 wait_for(lambda b=before: fleet.redis.get(keys.auto_snapshot(tc.model_id)) != b, 120,
                          "a new automatic snapshot")
             else:
