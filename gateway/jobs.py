@@ -7,7 +7,8 @@ run more than once:
 * ``ordered``: one request of a training run, posted with the run's worker sequence number. A second post of
   the same number is answered by the worker from its kept reply, never applied twice. Its body (the SDK's
   protobuf for forward_backward) waits in Redis until the answer is stored.
-* ``create``: a training run (create_model, or create-via-load). A run already recorded is answered as is.
+* ``create``: a training run (create_model, or create-via-load). A run already recorded is answered as is; a
+  worker session already opened for it (its id comes from the run's) is answered by its worker, not built again.
 * ``unload``: closes the run's worker session after its last request.
 * ``sample``: one sampling request. Run twice, it samples twice; the first answer stored is the answer.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,9 @@ from tinkerq.wire import messages
 if TYPE_CHECKING:
     from tinkerq.gateway.service import Gateway, Run
 
+# The worker session of run M is uuid5(RUN_SESSIONS, M): a create re-run by another gateway (its first runner died
+# after the worker built the session, before the run was recorded) gets the same session back, not a second one.
+RUN_SESSIONS = uuid.UUID("5b0d1c2e-7a43-4f6e-9c1d-0a6f2e8b7c31")
 CAPACITY_RETRY_S = 2.0  # how often a create held by a full fleet (or a key's client quota) is tried again
 QUOTA_RETRY_S = 1.0
 
@@ -93,10 +98,16 @@ class Jobs:
                 "paused_rate_limit", "this API key holds its maximum of training clients (max_training_clients); "
                                      "it goes on when one of them is unloaded"))
             await asyncio.sleep(QUOTA_RETRY_S)
+        session_id = uuid.uuid5(RUN_SESSIONS, model_id).hex
         while True:
             try:
-                return await asyncio.to_thread(gw.service.open_training_client, base_model, lora)
+                return await asyncio.to_thread(gw.service.open_training_client, base_model, lora,
+                                               session_id=session_id)
             except (CapacityError, RequestTimeoutError) as exc:
+                if isinstance(exc, RequestTimeoutError):
+                    # No answer: maybe the worker that claimed this id is gone (its copy went to a dead queue).
+                    # Later tries open a new session instead of asking after that one forever.
+                    session_id = uuid.uuid4().hex
                 if time.monotonic() - waited_since > gw.settings.gateway_capacity_wait_s:
                     await asyncio.to_thread(gw.quotas_release_training_client, tenant, model_id)
                     raise

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinkerq import keys, types
 from tinkerq.connection import Connection
-from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError
+from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError, ValidationError
 from tinkerq.producer.dispatch import Dispatcher
 from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
 from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
@@ -177,7 +177,7 @@ class ServiceClient:
     # -- sessions driven by the caller (a tinkerq extension: the HTTP gateway's seam) ---------------------------
 
     def open_training_client(self, base_model: str, lora: types.LoraConfig | None = None, *,
-                             timeout: float | None = None) -> TrainingClient:
+                             timeout: float | None = None, session_id: str | None = None) -> TrainingClient:
         """Open a training session and wait for it, in the calling thread: a LoRA session when ``lora`` is
         given, else a full-parameter one.
 
@@ -185,12 +185,18 @@ class ServiceClient:
         and number their own requests (the HTTP gateway; see :meth:`TrainingClient.submit`). Waits at most
         ``timeout`` seconds (None: ``TINKERQ_CREATE_TIMEOUT_S``), then raises RequestTimeoutError. A model no
         worker serves raises UnknownModelError, an invalid ``lora`` ValidationError, before anything is sent.
+
+        ``session_id`` (32 hex digits; default: a new random one) names the worker session. Opening the same
+        id again answers with the session already built (workers build one session per id, fleet-wide): a
+        caller that may repeat its open (a gateway re-running a dead gateway's create) leaves no orphan.
         """
         base_model = normalize_model_name(base_model)
         if lora is not None:
             validate_lora(lora, max_rank=self.settings.max_lora_rank)
+        if session_id is not None and not _is_session_id(session_id):
+            raise ValidationError(f"session_id must be 32 lowercase hex digits, got {session_id!r}")
         self._require_served(base_model)
-        return self._create(base_model, lora, timeout)
+        return self._create(base_model, lora, timeout, session_id)
 
     def attach_training_client(self, info: types.ModelInfo) -> TrainingClient:
         """A client for a training session opened earlier, here or in another process (a restarted gateway),
@@ -247,8 +253,9 @@ class ServiceClient:
                 f"Start one with: tinkerq worker --model {base_model}"
             )
 
-    def _create(self, base_model: str, lora: types.LoraConfig | None, timeout: float | None) -> TrainingClient:
-        model_id = uuid.uuid4().hex
+    def _create(self, base_model: str, lora: types.LoraConfig | None, timeout: float | None,
+                session_id: str | None = None) -> TrainingClient:
+        model_id = session_id or uuid.uuid4().hex
         timeout = self.settings.create_timeout_s if timeout is None else timeout
         # The deadline lets a worker that finds this request late (no worker was free) skip it.
         request: dict[str, Any] = {"base_model": base_model, "deadline": time.time() + timeout}
@@ -779,6 +786,10 @@ def _check_stability_info(record_stability_info: bool) -> None:
     if record_stability_info:
         raise UserError("record_stability_info=True is not supported by tinkerq (no stability records for "
                         "StableReinforce); pass False")
+
+
+def _is_session_id(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def _is_position(seq_id: Any) -> bool:

@@ -181,6 +181,17 @@ def test_one_create_model_delivered_to_two_workers_at_once_builds_one_session(mo
         wait_for(lambda: _settled(r, queues, task_id), 120, "the late copy to be acknowledged")
         stats = _worker_stats(sc, workers)
         assert all(model_id not in _sessions(stats[w]) for w in workers)
+
+        # Through the library, with a session id of the caller's (a gateway's, for a run whose create another
+        # gateway may run again), twice: the same session, built once.
+        chosen = uuid.uuid4().hex
+        first = sc.open_training_client(name, session_id=chosen, timeout=120)
+        second = sc.open_training_client(name, session_id=chosen, timeout=120)
+        assert first.info == second.info and first.info.model_id == chosen
+        stats = _worker_stats(sc, workers)
+        assert sum(_sessions(stats[w]).count(chosen) for w in workers) == 1
+        with pytest.raises(errors.ValidationError, match="32 lowercase hex digits"):
+            sc.open_training_client(name, session_id="../../etc/passwd")
     finally:
         sc.close()
         for proc in procs:

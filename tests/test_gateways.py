@@ -7,6 +7,7 @@ answered, and a dead gateway's pending futures are adopted by the gateway that p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,14 +17,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from tests.alternating_proxy import AlternatingProxy
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
-from tests.test_gateway import sdk_batch, start_gateway
+from tests.test_gateway import result, sdk_batch, start_gateway
 from tinkerq import types
+from tinkerq.gateway.records import Records
+from tinkerq.keys import gateway_answer, gateway_record, session_home
 from tinkerq.launcher.processes import free_port
 from tinkerq.settings import Settings
+from tinkerq.store import RedisStore
 from tinkerq.tenants import ApiKeys
 
 tinker = pytest.importorskip("tinker")
@@ -140,3 +145,29 @@ def test_a_gateway_killed_mid_run_loses_nothing(gateways, worker, key, redis_url
     assert got == pytest.approx(library_run(redis_url, chunks), rel=1e-6)
     survivor_log = (tmp_path / f"gw{1 - killed[0]}.log").read_text()
     assert "adopting ForwardBackward request" in survivor_log, survivor_log[-3000:]
+
+
+def test_a_create_run_again_by_another_gateway_opens_no_second_worker_session(gateways, key, redis_url, monkeypatch):
+    """A gateway that dies after the worker built a run's session but before it recorded the run: the gateway
+    that adopts the create gets that same worker session back (its id comes from the run's), not a second one
+    left open on the worker with nobody to use or close it."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    _, proxy = gateways
+    sc = tinker.ServiceClient(base_url=proxy.url, api_key=key)
+    model_id = sc.create_lora_training_client(NAME, rank=4, seed=5).result(timeout=120).model_id
+    store = RedisStore(redis.Redis.from_url(redis_url))
+    records = Records(store)
+    request_id = records.get_claim(f"create:{model_id}")
+    future = json.loads(store.get(gateway_record("future", request_id)))
+    run = json.loads(store.get(gateway_record("run", model_id)))
+    homes = set(store.scan(session_home("*")))
+    # What a gateway killed between the worker's answer and add_run leaves: the future, no run, no answer.
+    store.delete(gateway_record("run", model_id))
+    store.delete(gateway_answer(request_id))
+    future["owner"] = "gw-killed-before-it-recorded-the-run"
+    store.set(gateway_record("future", request_id), json.dumps(future).encode(), 600)
+    answer = result(proxy.backends[1], key, request_id)  # the poll adopts the create and runs it again
+    assert answer.status_code == 200 and answer.json()["model_id"] == model_id, answer.text
+    again = json.loads(store.get(gateway_record("run", model_id)))
+    assert again["info"]["model_id"] == run["info"]["model_id"]  # the same worker session
+    assert set(store.scan(session_home("*"))) <= homes  # and no new one anywhere

@@ -156,7 +156,11 @@ class ComputeLoop:
                     return None
                 creation.forward_create(service, request, holder)
                 return holder
-            slot = service.open_session(model_id, lora)
+            try:
+                slot = service.open_session(model_id, lora)
+            except BaseException:
+                creation.release_creation(service, model_id)
+                raise
             service.recovery.write_home(slot.session)
             log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
         elif forwarded and creation.answered(service, request):  # the holder's own copy was answered: once is enough

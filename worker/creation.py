@@ -33,6 +33,13 @@ def claim_creation(service: WorkerService, model_id: str) -> str:
     return holder
 
 
+def release_creation(service: WorkerService, model_id: str) -> None:
+    """Give up this worker's claim on ``model_id``, whose session it claimed but could not build (no memory, a
+    failed load): a later create_model of the same id (a gateway trying again while the fleet is full) may
+    build it, here or anywhere, instead of being told the session was built and closed."""
+    service.connection.store.with_retry(service.settings.heartbeat_s).delete(keys.session_claim(model_id))
+
+
 def forward_create(service: WorkerService, request: Request, holder: str) -> None:
     """Send a copy of a create_model to the worker that holds its session (same task id and inbox): that one
     answers it, whichever worker the producer's copy reached."""
