@@ -131,7 +131,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
         key = _tinkerq("keys", "create", "fleet-user", "--broker", broker, env=env).stdout.strip().splitlines()[-1]
         import tinker
 
-        rest = tinker.ServiceClient(base_url=f"http://127.0.0.1:{gateway_port}", api_key=key).create_rest_client()
+        rest = tinker.RestClient(base_url=f"http://127.0.0.1:{gateway_port}", api_key=key)
         names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
         assert names == sorted([str(model_dir), "org/Other-1B"])
         assert status.stdout.count("sampler ") == 2

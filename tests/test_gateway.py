@@ -140,15 +140,15 @@ def library_loss_after_one_step(redis_url: str, seed: int, chunks: list[list[typ
 # -- the SDK, end to end ---------------------------------------------------------------------------------------
 
 
-def test_sdk_lora_training_matches_the_producer_library_and_pytorch(sdk, model_dir, redis_url):
+def test_sdk_lora_training_matches_the_producer_library_and_pytorch(sdk, model_dir, redis_url, gateway_url, api_keys):
     """The same LoRA run through the SDK + gateway and through the producer library: equal numbers."""
     from tinkerq.producer import ServiceClient
 
-    caps = sdk.get_server_capabilities()
+    caps = tinker.RestClient(base_url=gateway_url, api_key=api_keys["alice"]).get_server_capabilities().result()
     assert NAME in [m.model_name for m in caps.supported_models]
     rng = np.random.default_rng(5)
     batches = [make_batch(rng, 3, max_len=20) for _ in range(2)]
-    tc = sdk.create_lora_training_client(NAME, rank=4, seed=11)
+    tc = sdk.create_lora_training_client(NAME, rank=4, seed=11).result(timeout=120)
     info = tc.get_info()
     assert info.model_data.model_name == NAME and info.is_lora and info.lora_rank == 4
     assert tc.model_id.endswith(":train:0")
@@ -173,13 +173,13 @@ def test_sdk_lora_training_matches_the_producer_library_and_pytorch(sdk, model_d
         ours.close()
 
 
-def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
+def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url, gateway_url, api_keys):
     """Everything a cookbook loop does, through the SDK (whose API makes LoRA models only)."""
     from tinkerq.producer import ServiceClient
 
     rng = np.random.default_rng(6)
     batch = make_batch(rng, 4, max_len=16)
-    tc = sdk.create_lora_training_client(NAME, rank=4, seed=3)
+    tc = sdk.create_lora_training_client(NAME, rank=4, seed=3).result(timeout=120)
     tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
     step = tc.optim_step(tinker.AdamParams(**ADAM)).result()
     assert isinstance(step.metrics, dict)
@@ -191,7 +191,7 @@ def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
     before = tc.forward(sdk_batch(batch), "cross_entropy").result()
 
     # Ephemeral snapshot + sampling with sequence ids, logprobs, prompt logprobs.
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)
     prompt = tinker.ModelInput.from_ints([1, 2, 3, 4, 5])
     params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=123, stop=None)
     out = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
@@ -207,16 +207,17 @@ def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
                                rtol=1e-4, atol=1e-4)
 
     # A named sampler checkpoint through create_sampling_client (create_sampling_session + GET samplers).
-    by_path = sdk.create_sampling_client(model_path=sampler_path)
+    by_path = sdk.create_sampling_client(model_path=sampler_path).result(timeout=120)
     assert by_path.get_base_model() == NAME
     assert len(by_path.sample(prompt, 2, params).result().sequences) == 2
-    base = sdk.create_sampling_client(base_model=NAME)
+    base = sdk.create_sampling_client(base_model=NAME).result(timeout=120)
     assert len(base.sample(prompt, 1, params).result().sequences) == 1
 
     # The legacy in-run load (TrainingClient.load_state: model_id + seq_id) after more training.
     tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(**ADAM)).result()
-    tc.load_state(state.path).result()
+    with pytest.deprecated_call(match="load_state"):  # deliberately the deprecated call (the legacy endpoint)
+        tc.load_state(state.path).result()
     back = tc.forward(sdk_batch(batch), "cross_entropy").result()
     for x, y in zip(back.loss_fn_outputs, before.loss_fn_outputs, strict=True):
         np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), rtol=1e-5, atol=1e-5)
@@ -253,7 +254,7 @@ def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
     assert stepped[False].metrics["loss:sum"] != pytest.approx(stepped[True].metrics["loss:sum"], rel=1e-6)
 
     # The REST lookups the cookbook uses.
-    rest = sdk.create_rest_client()
+    rest = tinker.RestClient(base_url=gateway_url, api_key=api_keys["alice"])
     run = rest.get_training_run_by_tinker_path(state.path).result()
     assert run.training_run_id == tc.model_id and run.base_model == NAME and run.is_lora
     ids = {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
@@ -269,7 +270,7 @@ def test_sdk_full_cycle_save_load_sample_and_rest(sdk, redis_url):
 def test_with_service_client_finishes_the_session(gateway_url, api_keys, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with tinker.ServiceClient(base_url=gateway_url, api_key=api_keys["alice"]) as sc:
-        tc = sc.create_lora_training_client(NAME, rank=2)
+        tc = sc.create_lora_training_client(NAME, rank=2).result(timeout=120)
         tc.forward(sdk_batch(make_batch(np.random.default_rng(1), 1)), "cross_entropy").result()
         session_id = sc.holder.get_session_id()
         alive = post(gateway_url, "session_heartbeat", api_keys["alice"], {"session_id": session_id})
@@ -373,13 +374,13 @@ def test_tenants_cannot_see_each_other(gateway_url, api_keys, raw_model, sdk):
 def test_unknown_and_revoked_keys_get_401(gateway_url, redis_url, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=gateway_url, api_key="tml-not-a-key").get_server_capabilities()
+        tinker.RestClient(base_url=gateway_url, api_key="tml-not-a-key").get_server_capabilities().result()
     keys = ApiKeys.open(Settings(broker_url=redis_url))
     name = f"carol-{uuid.uuid4().hex[:6]}"
     key = keys.create(name)
     try:
-        sc = tinker.ServiceClient(base_url=gateway_url, api_key=key)
-        assert sc.get_server_capabilities().supported_models
+        rest = tinker.RestClient(base_url=gateway_url, api_key=key)
+        assert rest.get_server_capabilities().result().supported_models
         keys.revoke(name)
         time.sleep(1.5)  # the gateway trusts a key it checked for up to 1 s
         r = post(gateway_url, "create_session", key, {})
@@ -427,7 +428,7 @@ def test_reference_logprobs_match_the_gateway(sdk, model_dir):
     """The SDK's forward equals plain PyTorch on the served weights (fresh LoRA = the base model)."""
     ref = load_reference(model_dir)
     batch = make_batch(np.random.default_rng(12), 3, max_len=24)
-    tc = sdk.create_lora_training_client(NAME, rank=2, seed=0)
+    tc = sdk.create_lora_training_client(NAME, rank=2, seed=0).result(timeout=120)
     out = tc.forward(sdk_batch(batch), "cross_entropy").result()
     with torch.no_grad():
         for d, o in zip(batch, out.loss_fn_outputs, strict=True):
@@ -580,7 +581,7 @@ def test_sdk_trains_lora_on_a_shard_group(sdk, model_dir, redis_url, checkpoint_
         rng = np.random.default_rng(6)
         batches = [make_batch(rng, 3, max_len=20) for _ in range(2)]
         adam = {**ADAM, "eps": 1e-3}  # (tests/test_sharded_lora.py: AdamW's eps and reordered sums)
-        tc = sdk.create_lora_training_client(name, rank=4, seed=11)
+        tc = sdk.create_lora_training_client(name, rank=4, seed=11).result(timeout=120)
         mine = ours.create_lora_training_client(NAME, rank=4, seed=11)  # one unsharded worker
         for batch in batches:
             a = tc.forward_backward(sdk_batch(batch), "cross_entropy").result()
@@ -592,7 +593,7 @@ def test_sdk_trains_lora_on_a_shard_group(sdk, model_dir, redis_url, checkpoint_
         after_b = mine.forward(batches[0], "cross_entropy").result(timeout=120)
         for x, y in zip(after_a.loss_fn_outputs, after_b.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-5)
-        sampler = tc.save_weights_and_get_sampling_client(name="sharded-lora")
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)
         out = sampler.sample(prompt=tinker.ModelInput.from_ints([1, 2, 3]), num_samples=2,
                              sampling_params=tinker.SamplingParams(max_tokens=5, seed=4)).result()
         assert len(out.sequences) == 2 and all(len(s.tokens) == 5 for s in out.sequences)

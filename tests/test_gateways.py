@@ -103,9 +103,9 @@ def test_the_sdk_alternating_between_two_gateways(gateways, key, redis_url, monk
     _, proxy = gateways
     chunks = [make_batch(np.random.default_rng(40 + i), 2, max_len=12) for i in range(2)]
     sc = tinker.ServiceClient(base_url=proxy.url, api_key=key)
-    tc = sc.create_lora_training_client(NAME, rank=4, seed=5)
+    tc = sc.create_lora_training_client(NAME, rank=4, seed=5).result(timeout=120)
     got = sdk_run(tc, chunks)
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=120)
     out = sampler.sample(prompt=tinker.ModelInput.from_ints([1, 2, 3]), num_samples=2,
                          sampling_params=tinker.SamplingParams(max_tokens=4, seed=1)).result(timeout=120)
     assert len(out.sequences) == 2 and all(len(s.tokens) == 4 for s in out.sequences)
@@ -123,7 +123,7 @@ def test_a_gateway_killed_mid_run_loses_nothing(gateways, worker, key, redis_url
     procs, proxy = gateways
     chunks = [make_batch(np.random.default_rng(50 + i), 2, max_len=12) for i in range(2)]
     sc = tinker.ServiceClient(base_url=proxy.url, api_key=key)
-    tc = sc.create_lora_training_client(NAME, rank=4, seed=5)
+    tc = sc.create_lora_training_client(NAME, rank=4, seed=5).result(timeout=120)
     killed: list[int] = []
 
     def kill_the_gateway_that_took_it() -> None:

@@ -95,7 +95,8 @@ def test_token_rate_holds_requests_in_order_and_the_sdk_logs_paused_rate_limit(g
     small = make_batch(np.random.default_rng(61), 1, min_len=20, max_len=21)
     limit = sum(d.model_input.length for d in big)  # the first request empties the bucket
     _, key = new_key(api_keys, max_tokens_per_minute=limit)
-    tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(NAME, rank=2, seed=1)
+    tc = (tinker.ServiceClient(base_url=url, api_key=key)
+          .create_lora_training_client(NAME, rank=2, seed=1).result(timeout=120))
     tc.forward_backward(sdk_batch(big), "cross_entropy").result(timeout=60)
     with caplog.at_level(logging.WARNING, logger=qsl.__name__):
         start = time.monotonic()
@@ -115,7 +116,7 @@ def test_sampling_over_its_inflight_cap_gets_429_and_the_sdk_retries(gateway, ap
     url, log = gateway
     _, key = new_key(api_keys, max_sampling_inflight=1)
     sc = tinker.ServiceClient(base_url=url, api_key=key)
-    sampler = sc.create_sampling_client(base_model=NAME)
+    sampler = sc.create_sampling_client(base_model=NAME).result(timeout=120)
     params = tinker.SamplingParams(max_tokens=16, seed=3)
     futures = [sampler.sample(prompt=tinker.ModelInput.from_ints([1, 2, 3 + i]), num_samples=2,
                               sampling_params=params) for i in range(4)]
@@ -167,13 +168,13 @@ def test_usage_totals_are_exactly_what_the_sdk_sent(gateway, api_keys, redis_url
     url, _ = gateway
     tenant, key = new_key(api_keys, keep_checkpoints=1)
     sc = tinker.ServiceClient(base_url=url, api_key=key)
-    tc = sc.create_lora_training_client(NAME, rank=2, seed=2)
+    tc = sc.create_lora_training_client(NAME, rank=2, seed=2).result(timeout=120)
     batches = [make_batch(np.random.default_rng(70 + i), 3, max_len=16) for i in range(3)]
     for batch in batches:
         tc.forward_backward(sdk_batch(batch), "cross_entropy").result(timeout=60)
     tc.forward(sdk_batch(batches[0]), "cross_entropy").result(timeout=60)
     paths = [tc.save_weights_for_sampler(name=f"u{i}").result(timeout=60).path for i in range(2)]
-    sampler = sc.create_sampling_client(model_path=paths[-1])
+    sampler = sc.create_sampling_client(model_path=paths[-1]).result(timeout=120)
     out = sampler.sample(prompt=tinker.ModelInput.from_ints([5, 6, 7, 8]), num_samples=3,
                          sampling_params=tinker.SamplingParams(max_tokens=5, seed=4)).result(timeout=60)
     assert out.prompt_cache_hit_tokens == 0
@@ -186,7 +187,7 @@ def test_usage_totals_are_exactly_what_the_sdk_sent(gateway, api_keys, redis_url
     assert totals["sampled_tokens"] == sum(len(s.tokens) for s in out.sequences)
     assert totals["checkpoints"] == 2 and totals["checkpoint_bytes"] > 0
     # keep_checkpoints=1: the older sampler checkpoint went, on disk and from the run's list.
-    listed = sc.create_rest_client().list_checkpoints(tc.model_id).result(timeout=30).checkpoints
+    listed = tinker.RestClient(base_url=url, api_key=key).list_checkpoints(tc.model_id).result(timeout=30).checkpoints
     assert [c.tinker_path for c in listed] == [paths[-1]]
     # The SDK's own billing call reads the same numbers.
     hour = time.strftime("%Y-%m-%dT%H:00:00Z", time.gmtime())
