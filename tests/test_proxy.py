@@ -82,6 +82,50 @@ def test_round_robin_skips_a_refusing_backend_and_answers_502_when_none_accepts(
     asyncio.run(scenario())
 
 
+def test_the_serving_proxy_gives_freed_memory_back_periodically(monkeypatch):
+    """`tinkerq proxy` (serve) trims its heap every TRIM_EVERY_S while it serves, and stops when it stops."""
+    trims: list[float] = []
+    monkeypatch.setattr(proxy, "TRIM_EVERY_S", 0.05)
+    monkeypatch.setattr(proxy, "trim_heap", lambda: trims.append(asyncio.get_running_loop().time()))
+
+    async def scenario() -> None:
+        b = await _backend("b")
+        listen = ("127.0.0.1", free_port())
+        serving = asyncio.ensure_future(proxy.serve(listen, [("127.0.0.1", _port(b))]))
+        await asyncio.sleep(0.5)
+        status, out = await _request(listen[1])  # still serving between trims
+        assert status == 200 and out["backend"] == "b"
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        after_stop = len(trims)
+        await asyncio.sleep(0.2)
+        assert len(trims) == after_stop  # the trims stopped with the proxy
+        b.close()
+        await b.wait_closed()
+
+    asyncio.run(scenario())
+    assert len(trims) >= 3, trims
+
+
+def test_trim_heap_returns_freed_memory_on_glibc():
+    from tinkerq import allocator
+    from tinkerq.worker.memory_free import rss_bytes
+
+    if allocator.GLIBC is None:
+        pytest.skip("malloc_trim is glibc's")
+    allocator.trim_heap()
+    before = rss_bytes()
+    blocks = [bytearray(1000 + i % 3000) for i in range(60_000)]  # ~150 MB of small heap blocks
+    del blocks[::2]
+    kept = blocks[::50]  # scattered survivors pin pages: what a fragmented heap looks like
+    del blocks
+    grown = rss_bytes() - before
+    allocator.trim_heap()
+    assert rss_bytes() - before < grown / 2, (grown, rss_bytes() - before)
+    del kept
+
+
 def test_proxy_command_line_mistakes_are_one_line(capsys):
     port = free_port()
     cases = [

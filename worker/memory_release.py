@@ -6,12 +6,10 @@ larger than :data:`LARGE_BYTES` (:func:`is_large`), and admission (worker/memory
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
-import platform
 from typing import Any
 
+from tinkerq.allocator import GLIBC, trim_heap
 from tinkerq.worker.memory_free import MiB, rss_bytes
 
 log = logging.getLogger("tinkerq.worker")
@@ -20,18 +18,7 @@ log = logging.getLogger("tinkerq.worker")
 # allocators' kept memory is small, and gc + trim (tens of ms) would cost more than it returns.
 LARGE_BYTES = 8 * MiB
 
-
-def _glibc() -> Any | None:
-    """The C library when it is glibc (malloc_trim and mallopt are glibc extensions), else None."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
+_LIBC = GLIBC  # None where malloc_trim is missing (not glibc): tests skip what needs it
 
 
 def release_memory() -> int:
@@ -49,9 +36,7 @@ def release_memory() -> int:
     (+378 MB) nor on top of this (+84 MB): what stays behind is many small blocks, not large buffers.
     """
     before = rss_bytes()
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    trim_heap()
     released = max(0, before - rss_bytes())
     if released:
         log.debug("released %.1f MiB to the OS", released / MiB)
