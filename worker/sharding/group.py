@@ -84,6 +84,9 @@ class ShardGroup:
         self.world = spec.shards
         self.generation = 0  # the last generation this process was part of
         self._opened: int | None = None  # rank 0: the generation it opened and that has not formed yet
+        # rank 0: the newest generation it ever opened. One that failed to form is never opened again: a rank
+        # that claimed its place in it and died before it formed would hold that place for good.
+        self._newest_opened = 0
         self.mesh: DeviceMesh | None = None
         self.broken: str | None = "the shard group has not formed yet"
         # Held while a command runs: commands (and rank 0's pings) never interleave their collectives.
@@ -116,18 +119,25 @@ class ShardGroup:
         store = self._connect()
         if self.is_leader:
             if self._opened is None:
-                self._opened = self.generation + 1
+                self._opened = self._newest_opened = max(self.generation, self._newest_opened) + 1
                 store.set(GENERATION_KEY, str(self._opened))
             generation = self._opened
         else:
-            generation = self._next_open_generation(store)
+            generation = self._next_open_generation(store, self.generation)
         prefix = f"g{generation}/"
-        taken = store.compare_set(f"{prefix}rank{self.rank}", "", self._me).decode()
-        if taken != self._me:
-            raise ShardGroupError(
-                f"rank {self.rank} of {self.spec.address} is already held by {taken}; give each process its own "
-                f"--rank (0..{self.world - 1})"
-            )
+        while (taken := store.compare_set(f"{prefix}rank{self.rank}", "", self._me).decode()) != self._me:
+            held = (f"rank {self.rank} of {self.spec.address} is already held by {taken}; give each process its own "
+                    f"--rank (0..{self.world - 1})")
+            if self.is_leader:
+                raise ShardGroupError(held)
+            # Held by a process that may have died before this generation formed (a restarted shard finds its
+            # predecessor's place): rank 0 then opens a newer one. A live duplicate --rank gets no newer one.
+            log.warning("%s: waiting for rank 0 to open a newer generation than %d", held, generation)
+            try:
+                generation = self._next_open_generation(store, generation)
+            except ShardGroupError:
+                raise ShardGroupError(held) from None
+            prefix = f"g{generation}/"
         self._wait_for_ranks(store, prefix)
         try:
             dist.init_process_group(
@@ -169,13 +179,14 @@ class ShardGroup:
             ) from None
         return self._store
 
-    def _next_open_generation(self, store: dist.TCPStore) -> int:
-        """A generation rank 0 has opened and not yet formed, newer than the one this process left."""
+    def _next_open_generation(self, store: dist.TCPStore, after: int) -> int:
+        """A generation rank 0 has opened and not yet formed, newer than ``after`` (the one this process left, or
+        one it could not take its place in)."""
         deadline = time.monotonic() + self.spec.rendezvous_timeout_s
         while True:
             raw = store.get(GENERATION_KEY) if store.check([GENERATION_KEY]) else b"0"
             generation = int(raw)
-            if generation > self.generation and not store.check([f"g{generation}/formed"]):
+            if generation > after and not store.check([f"g{generation}/formed"]):
                 return generation
             if time.monotonic() > deadline:
                 raise ShardGroupError(
