@@ -21,7 +21,7 @@ from tinkerq import types
 from tinkerq.errors import ServerError, TinkerqError
 from tinkerq.worker import checkpoints
 from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.training import SingleProcess, TrainingEngine, tied_names
+from tinkerq.worker.training import SingleProcess, TrainingEngine, model_weights, tied_names
 
 # (op, **args) -> the command's result on rank 0
 Runner = Callable[..., Any]
@@ -160,16 +160,18 @@ class FullSession:
         """A frozen copy of the current weights, for sampling (worker/snapshots.py keeps and publishes it)."""
         weights = self._run("gather_weights")
         snapshot = self._blank()
-        with torch.no_grad():
-            for name, p in snapshot.named_parameters():
-                p.copy_(weights[name])
+        trained, fixed = model_weights(snapshot)
+        with torch.no_grad():  # the buffers too: the blank's are the base's, the session's may have been loaded
+            for name, t in [*trained, *fixed]:
+                t.copy_(weights[name])
         snapshot.requires_grad_(False)
         return cast(Any, snapshot).to(self.device)  # transformers types .to as a decorated method
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
                      expires_at: float | None = None) -> str:
-        """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq); a full
-        session's weights are merged already, so ``merged`` changes nothing."""
+        """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq): every parameter
+        and persistent buffer (:func:`worker.training.model_weights`); a full session's weights are merged
+        already, so ``merged`` changes nothing."""
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
         weights = self._run("gather_weights")
 
@@ -188,8 +190,11 @@ class FullSession:
         if not overwrite:  # refused before every shard gathers the whole state (and checked again at the rename)
             checkpoints.refuse_existing(final)
         saved = self._run("gather_state")
+        # The weights under the names the engine reads back (read_state): transformers 5 would otherwise write
+        # them in the checkpoint layout it converts from at load (per-expert MoE tensors, renamed keys).
         checkpoints.write_atomically(final, lambda tmp: checkpoints.write_state(
-            tmp, write_weights=lambda d: self.template.save_pretrained(d, state_dict=saved.weights),
+            tmp, write_weights=lambda d: self.template.save_pretrained(d, state_dict=saved.weights,
+                                                                       save_original_format=False),
             shapes=self._shapes, moments=saved.moments, grads=saved.grads, base_model=base_model,
             model_id=self.model_id, steps=int(saved.meta["optimizer_steps"]), seq_id=seq_id, shards=self.world,
             expires_at=expires_at), overwrite=overwrite)
@@ -213,9 +218,9 @@ class TrainingSession(FullSession):
         self.model = model
         self.logprobs = logprobs
         device = next(model.parameters()).device
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named, fixed = model_weights(model)
         self.engine = TrainingEngine(lambda tokens, mask, targets: logprobs(model, tokens, mask, targets), named,
-                                     SingleProcess(), microbatch_tokens=microbatch_tokens, device=device)
+                                     SingleProcess(), microbatch_tokens=microbatch_tokens, device=device, fixed=fixed)
         tied = tied_names(model)
         super().__init__(model_id, lambda op, **args: execute(self.engine, op, args, tied), lambda: self.engine,
                          blank=blank_model, template=model, model_dir=base_dir,

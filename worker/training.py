@@ -90,7 +90,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TrainingEngine:
     def __init__(self, forward: Forward, named_params: Sequence[tuple[str, torch.nn.Parameter]],
                  collectives: Collectives, *, microbatch_tokens: int, device: torch.device,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, fixed: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.forward = forward
         self.group = collectives
         # Whole copies of the parameters on every rank (LoRA adapters on a shard group), not FSDP shards: each
@@ -101,6 +101,10 @@ class TrainingEngine:
         self.device = device
         self.param_names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        # The rest of the model's weights (:func:`model_weights`): saved, gathered and loaded with the parameters,
+        # never trained. Empty for a LoRA adapter (its base's buffers are the base checkpoint's).
+        self.fixed_names = [n for n, _ in fixed]
+        self.fixed = [t for _, t in fixed]
         # Pending gradients start at zero so every optim_step updates every parameter, as torch.optim.AdamW
         # does after a backward pass that reached all of them.
         for p in self.params:
@@ -252,7 +256,10 @@ class TrainingEngine:
             return t.full_tensor().cpu() if isinstance(t, DTensor) else t.detach()
 
     def gather_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every weight of the model, whole, on the leader (None elsewhere): the parameters, then the fixed
+        tensors (persistent buffers), so a save or a snapshot is the session's model and not only what trains."""
         weights = {n: self._full(p) for n, p in zip(self.param_names, self.params, strict=True)}
+        weights.update({n: self._full(t) for n, t in zip(self.fixed_names, self.fixed, strict=True)})
         return weights if self.group.is_leader else None
 
     def gather_state(self) -> SavedState | None:
@@ -284,6 +291,9 @@ class TrainingEngine:
 
         grads, moments = (saved.grads, saved.moments) if optimizer else ({}, {})
         with torch.no_grad():
+            for n, t in zip(self.fixed_names, self.fixed, strict=True):
+                if n in saved.weights:  # states saved before buffers were saved keep the model's own
+                    t.copy_(place(saved.weights[n], t))
             for n, p, g in zip(self.param_names, self.params, self.grads(), strict=True):
                 p.copy_(place(saved.weights[n] if n in saved.weights else saved.weights[tied[n]], p))
                 if n in grads:
@@ -332,6 +342,30 @@ class RequestPart:
             totals.merge(part_totals)
         return types.ForwardBackwardOutput(loss_fn_output_type=loss_fn, loss_fn_outputs=outputs,
                                            metrics={"loss:sum": loss_sum, **totals.result()})
+
+
+def model_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
+                                                  list[tuple[str, torch.Tensor]]]:
+    """What a full session's weights are: every entry of ``model.state_dict()``, as the module's own tensors, each
+    once (a tied twin under named_parameters' first name). Returns (trained: the parameters that require grad,
+    fixed: the rest, never trained: persistent buffers such as DeepSeek-V3's and Nemotron-H's
+    ``mlp.gate.e_score_correction_bias``, which steers routing, and any frozen parameter). A save without the
+    fixed ones is another model: ``from_pretrained`` re-creates a missing buffer as zeros, with a warning only.
+    Non-persistent buffers (rotary ``inv_freq``) are not in the state dict: the config rebuilds them."""
+    saved = model.state_dict(keep_vars=True).keys()
+    trained: list[tuple[str, torch.nn.Parameter]] = []
+    fixed: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            trained.append((name, p))
+        else:
+            fixed.append((name, p))
+    seen = {id(t) for _, t in trained + fixed}
+    for name, b in model.named_buffers():
+        if name in saved and id(b) not in seen:
+            seen.add(id(b))
+            fixed.append((name, b))
+    return trained, fixed
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.sharding.group import ShardGroup
-from tinkerq.worker.training import TrainingEngine
+from tinkerq.worker.training import TrainingEngine, model_weights
 
 
 class LogprobModule(torch.nn.Module):
@@ -77,6 +77,6 @@ def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: Logpr
                    microbatch_tokens: int) -> TrainingEngine:
     """Shard ``model`` (this rank's copy) over the group and train it with the one engine."""
     module = shard(model, group, logprobs)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named, fixed = model_weights(model)  # after sharding: DTensor parameters; buffers (whole) where FSDP put them
     return TrainingEngine(module, named, group, microbatch_tokens=microbatch_tokens,
-                          device=torch.device(group.spec.device))
+                          device=torch.device(group.spec.device), fixed=fixed)
