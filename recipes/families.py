@@ -118,7 +118,14 @@ def build_model(family: str, seed: int = 0, **overrides: Any) -> Any:
 
 def _nonzero_biases(model: Any, seed: int) -> None:
     """transformers initialises some parameters to zeros or ones (expert biases, gpt-oss sinks, the routers'
-    correction bias): draw them, so tests see what a trained checkpoint has."""
+    correction bias): draw them, so tests see what a trained checkpoint has.
+
+    Persistent buffers are part of the saved weights too (DeepSeek-V3's and Nemotron-H's
+    ``e_score_correction_bias``: nonzero in the real checkpoints, it steers routing): floating ones that
+    transformers leaves all zeros or all ones are drawn as well (after the parameters, so the parameters' values
+    do not depend on them), so a save that drops a buffer changes the model's logprobs. Non-persistent buffers
+    (rotary ``inv_freq``, Gemma's ``embed_scale``) are computed from the config and never saved; integer, boolean
+    and mask buffers are structure, not weights: both are left as they are."""
     import torch
 
     generator = torch.Generator().manual_seed(seed + 1)
@@ -129,6 +136,14 @@ def _nonzero_biases(model: Any, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
             elif p.dim() >= 2 and float(p.abs().max()) == 0.0:  # an all-zero matrix (a router's weight)
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+        saved = model.state_dict(keep_vars=True).keys()  # parameters and persistent buffers
+        for name, b in model.named_buffers():
+            if name not in saved or not b.is_floating_point() or b.numel() == 0 or "mask" in name:
+                continue
+            if float(b.abs().max()) == 0.0:
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+            elif bool((b == 1).all()):
+                b.copy_(1 + torch.randn(b.shape, generator=generator) * 0.1)
 
 
 # Qwen3.5 checkpoints are vision-language ones (Qwen3_5[Moe]ForConditionalGeneration, the text model under
