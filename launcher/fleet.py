@@ -119,6 +119,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                     help="torch CPU threads per worker process (default: the CPU cores split between the fleet's "
                          "worker, sampler and shard processes)")
     up.add_argument("--device", help="torch device of the workers (default cpu)")
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the workers' parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own, "
+                         "bfloat16 for published ones, on a GPU with bfloat16; float32 on the CPU)")
     up.add_argument("--timeout", type=float, default=180.0,
                     help="seconds to wait for every process to serve (workers registered, Flower and gateways "
                          "answering)")
@@ -440,19 +443,21 @@ def _start_workers(args: argparse.Namespace, state: dict[str, Any], folder: Path
     """Every worker process (each shard rank, each sampler), all with ``threads`` torch threads."""
     logs, env = Path(state["logs"]), processes.secret_env(state["broker"])
     for model, served in served_models(args):
-        named = [] if served == model else ["--served-name", served]
+        flags = [] if served == model else ["--served-name", served]  # every process of the model gets these
+        if args.dtype:  # unset: the workers read TINKERQ_DTYPE (default auto)
+            flags += ["--dtype", args.dtype]
         for i in range(args.workers):
             for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
                 suffix = f"-rank{rank}" if args.shards > 1 else ""
                 log = logs / f"worker-{Path(model).name}-{i}{suffix}.log"
                 proc = processes.start_process(
-                    processes.worker_command(model, None, threads=threads, extra=[*named, *extra]), log, env)
+                    processes.worker_command(model, None, threads=threads, extra=[*flags, *extra]), log, env)
                 state["workers"].append({"pid": proc.pid, "model": model, "served": served, "log": str(log),
                                          "rank": rank, "threads": threads})
                 _save(folder, state)
         for i in range(args.samplers):
             log = logs / f"sampler-{Path(model).name}-{i}.log"
-            extra = [*named, "--role", "sampler", *(["--device", args.device] if args.device else [])]
+            extra = [*flags, "--role", "sampler", *(["--device", args.device] if args.device else [])]
             proc = processes.start_process(processes.worker_command(model, None, threads=threads, extra=extra),
                                            log, env)
             state["workers"].append({"pid": proc.pid, "model": model, "served": served, "log": str(log), "rank": 0,
@@ -585,7 +590,8 @@ def fleet_status(args: argparse.Namespace) -> int:
             running = ((stats.get(node) or {}).get("tinkerq") or {}).get("running") or [] if node else []
             doing = ", ".join(running_task(t) for t in running) or "idle"
             shards = f"  {r['shards']} shards" if r.get("shards", 1) > 1 else ""
-            print(f"    {r['worker']}  {r['base_model']}{shards}  loss head {r.get('loss_backend', '?')}  -> {doing}")
+            print(f"    {r['worker']}  {r['base_model']}{shards}  {r.get('dtype', '?')}  loss head "
+                  f"{r.get('loss_backend', '?')}  -> {doing}")
         sessions = session_lines(conn.store)
         print(f"  {len(sessions)} training session(s):")
         for line in sessions:

@@ -187,6 +187,17 @@ def cmd_families(args: argparse.Namespace) -> int:
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory: pass a directory (it is created if missing)")
+    if args.layout == "published":  # the makers' on-disk layouts (recipes/published.py): DIR/<layout> each
+        from tinkerq.recipes.published import LAYOUTS, build_published
+
+        if args.family:
+            raise UserError("--layout published writes its own set of layouts: drop --family")
+        for name in LAYOUTS:
+            try:
+                print(build_published(name, out / name, seed=args.seed))
+            except OSError as exc:
+                raise UserError(f"cannot write {out / name}: {exc.strerror or exc}") from None
+        return 0
     for family in dict.fromkeys(args.family or FAMILIES):  # in the order given, each once
         target = out / family
         try:
@@ -260,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory's absolute path; `tinkerq fleet up` spells it the same, after each --model)")
     w.add_argument("--broker", help=BROKER_HELP)
     w.add_argument("--device", help="torch device: cpu, cuda, cuda:N ... (default: TINKERQ_DEVICE, else cpu)")
-    w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
+    w.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own dtype, bfloat16 for "
+                        "published checkpoints, on a CUDA device with bfloat16; float32 on the CPU, where "
+                        "--dtype bfloat16 halves the memory)")
     w.add_argument("--max-sessions", type=positive_int, help="full-parameter training sessions held at once "
                                                              "(default 4)")
     w.add_argument("--role", choices=["trainer", "sampler"],
@@ -348,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--family", nargs="+", action="extend", choices=list(FAMILIES), metavar="NAME",
                     help=f"only these families (default: all of {', '.join(FAMILIES)})")
     fb.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default 0)")
+    fb.add_argument("--layout", choices=["save_pretrained", "published"], default="save_pretrained",
+                    help="save_pretrained (default): each family as transformers saves it; published: tiny "
+                         "checkpoints in the makers' layouts (sharded, per-expert, FP8/MXFP4/INT4: "
+                         "docs/checkpoints.md)")
     fa.set_defaults(func=cmd_families)
 
     pn = sub.add_parser("plan", help="how many shards a model needs and how many LoRA tenants fit, per device "
@@ -360,9 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory of one device, GiB; several values: one plan each (default 80)")
     pn.add_argument("--headroom", type=float, default=2.0,
                     help="GiB kept free on each device: CUDA context, allocator slack, NCCL buffers (default 2)")
-    pn.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                    help="the served parameters' dtype (default bfloat16; a quantized checkpoint is dequantized "
-                         "to it on load)")
+    pn.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                    help="the served parameters' dtype (default auto, as the worker resolves it on a GPU with "
+                         "bfloat16: the checkpoint's own dtype, bfloat16 for a quantized checkpoint, which is "
+                         "dequantized to it on load)")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

@@ -80,9 +80,11 @@ class Settings:
     # that kills workers must not kill their replacements too).
     max_deliveries: int = 3
     # -- worker options ----------------------------------------------------------------------------------
-    # torch device and dtype a worker holds its model in.
+    # torch device and dtype a worker holds its model in. dtype "auto": the checkpoint's own dtype (bfloat16 for
+    # the published checkpoints) on a CUDA device with native bfloat16, float32 on the CPU; the worker resolves
+    # it against the checkpoint and device (worker/dtypes.py) and reports what it chose.
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     # Full-parameter training sessions (each a full copy of weights + AdamW state) one worker holds at once.
     max_sessions: int = 4
     # -- LoRA sessions (docs/lora.md): adapters over one shared frozen base -------------------------------
@@ -237,8 +239,8 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.role not in ("trainer", "sampler"):
             raise SettingsError(f"TINKERQ_ROLE must be trainer or sampler, got {self.role!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise SettingsError(f"TINKERQ_DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise SettingsError(f"TINKERQ_DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.loss_backend not in ("auto", "apex", "torch", "reference"):
             raise SettingsError(
                 f"TINKERQ_LOSS_BACKEND must be auto, apex, torch or reference, got {self.loss_backend!r}"

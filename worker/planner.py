@@ -29,6 +29,7 @@ import torch
 from tinkerq import types
 from tinkerq.errors import UserError
 from tinkerq.settings import Settings
+from tinkerq.worker.dtypes import resolve_dtype
 from tinkerq.worker.memory_estimates import (
     ModelShape,
     activation_bytes,
@@ -249,7 +250,7 @@ def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -
     }
 
 
-def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "bfloat16", headroom_gb: float = 2.0,
+def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
          workload: Workload | None = None) -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
     ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers)."""
@@ -263,8 +264,10 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "bfloat16", 
             raise PlanError(f"{what} must be positive, not {value}")
     if not 0 <= headroom_gb < device_gb:
         raise PlanError(f"--headroom {headroom_gb} must be at least 0 and less than --device-memory {device_gb}")
-    if dtype not in DTYPES:
-        raise PlanError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise PlanError(f"--dtype {dtype}: auto or one of {', '.join(DTYPES)}")
+    # "auto" as a worker resolves it on the GPU planned for (one with bfloat16): the planner and the worker agree.
+    dtype = resolve_dtype(dtype, read_config(spec)[1], "cuda", bf16_supported=True)
     name, config, model = _load(spec, dtype)
     shape = ModelShape.of(model)
     chunk = chunk_tokens(shape.vocab)

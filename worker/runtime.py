@@ -22,6 +22,7 @@ from celery.worker.consumer import Consumer
 from tinkerq import keys
 from tinkerq.connection import Connection
 from tinkerq.settings import Settings
+from tinkerq.worker.dtypes import served_dtype
 from tinkerq.worker.events import events_step
 from tinkerq.worker.intake import DeadLetters, transport_for
 from tinkerq.worker.metrics import stats_step
@@ -61,6 +62,9 @@ def served_name(model_path: str, name: str | None = None) -> str:
 
 def assemble(model_path: str, settings: Settings, *, name: str | None = None) -> AssembledWorker:
     """Load and connect everything; raises UserError / BrokerUnavailableError with a clear message."""
+    # "auto" becomes the dtype served, once, here: the model, sampling snapshots (worker/snapshots.py), the
+    # registration and each session's info all read settings.dtype.
+    settings = settings.replace(dtype=served_dtype(model_path, settings.dtype, settings.device))
     shards = None
     if ShardSpec.from_settings(settings) is None:
         model = load_causal_lm(model_path, device=settings.device, dtype=settings.dtype)
@@ -114,8 +118,8 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         # A group that does not re-form in time hands its sessions to the model's other workers by going silent.
         service.recovery.on_hand_off = registration.silence
         service.metrics.shard_group_up.set(1)
-    log.info("serving %s (%.1fM parameters) as worker %s; loss head: %s", base_model,
-             service.num_parameters / 1e6, worker_id, service.logprobs.backend)
+    log.info("serving %s (%.1fM parameters, %s on %s) as worker %s; loss head: %s", base_model,
+             service.num_parameters / 1e6, settings.dtype, settings.device, worker_id, service.logprobs.backend)
     return AssembledWorker(connection, service, registration, worker_id, sampling)
 
 

@@ -12,6 +12,7 @@ import os
 
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
+from tinkerq.worker.dtypes import served_dtype
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
@@ -24,7 +25,8 @@ def build_host(model_path: str, settings: Settings) -> ShardHost:
     """The group membership and the base model (on the CPU: sessions copy it, then shard it to the device)."""
     spec = ShardSpec.from_settings(settings)
     assert spec is not None
-    model = load_causal_lm(model_path, device="cpu", dtype=settings.dtype)
+    # Every rank resolves "auto" alike (same checkpoint, same kind of device): the group's parts agree.
+    model = load_causal_lm(model_path, device="cpu", dtype=served_dtype(model_path, settings.dtype, settings.device))
     group = ShardGroup(spec)
     logprobs = LogprobComputer(model, settings.loss_backend, device=settings.device)
     return ShardHost(group, model, model_dir=os.path.abspath(model_path), logprobs=logprobs,
