@@ -187,6 +187,17 @@ def cmd_families(args: argparse.Namespace) -> int:
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory: pass a directory (it is created if missing)")
+    if args.layout == "published":  # the makers' on-disk layouts (recipes/published.py): DIR/<layout> each
+        from tinkerq.recipes.published import LAYOUTS, build_published
+
+        if args.family:
+            raise UserError("--layout published writes its own set of layouts: drop --family")
+        for name in LAYOUTS:
+            try:
+                print(build_published(name, out / name, seed=args.seed))
+            except OSError as exc:
+                raise UserError(f"cannot write {out / name}: {exc.strerror or exc}") from None
+        return 0
     for family in dict.fromkeys(args.family or FAMILIES):  # in the order given, each once
         target = out / family
         try:
@@ -351,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--family", nargs="+", action="extend", choices=list(FAMILIES), metavar="NAME",
                     help=f"only these families (default: all of {', '.join(FAMILIES)})")
     fb.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default 0)")
+    fb.add_argument("--layout", choices=["save_pretrained", "published"], default="save_pretrained",
+                    help="save_pretrained (default): each family as transformers saves it; published: tiny "
+                         "checkpoints in the makers' layouts (sharded, per-expert, FP8/MXFP4/INT4: "
+                         "docs/checkpoints.md)")
     fa.set_defaults(func=cmd_families)
 
     pn = sub.add_parser("plan", help="how many shards a model needs and how many LoRA tenants fit, per device "
