@@ -136,7 +136,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
         assert names == sorted([str(model_dir), "org/Other-1B"])
         assert status.stdout.count("sampler ") == 2
         assert status.stdout.count(f"{other} as 'org/Other-1B'") == 2  # its worker and its sampler
-        assert "  org/Other-1B  loss head" in status.stdout  # registered under its served name
+        # Registered under its served name, with the dtype the worker resolved (auto: float32 on the CPU).
+        assert "  org/Other-1B  float32  loss head" in status.stdout
         assert "4 registered worker(s)" in status.stdout and "idle" in status.stdout
         assert "0 training session(s):" in status.stdout  # listed from Redis (tests/test_observability.py)
         assert ":" + broker.split(":")[2].split("@")[0] not in status.stdout  # the password is not shown
