@@ -13,6 +13,7 @@ seed), a state without buffers (as written before they were saved), the sampling
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,12 @@ from tinkerq import types
 from tinkerq.launcher.processes import free_port
 from tinkerq.recipes.families import FAMILIES, build_family
 from tinkerq.settings import Settings
+from tinkerq.store import MemoryStore
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.model_loading import load_causal_lm
 from tinkerq.worker.session import FullSession
 from tinkerq.worker.sessions import SessionFactory
+from tinkerq.worker.snapshots import Snapshots
 
 pytestmark = pytest.mark.timeout(120)
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -103,7 +106,7 @@ def test_saved_weights_reload_to_the_sessions_model(family, families_dir, tmp_pa
     session.run_loss(data, "cross_entropy", None, backward=True)
     session.optim_step(ADAM)
     expected = session_logprobs(session, data)
-    trained = session.model  # type: ignore[attr-defined]  # the worker's TrainingSession
+    trained = session.model  # the worker's TrainingSession
     buffers = {n: t.clone() for n, t in persistent_buffers(trained).items()}
     assert (family in WITH_BUFFERS) == bool(buffers)
 
@@ -128,19 +131,27 @@ def test_save_state_then_load_state_carries_the_buffers(family, tmp_path):
     source.run_loss(data, "cross_entropy", None, backward=True)
     source.optim_step(ADAM)
     expected = session_logprobs(source, data)
-    buffers = {n: t.clone() for n, t in persistent_buffers(source.model).items()}  # type: ignore[attr-defined]
+    buffers = {n: t.clone() for n, t in persistent_buffers(source.model).items()}
     state = Path(source.save_state(str(tmp_path / "ckpt"), "s", base_model="tiny", seq_id=1))
 
-    other = full_session(factory(build_family(family, tmp_path / "b", seed=7), tmp_path / "ckpt"), "b" * 32)
-    own = {n: t.clone() for n, t in persistent_buffers(other.model).items()}  # type: ignore[attr-defined]
+    worker_b = factory(build_family(family, tmp_path / "b", seed=7), tmp_path / "ckpt")
+    other = full_session(worker_b, "b" * 32)
+    own = {n: t.clone() for n, t in persistent_buffers(other.model).items()}
     assert all(not torch.equal(own[n], buffers[n]) for n in buffers)
     other.load_state(state)
     assert other.steps == 1
-    assert_same_buffers(other.model, buffers)  # type: ignore[attr-defined]
+    assert_same_buffers(other.model, buffers)
     np.testing.assert_allclose(np.concatenate(session_logprobs(other, data)), np.concatenate(expected), atol=1e-5)
     snapshot = other.snapshot()  # its blank is a copy of this worker's base: the buffers must be the session's
     assert_same_buffers(snapshot, buffers)
     assert_logprobs(snapshot, data, expected)
+    # Published for another worker of the same base (worker/snapshots.py), it loads with the same buffers.
+    store, settings = MemoryStore(), Settings(checkpoint_dir=str(tmp_path / "ckpt"))
+    maker = Snapshots(store, settings, "tiny", worker_b.model, worker_id="w1")
+    snapshot_id = maker.add(snapshot, other.model_id)
+    maker.publish(snapshot_id)
+    elsewhere = Snapshots(store, settings, "tiny", copy.deepcopy(worker_b.model), worker_id="w2")  # base: seed 7
+    assert_same_buffers(elsewhere.resolve({"snapshot": snapshot_id})[1], buffers)
 
     # The same state as written before buffers were saved: the weights load, the buffers stay the session's own.
     old = tmp_path / "ckpt" / "old"
@@ -153,9 +164,9 @@ def test_save_state_then_load_state_carries_the_buffers(family, tmp_path):
             (old / f.name).write_bytes(f.read_bytes())
     fresh = full_session(factory(tmp_path / "b", tmp_path / "ckpt"), "c" * 32)
     fresh.load_state(old)
-    assert_same_buffers(fresh.model, own)  # type: ignore[attr-defined]
-    trained = dict(source.model.named_parameters())  # type: ignore[attr-defined]
-    for name, p in fresh.model.named_parameters():  # type: ignore[attr-defined]
+    assert_same_buffers(fresh.model, own)
+    trained = dict(source.model.named_parameters())
+    for name, p in fresh.model.named_parameters():
         torch.testing.assert_close(p, trained[name], atol=0, rtol=0, msg=name)
 
 
@@ -191,7 +202,7 @@ def test_a_sharded_session_saves_its_buffers(tmp_path):
         with torch.no_grad():
             for t in engine.fixed:
                 t.zero_()
-        assert float(engine.gather_weights()[next(iter(buffers))].abs().max()) == 0  # type: ignore[index]
+        assert float(engine.gather_weights()[next(iter(buffers))].abs().max()) == 0
         session.load_state(state)
         assert_same_buffers(session.snapshot(), buffers)
         np.testing.assert_allclose(np.concatenate(session_logprobs(session, data)), np.concatenate(expected),
