@@ -342,3 +342,12 @@ def test_families_build_layout_published_prints_each_directory(built, tmp_path, 
     theirs = read_quantized_tensors(built["deepseek_v3-fp8"])
     for key, q in read_quantized_tensors(tmp_path / "deepseek_v3-fp8").items():
         torch.testing.assert_close(q.dequantize(), theirs[key].dequantize(), rtol=0, atol=0, msg=key)
+
+
+def test_wrong_shape_of_an_int4_expert(built, tmp_path):
+    directory = _copy(built, "kimi_k2-int4", tmp_path)
+    base = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    _edit_tensor(directory, base + "_packed", lambda t: t[:-1].contiguous())  # 31 rows, consistently
+    _edit_tensor(directory, base + "_scale", lambda t: t[:-1].contiguous())
+    _edit_tensor(directory, base + "_shape", lambda t: torch.tensor([31, 64]))
+    _fails(directory, f"{base} has shape (31, 64) where config.json makes it (32, 64)")

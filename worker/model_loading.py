@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors import safe_open
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tinkerq.settings import Settings
@@ -42,6 +43,8 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
         raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
     checkpoint = None
     try:
         if has_safetensors(directory):
@@ -130,6 +133,10 @@ def _mismatched_shapes(checkpoint: Checkpoint) -> list[tuple[str, tuple[int, ...
         elif checkpoint.quant_method == "mxfp4":  # stored (E, out, G, 16) -> transformers' (E, in, out)
             blocks = stored[parts["blocks"]]
             stored[weight] = (*blocks[:-3], blocks[-2] * 32, blocks[-3])
+        else:  # int4: the shape it stores beside the packed words
+            header = checkpoint.headers[parts["shape"]]
+            with safe_open(str(header.file), framework="pt") as handle:
+                stored[weight] = tuple(int(n) for n in handle.get_tensor(parts["shape"]).tolist())
     return [(k, shape, expected[k]) for k, shape in stored.items() if k in expected and expected[k] != shape]
 
 
