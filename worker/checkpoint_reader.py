@@ -208,7 +208,7 @@ def _int4_group(checkpoint: Checkpoint, quant: dict[str, Any]) -> int:
 
 def _classify(checkpoint: Checkpoint) -> None:
     """Group each quantized weight's stored parts under its weight name, and check every part's dtype and shape and
-    every other tensor's dtype (a float)."""
+    every parameter's dtype (a float; integer buffers such as position_ids pass)."""
     headers, method = checkpoint.headers, checkpoint.quant_method
     parts_of: set[str] = set()
     for name in headers:
@@ -235,7 +235,7 @@ def _classify(checkpoint: Checkpoint) -> None:
             raise checkpoint.fail(f"{name} is {header.dtype} without a scale (weight_scale_inv) beside it"
                                   + ("" if method else " and config.json has no quantization_config"),
                                   "the checkpoint is incomplete or its config.json is not the maker's")
-        if header.dtype not in FLOAT_DTYPES:
+        if header.dtype not in FLOAT_DTYPES and _PARAMETER.search(name):
             raise checkpoint.fail(f"{name} is stored as {header.dtype}, {header.shape}; a weight is a float "
                                   f"(F32/BF16/F16){' or a part of a quantized weight' if method else ''}",
                                   "the file is not the maker's: download it again")
@@ -357,3 +357,5 @@ def drop_extra_layers(checkpoint: Checkpoint, tensors: dict[str, T]) -> dict[str
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# The names of parameters (always floats); some models persist integer buffers (position_ids, token_type_ids).
+_PARAMETER = re.compile(r"(weight|bias|_proj|sinks)$")
