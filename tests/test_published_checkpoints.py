@@ -351,3 +351,12 @@ def test_wrong_shape_of_an_int4_expert(built, tmp_path):
     _edit_tensor(directory, base + "_scale", lambda t: t[:-1].contiguous())
     _edit_tensor(directory, base + "_shape", lambda t: torch.tensor([31, 64]))
     _fails(directory, f"{base} has shape (31, 64) where config.json makes it (32, 64)")
+
+
+def test_an_auto_map_beside_a_known_model_type_loads_transformers_own_class(built, tmp_path):
+    """The real DeepSeek-V3 config.json names remote code (auto_map) and model_type deepseek_v3: no code is run."""
+    directory = _copy(built, "deepseek_v3-fp8", tmp_path)
+    remote = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+              "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    _edit_config(directory, lambda c: c.update(auto_map=remote))
+    assert type(load_causal_lm(str(directory))).__module__.startswith("transformers.models.deepseek_v3")
