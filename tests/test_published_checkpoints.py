@@ -360,3 +360,21 @@ def test_an_auto_map_beside_a_known_model_type_loads_transformers_own_class(buil
               "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
     _edit_config(directory, lambda c: c.update(auto_map=remote))
     assert type(load_causal_lm(str(directory))).__module__.startswith("transformers.models.deepseek_v3")
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss-mxfp4", "deepseek_v3-fp8", "kimi_k2-int4"])
+def test_served_in_bfloat16_the_weights_are_the_reference_rounded_once(built, layout):
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = load_causal_lm(str(built[layout]), dtype="bfloat16")
+    ours = revert_weight_conversion(model, model.state_dict())
+    quantized = read_quantized_tensors(built[layout])
+    for name, want in reference_tensors(built[layout]).items():
+        if name not in ours:
+            continue
+        if name in quantized:
+            assert ours[name].dtype == torch.bfloat16, name
+        # Rounded to bf16 once; the float32 correction bias is kept as stored. transformers keeps DeepSeek's router
+        # in float32 (its bf16 values, then).
+        rounded = want if name.endswith("e_score_correction_bias") else want.to(torch.bfloat16)
+        torch.testing.assert_close(ours[name], rounded.to(ours[name].dtype), rtol=0, atol=0, msg=name)
