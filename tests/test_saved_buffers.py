@@ -115,6 +115,7 @@ def test_saved_weights_reload_to_the_sessions_model(family, families_dir, tmp_pa
     assert not info["missing_keys"], info["missing_keys"]  # nothing re-created as zeros
     assert_logprobs(reloaded.eval(), data, expected)
     assert_same_buffers(reloaded, buffers)
+    assert_same_buffers(load_causal_lm(saved), buffers)  # how a sampler loads the path (worker/snapshots.py)
 
     snapshot = session.snapshot()  # what save_weights_and_get_sampling_client() samples
     assert_logprobs(snapshot, data, expected)
