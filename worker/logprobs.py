@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from tinkerq.worker.lora import routing as lora_routing
 from tinkerq.worker.loss_head import resolve_backend, target_logprobs_from_hidden
+from tinkerq.worker.quantized_base import recomputed
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -64,8 +65,14 @@ class LogprobComputer:
         """log p(targets[b, t] | tokens[b, :t+1]) for every position, (B, T); zeros at padding.
 
         Rows are right-padded, so a row's real tokens keep positions 0..n-1 and causal attention never sees
-        the padding after them.
+        the padding after them. Every training forward of a base goes through here: a base kept quantized has its
+        weights saved as recipes and rebuilt in the backward (worker/quantized_base.py).
         """
+        with recomputed():
+            return self._logprobs(model, tokens, attention_mask, targets)
+
+    def _logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
         if self.backend == "model-logits":
             logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits.float()
             picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)

@@ -62,7 +62,8 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
     """A module holding experts as 3-D parameters (whatever its family; a convolution's 3-D kernel is not)."""
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return False
-    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+    # A base kept quantized (worker/quantized_base.py) has them as properties of the module's class instead.
+    return any(p.dim() == 3 for p in module.parameters(recurse=False)) or getattr(module, "_tinkerq_experts", False)
 
 
 def layout(module: torch.nn.Module, name: str) -> ExpertsLayout:
