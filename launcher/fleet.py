@@ -119,6 +119,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                     help="torch CPU threads per worker process (default: the CPU cores split between the fleet's "
                          "worker, sampler and shard processes)")
     up.add_argument("--device", help="torch device of the workers (default cpu)")
+    up.add_argument("--quantized-base", choices=["dequantize", "keep"],
+                    help="the workers' quantized checkpoints: dequantized on load (default: TINKERQ_QUANTIZED_BASE, "
+                         "else dequantize) or kept as stored, LoRA and sampling only (docs/quantized.md)")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the workers' parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own, "
                          "bfloat16 for published ones, on a GPU with bfloat16; float32 on the CPU)")
@@ -446,6 +449,8 @@ def _start_workers(args: argparse.Namespace, state: dict[str, Any], folder: Path
         flags = [] if served == model else ["--served-name", served]  # every process of the model gets these
         if args.dtype:  # unset: the workers read TINKERQ_DTYPE (default auto)
             flags += ["--dtype", args.dtype]
+        if args.quantized_base:  # unset: TINKERQ_QUANTIZED_BASE (default dequantize)
+            flags += ["--quantized-base", args.quantized_base]
         for i in range(args.workers):
             for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
                 suffix = f"-rank{rank}" if args.shards > 1 else ""

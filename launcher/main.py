@@ -64,7 +64,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import os
 
     os.umask(0o077)  # checkpoints, saved weights and anything else this worker writes: owner-only
-    settings = _settings(args, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
+    settings = _settings(args, device=args.device, dtype=args.dtype, quantized_base=args.quantized_base,
+                         max_sessions=args.max_sessions,
                          memory_limit_mb=args.memory_limit_mb,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
                          metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
@@ -271,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory's absolute path; `tinkerq fleet up` spells it the same, after each --model)")
     w.add_argument("--broker", help=BROKER_HELP)
     w.add_argument("--device", help="torch device: cpu, cuda, cuda:N ... (default: TINKERQ_DEVICE, else cpu)")
+    w.add_argument("--quantized-base", choices=["dequantize", "keep"],
+                   help="a quantized checkpoint (FP8, MXFP4, INT4): dequantize it on load (default: "
+                        "TINKERQ_QUANTIZED_BASE, else dequantize), or keep it as stored, each layer dequantized when "
+                        "used: LoRA sessions and sampling only (docs/quantized.md)")
     w.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own dtype, bfloat16 for "
                         "published checkpoints, on a CUDA device with bfloat16; float32 on the CPU, where "

@@ -278,3 +278,27 @@ def test_memory_is_the_stored_size_plus_one_layer() -> None:
     # them, every layer's, saved by the graph until its backward: 206 MiB.
     assert recomputing < 0.5 * stats.dequantized_bytes, (recomputing, stats.dequantized_bytes)
     assert saving - recomputing > 0.4 * stats.dequantized_bytes, (saving, recomputing, stats.dequantized_bytes)
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3-fp8", "gpt_oss-mxfp4", "kimi_k2-int4"])
+def test_published_checkpoints_kept_as_stored(tmp_path: Path, layout: str) -> None:
+    """The worker's path: a checkpoint in a published layout (recipes/published.py: sharded, per-expert keys,
+    DeepSeek's MTP layer) loaded dequantized, then kept from the checkpoint's own stored tensors
+    (worker/checkpoint_reader.py): the same LoRA numbers as the dequantized load."""
+    from tinkerq.recipes.published import build_published
+    from tinkerq.worker.checkpoint_reader import read_quantized_tensors
+    from tinkerq.worker.model_loading import load_causal_lm
+
+    directory = str(build_published(layout, tmp_path / layout))
+    model = load_causal_lm(directory, dtype="float32")
+    kept = load_causal_lm(directory, dtype="float32")
+    stats = quantized_base.keep_checkpoint_quantized(kept, directory)
+    assert stats.modules > 0 and stats.tensors <= len(read_quantized_tensors(directory))
+    assert stats.stored_bytes == sum(quantized_base.stored_bytes(m) for m in kept.modules())
+    data = make_batch(np.random.default_rng(3), 2, max_len=10)
+    (_, ref), (_, mine) = session(model, 5), session(kept, 5)
+    a = ref.run_loss(data, "cross_entropy", None, backward=True)
+    b = mine.run_loss(data, "cross_entropy", None, backward=True)
+    for x, y in zip(_logprobs(a), _logprobs(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    assert_close_grads(ref, mine)

@@ -85,6 +85,9 @@ class Settings:
     # it against the checkpoint and device (worker/dtypes.py) and reports what it chose.
     device: str = "cpu"
     dtype: str = "auto"
+    # A quantized checkpoint's base (block FP8, MXFP4, INT4): "dequantize" holds it in ``dtype``; "keep" holds
+    # it as stored, each layer dequantized when used (LoRA sessions and sampling only; docs/quantized.md).
+    quantized_base: str = "dequantize"
     # Full-parameter training sessions (each a full copy of weights + AdamW state) one worker holds at once.
     max_sessions: int = 4
     # -- LoRA sessions (docs/lora.md): adapters over one shared frozen base -------------------------------
@@ -239,6 +242,11 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.role not in ("trainer", "sampler"):
             raise SettingsError(f"TINKERQ_ROLE must be trainer or sampler, got {self.role!r}")
+        if self.quantized_base not in ("dequantize", "keep"):
+            raise SettingsError(f"TINKERQ_QUANTIZED_BASE must be dequantize or keep, got {self.quantized_base!r}")
+        if self.quantized_base == "keep" and self.shards > 1:
+            raise SettingsError("--quantized-base keep serves a base from one process: use --shards 1, or "
+                                "--quantized-base dequantize for a shard group")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SettingsError(f"TINKERQ_DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.loss_backend not in ("auto", "apex", "torch", "reference"):

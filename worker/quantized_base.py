@@ -31,9 +31,11 @@ needs float weights; such a worker serves LoRA sessions and samplers (docs/quant
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tinkerq.errors import UserError, ValidationError
 from tinkerq.worker.lora import experts as fused
 from tinkerq.worker.quant_formats import FP8_BLOCK, INT4_PACKED, MXFP4, QuantizedTensor
+
+log = logging.getLogger("tinkerq.worker")
 
 KEEP, DEQUANTIZE = "keep", "dequantize"
 MODES = (DEQUANTIZE, KEEP)
@@ -161,6 +165,26 @@ def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor]
         stats.modules += 1
         stats.names.append(name)
         stats.stored_bytes += stored_bytes(module)
+    return stats
+
+
+def keep_checkpoint_quantized(model: torch.nn.Module, path: str) -> KeptStats:
+    """:func:`keep_quantized` with the quantized tensors of the checkpoint ``model`` was loaded (dequantized) from
+    (worker/checkpoint_reader.py), the layers the model leaves out (DeepSeek's multi-token prediction) skipped;
+    the freed heap is given back. An unquantized checkpoint keeps nothing (logged)."""
+    from tinkerq.allocator import trim_heap
+    from tinkerq.worker.checkpoint_reader import drop_extra_layers, open_checkpoint, read_quantized_tensors
+
+    quantized = drop_extra_layers(open_checkpoint(Path(path)), read_quantized_tensors(path))
+    stats = keep_quantized(model, quantized)
+    del quantized
+    trim_heap()
+    if stats.modules:
+        log.info("model: %d quantized weights in %d modules kept as stored (%.1f MB; %.1f MB dequantized, %.1f MB "
+                 "for the largest module)", stats.tensors, stats.modules, stats.stored_bytes / 1e6,
+                 stats.dequantized_bytes / 1e6, stats.largest_module_bytes / 1e6)
+    else:
+        log.warning("--quantized-base keep: %s is not a quantized checkpoint; nothing is kept quantized", path)
     return stats
 
 

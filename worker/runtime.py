@@ -27,6 +27,7 @@ from tinkerq.worker.events import events_step
 from tinkerq.worker.intake import DeadLetters, transport_for
 from tinkerq.worker.metrics import stats_step
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
+from tinkerq.worker.quantized_base import KEEP, keep_checkpoint_quantized
 from tinkerq.worker.registry import ConsumerLiveness, Registration, consumer_liveness_step
 from tinkerq.worker.sample_intake import SampleIntake
 from tinkerq.worker.service import WorkerService
@@ -68,6 +69,8 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
     shards = None
     if ShardSpec.from_settings(settings) is None:
         model = load_causal_lm(model_path, device=settings.device, dtype=settings.dtype)
+        if settings.quantized_base == KEEP:  # LoRA and sampling over the stored weights (docs/quantized.md)
+            keep_checkpoint_quantized(model, model_path)
     else:  # rank 0 of a shard group: wait (bounded) for the other ranks before taking requests
         shards = build_host(model_path, settings)
         model = shards.base_model

@@ -25,6 +25,7 @@ from tinkerq.worker import memory
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.adapter import find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
+from tinkerq.worker.quantized_base import refuse_full_session
 from tinkerq.worker.scheduler import Lane
 from tinkerq.worker.session import Session, TrainingSession
 from tinkerq.worker.sharding.host import LeaderSession, ShardHost
@@ -68,6 +69,7 @@ class SessionFactory:
         if isinstance(lora, dict):
             lora = types.LoraConfig(**lora)
         if lora is None:
+            refuse_full_session(self.model)  # a base kept quantized trains LoRA adapters only
             self._make_room("full", slots, close)
             memory.admit_session(self.model, self.settings, [slot.session for slot in slots.values()])
             if self.shards is not None:
