@@ -226,7 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tables = []
     for gb in args.device_memory:
         plans = [plan(m, devices=args.devices, device_gb=gb, dtype=args.dtype, headroom_gb=args.headroom,
-                      workload=workload) for m in models]
+                      workload=workload, quantized_base=args.quantized_base) for m in models]
         tables.append(plans)
     if args.json:
         print(json.dumps([to_json(p) for plans in tables for p in plans], indent=2))
@@ -387,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the served parameters' dtype (default auto, as the worker resolves it on a GPU with "
                          "bfloat16: the checkpoint's own dtype, bfloat16 for a quantized checkpoint, which is "
                          "dequantized to it on load)")
+    pn.add_argument("--quantized-base", choices=["dequantize", "keep"], default="dequantize",
+                    help="a quantized checkpoint's LoRA base: dequantized on load (default), or kept as stored on "
+                         "one device, each layer dequantized when used (the worker's --quantized-base keep)")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

@@ -302,3 +302,28 @@ def test_published_checkpoints_kept_as_stored(tmp_path: Path, layout: str) -> No
     for x, y in zip(_logprobs(a), _logprobs(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
     assert_close_grads(ref, mine)
+
+
+def test_planner_plans_a_kept_base_as_stored_plus_one_layer() -> None:
+    """`tinkerq plan --quantized-base keep`: the LoRA base at its stored size, one layer's quantized weights
+    dequantized as the working set (counted here on the meta model independently), full sessions unchanged."""
+    from tinkerq.worker.planner import KEPT_LAYER_FACTOR, meta_model, plan, read_config, render
+
+    deq = plan("gpt-oss-20b", devices=8, device_gb=80, dtype="bfloat16")
+    kept = plan("gpt-oss-20b", devices=8, device_gb=80, dtype="bfloat16", quantized_base="keep")
+    q = kept.quantized
+    assert q is not None and q.method == "mxfp4"
+    model = meta_model(read_config("gpt-oss-20b")[1], "bfloat16")
+    experts = model.model.layers[0].mlp.experts  # every layer alike: its MXFP4 matrices, in bfloat16
+    layer = sum(getattr(experts, p).numel() * 2 for p in ("gate_up_proj", "down_proj"))
+    assert q.layer_bytes == layer
+    assert kept.lora.parts["frozen base as stored (shared)"] == q.checkpoint_bytes + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert kept.lora.parts["one layer dequantized (working)"] == KEPT_LAYER_FACTOR * layer
+    assert q.checkpoint_bytes < q.dequantized_bytes / 3  # 4.25-bit experts against bfloat16
+    assert kept.lora.at == 1 and kept.lora.fits and kept.lora.total == sum(kept.lora.parts.values()) + \
+        kept.lora.adapter_bytes
+    assert kept.full == deq.full  # full sessions need float weights: planned dequantized either way
+    assert "--quantized-base keep" in render(kept) and "as stored" in render(kept)
+    with pytest.raises(UserError, match="dequantize or keep"):
+        plan("gpt-oss-20b", devices=8, device_gb=80, quantized_base="fp4")

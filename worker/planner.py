@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,7 +132,8 @@ class Quantized:
     bits: float  # stored bits per quantized parameter, scales included
     parameters: int  # how many parameters are quantized
     checkpoint_bytes: int  # the whole model as the checkpoint stores it (the rest in the planned dtype)
-    dequantized_bytes: int  # the whole model dequantized on load (what the planner plans)
+    dequantized_bytes: int  # the whole model dequantized on load (what the planner plans by default)
+    layer_bytes: int = 0  # the largest decoder layer's quantized weights dequantized: a kept base's working set
 
 
 def _routed_expert(name: str, p: torch.Tensor) -> bool:
@@ -167,12 +169,35 @@ def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quan
         weights: dict[str, Any] = first.get("weights") or {}
         bits = float(weights.get("num_bits", 4)) + 16 / float(weights.get("group_size", 32))
     quantized = whole = 0
+    per_layer: dict[str, int] = {}
     for name, p in model.named_parameters():
         whole += p.numel() * p.element_size()
         if chosen(name, p):
             quantized += p.numel()
+            layer = re.search(r"\.layers\.\d+\.", name)
+            key = layer.group(0) if layer else name
+            per_layer[key] = per_layer.get(key, 0) + p.numel() * p.element_size()
     size = next(model.parameters()).element_size()
-    return Quantized(method, what, bits, quantized, whole - quantized * size + math.ceil(quantized * bits / 8), whole)
+    return Quantized(method, what, bits, quantized, whole - quantized * size + math.ceil(quantized * bits / 8), whole,
+                     max(per_layer.values(), default=0))
+
+
+# A kept base's working set per layer, in units of that layer's dequantized weights: the weights built for the
+# forward (or rebuilt in the backward) and the dequantization's temporaries beside them (docs/quantized.md: 70-76
+# MiB peak for 24 MiB layers on the CPU, activations included).
+KEPT_LAYER_FACTOR = 2
+
+
+def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: int) -> dict[str, int]:
+    """A LoRA worker whose base is kept quantized (--quantized-base keep, one process): the base as stored, one
+    layer dequantized at a time, and the batch's activations."""
+    lengths = workload.lengths()
+    return {
+        "frozen base as stored (shared)": q.checkpoint_bytes + shape.buffer_bytes,
+        "one layer dequantized (working)": KEPT_LAYER_FACTOR * q.layer_bytes,
+        "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
+                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+    }
 
 
 # -- the plan ------------------------------------------------------------------------------------------------------
@@ -220,6 +245,7 @@ class Plan:
     full: KindPlan
     lora: KindPlan
     quantized: Quantized | None = None
+    quantized_base: str = "dequantize"  # "keep": the LoRA column plans the base as stored (kept_lora_parts)
     max_lora_sessions: int = Settings.max_lora_sessions
     notes: list[str] = field(default_factory=list)
 
@@ -251,9 +277,11 @@ def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -
 
 
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
-         workload: Workload | None = None) -> Plan:
+         workload: Workload | None = None, quantized_base: str = "dequantize") -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
-    ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers)."""
+    ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
+    ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
+    served by one process); full sessions are still planned dequantized (they need float weights)."""
     from tinkerq.worker.logprobs import chunk_tokens
 
     workload = workload or Workload()
@@ -311,9 +339,20 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
                     host_bytes=snapshot_bytes(shape) if at > 1 else 0, adapter_bytes=adapter, tenants=tenants(at),
                     tenants_all_devices=tenants(devices),
                     longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]))
+    quantized = quantized_checkpoint(config, model)
+    if quantized_base not in ("dequantize", "keep"):
+        raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
+    if quantized_base == "keep" and quantized is not None:
+        parts = kept_lora_parts(shape, quantized, workload, chunk)
+        fixed = sum(parts.values())
+        fits = fixed + adapter <= usable
+        room = max(0, (usable - fixed) // adapter)
+        lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
+                        adapter_bytes=adapter, tenants=room, tenants_all_devices=room,
+                        longest_datum=longest_datum(fixed + adapter - parts["activations"]))
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
-                workload, adapter_parameters, full, lora, quantized_checkpoint(config, model))
+                workload, adapter_parameters, full, lora, quantized, quantized_base)
 
 
 # -- output --------------------------------------------------------------------------------------------------------
@@ -351,9 +390,13 @@ def render(p: Plan) -> str:
     ]
     if p.quantized:
         q = p.quantized
+        kept = p.quantized_base == "keep"
         lines.append(f"checkpoint: {q.method}, {q.what} ({_count(q.parameters)} parameters at {q.bits:g} bits): "
                      f"{gb(q.checkpoint_bytes)} {unit} as stored; dequantized to {p.dtype} on load: "
-                     f"{gb(q.dequantized_bytes)} {unit} (planned below)")
+                     f"{gb(q.dequantized_bytes)} {unit} (planned below"
+                     + ("; the LoRA column keeps the base as stored, on one device, each layer dequantized when "
+                        f"used: {gb(q.layer_bytes)} {unit} for the largest; --quantized-base keep)" if kept
+                        else "; --quantized-base keep plans the LoRA base as stored)"))
     rows: list[tuple[str, str, str]] = [("", "full session", "LoRA group")]
     rows.append(("shards needed", _shards(p.full), _shards(p.lora)))
     rows.append(("per shard at", f"{p.full.at} shard(s)", f"{p.lora.at} shard(s)"))
