@@ -90,7 +90,7 @@ def adaptable(model: torch.nn.Module) -> list[Part]:
             if isinstance(module, torch.nn.Linear):
                 found.append(Part(name, name, module, "unembed"))
             continue
-        if fused.is_fused_experts(module):
+        if fused.is_fused_experts(module) or _holds_expert_tables(module, name, modules, model):
             try:
                 projections = fused.layout(module, name).projections()
             except ValidationError:  # a layout tinkerq cannot adapt: an error only if train_mlp asks for it
@@ -116,6 +116,28 @@ def adaptable(model: torch.nn.Module) -> list[Part]:
     return found
 
 
+def _holds_expert_tables(module: torch.nn.Module, name: str, modules: dict[str, torch.nn.Module],
+                         model: torch.nn.Module) -> bool:
+    """Routed experts kept in a form no adapter reaches: an ``nn.Embedding`` inside a channel-mixing module (Doge's
+    retrieval experts: one row per expert) or a module whose class names experts holding 2-D parameters of its own
+    that are not a Linear's (DBRX's experts stacked (E * I, H)). train_mlp would leave them frozen unnoticed, so they
+    are parts whose layout :func:`fused.layout` refuses (a user error only when train_mlp asks for them)."""
+    if isinstance(module, torch.nn.Embedding):
+        if module is model.get_input_embeddings():  # type: ignore[operator]
+            return False
+        path = name
+        while path:
+            path = path.rpartition(".")[0]
+            kind = type(modules[path]).__name__ if path else ""
+            if _TOKEN_MIXING.search(kind):
+                return False
+            if _CHANNEL_MIXING.search(kind):
+                return True
+        return False
+    return not isinstance(module, torch.nn.Linear) and "expert" in type(module).__name__.lower() and \
+        any(p.dim() == 2 for p in module.parameters(recurse=False))
+
+
 def _linear_parts(name: str, linear: torch.nn.Linear,
                   mixer: torch.nn.Module) -> list[tuple[str, tuple[int, int] | None]]:
     """The adapters a Linear of a token-mixing module takes, as Tinker lays them out (model-families.md): its
@@ -123,7 +145,8 @@ def _linear_parts(name: str, linear: torch.nn.Linear,
 
     - A projection to one scalar per head (a gated-delta-net's decay and beta gates) is not adapted.
     - A projection out of a compressed latent (MLA's q_b_proj, kv_b_proj: the input is the q or kv LoRA rank) is
-      already low-rank: not adapted.
+      already low-rank: not adapted; nor are a Mamba-1 mixer's (Jamba's) x_proj (its dt, B and C rows) and dt_proj
+      (out of the dt rank; Jamba multiplies by its weight directly, past any hook).
     - A linear-attention layer's fused q/k/v projection takes one adapter per part (in_proj_q, in_proj_k,
       in_proj_v: rows key_dim, key_dim, value_dim).
     - A Mamba mixer's fused input projection [gate | x | B | C | dt] takes adapters on its gate and x rows
@@ -133,8 +156,11 @@ def _linear_parts(name: str, linear: torch.nn.Linear,
     heads = {attr(k) for k in ("num_heads", "num_v_heads", "num_k_heads")} - {None}
     if linear.out_features in heads:
         return []
-    if linear.in_features in {attr("q_lora_rank"), attr("kv_lora_rank")} - {None}:
-        return []
+    if linear.in_features in {attr("q_lora_rank"), attr("kv_lora_rank"), attr("time_step_rank")} - {None}:
+        return []  # already low-rank: out of MLA's compressed latents, or a Mamba-1 dt_proj out of the dt rank
+    dt_rank, state = attr("time_step_rank"), attr("ssm_state_size")
+    if isinstance(dt_rank, int) and isinstance(state, int) and linear.out_features == dt_rank + 2 * state:
+        return []  # a Mamba-1 x_proj: the small dt, B and C rows (Jamba), as on Mamba-2's fused in_proj
     prefix = name.rpartition(".")[0]
     from_hidden = linear.in_features == attr("hidden_size")  # an input projection (not e.g. out_proj)
     key_dim, value_dim = attr("key_dim"), attr("value_dim")

@@ -23,6 +23,7 @@ depends on its own routing only, so tenants sharing a pass never change each oth
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ class ExpertsLayout:
     concatenated: bool  # [gate | up] rather than interleaved [g0, u0, g1, u1, ...]
     transposed: bool  # weights stored (E, in, out)
     has_bias: bool
+    dense: bool = False  # forward(hidden (E * N, H)): every expert on every token, pre-scaled (Llama-4)
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """Tinker name -> (in_features, out_features) of each projection an adapter may target."""
@@ -67,16 +69,33 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
 
 
 def layout(module: torch.nn.Module, name: str) -> ExpertsLayout:
-    """``module``'s layout, or a user error saying what was found when tinkerq cannot adapt it."""
+    """``module``'s layout, or a user error saying what was found when tinkerq cannot adapt it.
+
+    transformers' marked layouts (``use_experts_implementation``) are read from their markers. An unmarked module
+    (Llama-4's) is recognised from its structure: a 3-D ``gate_up_proj`` and ``down_proj`` whose shapes say which
+    way they are stored, and a forward taking the hidden states alone, laid out (E * N, H): every expert runs every
+    token, already scaled by its router score (zero where not routed). That reading is then checked once by running
+    the module's own forward on a small probe (:func:`_probe_dense`)."""
+    cached = getattr(module, "_tinkerq_layout", None)
+    if isinstance(cached, ExpertsLayout):
+        return cached
     found = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters(recurse=False))
+    refusal = ValidationError(
+        f"{name} ({type(module).__name__}) holds fused expert parameters tinkerq cannot adapt ({found}): set "
+        f"train_mlp=False to adapt attention and the output projection only (these routed experts then stay "
+        f"frozen), or serve a model whose experts use transformers' standard expert layouts")
     marked = all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+    if not marked:
+        lay = _dense_layout(module)
+        if lay is None:
+            raise refusal
+        module._tinkerq_layout = lay  # type: ignore[assignment]  # a plain attribute: probed once
+        return lay
     up = getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", None)
     down = getattr(module, "down_proj", None)
-    if not marked or not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 \
+    if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 \
             or getattr(module, "has_post_expert_norm", False):
-        raise ValidationError(f"{name} ({type(module).__name__}) holds fused expert parameters tinkerq cannot adapt "
-                              f"({found}): set train_mlp=False, or serve a model whose experts use transformers' "
-                              f"standard expert layouts")
+        raise refusal
     transposed = bool(module.is_transposed)
     num_experts, up_in, up_out = up.shape[0], *(up.shape[1:] if transposed else up.shape[:0:-1])
     inter = up_out // 2 if module.has_gate else up_out
@@ -84,28 +103,139 @@ def layout(module: torch.nn.Module, name: str) -> ExpertsLayout:
                          bool(module.has_bias))
 
 
+def _dense_layout(module: torch.nn.Module) -> ExpertsLayout | None:
+    """An unmarked experts module's layout, read from its structure and checked on a probe; None if it is not one
+    tinkerq knows: a gated, [gate | up] concatenated, bias-free pair of 3-D projections whose forward takes the
+    (E * N, H) hidden states alone (the dense dispatch)."""
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 or down.dim() != 3 \
+            or up.shape[0] != down.shape[0] or not callable(getattr(module, "act_fn", None)):
+        return None
+    forward = getattr(type(module), "_tinkerq_original_forward", type(module).forward)
+    if len(inspect.signature(forward).parameters) != 2:  # (self, hidden_states)
+        return None
+    num_experts = up.shape[0]
+    if up.shape[1] == down.shape[2] and up.shape[2] == 2 * down.shape[1]:  # (E, H, 2I), (E, I, H): (E, in, out)
+        lay = ExpertsLayout(num_experts, up.shape[1], down.shape[1], True, True, True, False, dense=True)
+    elif up.shape[2] == down.shape[1] and up.shape[1] == 2 * down.shape[2]:  # (E, 2I, H), (E, H, I): (E, out, in)
+        lay = ExpertsLayout(num_experts, up.shape[2], down.shape[2], True, True, False, False, dense=True)
+    else:
+        return None
+    return lay if _probe_dense(module, forward, lay) else None
+
+
+def _probe_dense(module: torch.nn.Module, forward: Any, lay: ExpertsLayout) -> bool:
+    """Whether the module's own forward equals :func:`_dense_experts` (no adapter) on 2 random tokens per expert.
+    A model on the meta device (parameter counts) has no values to probe: its structure is taken as is."""
+    weight = module.gate_up_proj
+    assert isinstance(weight, torch.Tensor)  # checked by _dense_layout
+    if weight.device.type == "meta":
+        return True
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(lay.num_experts * 2, lay.hidden, generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            theirs = forward(module, x)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        ours = _dense_experts(module, lay, x.view(lay.num_experts, 2, lay.hidden), None, None, 0.0)
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return theirs.shape == (x.shape[0], lay.hidden) and \
+        bool(torch.allclose(theirs.float(), ours.reshape(theirs.shape).float(), rtol=tolerance,
+                            atol=tolerance * max(1.0, float(theirs.abs().max()))))
+
+
+def _dense_experts(module: Any, lay: ExpertsLayout, x: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor] | None,
+                   down: tuple[torch.Tensor, torch.Tensor] | None, scaling: float) -> torch.Tensor:
+    """The dense dispatch: ``x`` (E, n, H), every expert on its own n rows (inputs already scaled by the routing),
+    returns (E, n, H). ``inputs``: one adapter's w1/w3 factors over the whole input projection (A (R, H),
+    B (E, 2I, R): :func:`_input_factors`); ``down``: its w2 pair (A (E, r, I), B (1, H, r))."""
+    dtype = x.dtype
+    up_weight = module.gate_up_proj if lay.transposed else module.gate_up_proj.transpose(1, 2)  # (E, H, 2I)
+    h = torch.bmm(x, up_weight)  # (E, n, 2I)
+    if inputs is not None:
+        a, b = inputs
+        h = h + torch.bmm(F.linear(x, a) * scaling, b.transpose(1, 2))  # (E, n, R) @ (E, R, 2I)
+    gate, up = h.chunk(2, dim=-1)
+    h = module.act_fn(gate) * up  # (E, n, I)
+    down_weight = module.down_proj if lay.transposed else module.down_proj.transpose(1, 2)  # (E, I, H)
+    out = torch.bmm(h, down_weight)  # (E, n, H)
+    if down is not None:
+        a_down, b_down = down
+        out = out + F.linear(torch.bmm(h, a_down.to(dtype).transpose(1, 2)) * scaling, b_down[0].to(dtype))
+    return out
+
+
 def register(module: torch.nn.Module, name: str) -> None:
     """Route ``module``'s forwards through adapters (once per module; its class's forward is wrapped once).
 
     Copies of the module (a full session's deep copy of the base) are not registered: they run the original."""
     cls = type(module)
+    dense = layout(module, name).dense  # read (and probed) before the class's forward is wrapped
     with _lock:
         _registered[id(module)] = (module, name)
-        if not getattr(cls, "_tinkerq_lora", False):
-            original = cls.forward
+        if getattr(cls, "_tinkerq_lora", False):
+            return
+        original = cls.forward
 
-            def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor) -> torch.Tensor:
-                entry = _registered.get(id(self))
-                if entry is not None and entry[0] is self:
-                    out = lora_experts_forward(self, entry[1], hidden_states, top_k_index, top_k_weights)
-                    if out is not None:
-                        return out
-                return original(self, hidden_states, top_k_index, top_k_weights)
+        def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+            entry = _registered.get(id(self))
+            if entry is not None and entry[0] is self:
+                out = lora_experts_forward(self, entry[1], hidden_states, top_k_index, top_k_weights)
+                if out is not None:
+                    return out
+            return original(self, hidden_states, top_k_index, top_k_weights)
 
-            cls.forward = forward  # type: ignore[method-assign]
-            cls._tinkerq_lora = True  # type: ignore[attr-defined]
-            cls._tinkerq_original_forward = original  # type: ignore[attr-defined]
+        def dense_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+            entry = _registered.get(id(self))
+            if entry is not None and entry[0] is self:
+                out = lora_dense_experts_forward(self, entry[1], hidden_states)
+                if out is not None:
+                    return out
+            return original(self, hidden_states)
+
+        cls.forward = dense_forward if dense else forward  # type: ignore[method-assign]
+        cls._tinkerq_lora = True  # type: ignore[attr-defined]
+        cls._tinkerq_original_forward = original  # type: ignore[attr-defined]
+
+
+def lora_dense_experts_forward(module: torch.nn.Module, name: str, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """A dense-dispatch experts module's output (E * N, H) on ``hidden_states`` (E * N, H) (expert-major: each
+    expert's N tokens, scaled by its routing weight, zero where not routed), each token with its adapter's deltas;
+    None when no adapter targets ``name``. Tokens not routed to an expert have zero input there, so its deltas
+    (no bias) add nothing: the merged weights' output exactly."""
+    from tinkerq.worker.lora import routing
+
+    route = routing.current()
+    if route is None:
+        return None
+    lay = layout(module, name)
+    x = hidden_states.view(lay.num_experts, -1, lay.hidden)  # (E, N, H)
+    n_tokens = x.shape[1]
+    adapters, token_group = route.token_groups(n_tokens, hidden_states.device)
+    if all(a is None or all(a.pair(f"{name}.{p}") is None for p in (GATE, UP, DOWN)) for a in adapters):
+        return None
+    dtype = hidden_states.dtype
+
+    def run(adapter: Any, rows: torch.Tensor) -> torch.Tensor:  # rows (E, n, H) -> (E, n, H)
+        if adapter is None:
+            return _dense_experts(module, lay, rows, None, None, 0.0)
+        inputs = _input_factors(adapter.pair(f"{name}.{GATE}"), adapter.pair(f"{name}.{UP}"), lay, dtype)
+        down = adapter.pair(f"{name}.{DOWN}")
+        return _dense_experts(module, lay, rows, inputs, down, adapter.scaling)
+
+    sizes = route.token_sizes(n_tokens)
+    if sizes is not None:  # contiguous groups: each through its own products (batch invariance)
+        with route.whole():
+            out = torch.cat([run(a, rows) for a, rows in zip(adapters, torch.split(x, sizes, dim=1), strict=True)], 1)
+    else:  # the sampling engine's interleaved rows
+        out = x.new_zeros(x.shape)
+        for g, adapter in enumerate(adapters):
+            index = (token_group == g).nonzero().squeeze(1)
+            if index.numel():
+                out = out.index_copy(1, index, run(adapter, x.index_select(1, index)))
+    return out.reshape(hidden_states.shape)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], transposed: bool = False) -> torch.Tensor:
