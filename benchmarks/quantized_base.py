@@ -98,7 +98,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                         loss_fn_inputs={"target_tokens": rng.integers(0, 1024, args.tokens).tolist(),
                                         "weights": np.ones(args.tokens, dtype=np.float32)})
             for _ in range(args.datums)]
-    session.run_loss(data, "cross_entropy", None, backward=True)  # warm up
+    out = session.run_loss(data, "cross_entropy", None, backward=True)  # warm up; the numbers compared
+    logprobs = [float(x) for o in out.loss_fn_outputs for x in o["logprobs"].to_numpy()]
     times = []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -114,7 +115,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated(device) if cuda else start + (_status("VmHWM") - start))
     return {"variant": args.variant, "imports_bytes": imports, "loaded_bytes": loaded, "peak_bytes": peak,
-            "step_s": statistics.median(times),
+            "step_s": statistics.median(times), "loss": out.metrics["loss:sum"], "logprobs": logprobs,
             "stored_bytes": stats.stored_bytes if stats else None,
             "dequantized_bytes": stats.dequantized_bytes if stats else None,
             "largest_module_bytes": stats.largest_module_bytes if stats else None}
@@ -159,6 +160,9 @@ def main() -> None:
               f"{r['peak_bytes'] / mib:>18,.1f} {(r['peak_bytes'] - r['loaded_bytes']) / mib:>15,.1f} "
               f"{r['step_s']:>8.3f}")
     d = results["dequantize"]
+    diff = max(abs(a - b) for a, b in zip(keep["logprobs"], d["logprobs"], strict=True))
+    print(f"the same LoRA request on both: loss {d['loss']:.6f} dequantized, {keep['loss']:.6f} kept; logprobs differ "
+          f"by at most {diff:.2e}")
     model_keep, model_deq = (r["loaded_bytes"] - r["imports_bytes"] for r in (keep, d))
     print(f"keep / dequantize: model loaded {model_keep / model_deq:.2f}x, process peak "
           f"{keep['peak_bytes'] / d['peak_bytes']:.2f}x, step time {keep['step_s'] / d['step_s']:.2f}x")
