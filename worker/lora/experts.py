@@ -4,6 +4,10 @@ transformers 5 keeps a MoE layer's routed experts as 3-D parameters in one modul
 transposed, (E, H, 2I); ``down_proj`` (E, H, I); gpt-oss adds biases and interleaves gate/up; Nemotron-H has an
 ungated ``up_proj``), marked by ``use_experts_implementation`` (attributes ``has_gate``, ``has_bias``,
 ``is_transposed``, ``is_concatenated``). :func:`layout` reads that structure; nothing here names a model family.
+An unmarked module (Llama-4's ``gate_up_proj`` (E, H, 2I), ``down_proj`` (E, I, H), whose forward takes the
+(E * N, H) hidden states alone: every expert on every token, pre-scaled by its router score) is read from its shapes
+and signature and checked against its own forward on a probe; its deltas ride that dense dispatch
+(:func:`lora_dense_experts_forward`).
 
 Tinker's layout (../shared/reference/model-families.md): one adapter per projection, ``w1`` (gate), ``w3`` (up),
 ``w2`` (down). The factor that touches the hidden size is shared by all experts, the inner one is per expert:
