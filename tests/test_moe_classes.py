@@ -103,8 +103,9 @@ def test_lora_fb_equals_the_merged_weights_reference(name: str) -> None:
         p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())), alpha=0.05)
     assert any(t.experts for t in s.adapter.targets)  # the routed experts are adapted
     assert {t.component for t in s.adapter.targets} == {"attn", "mlp", "unembed"}
-    # Data draw 0: with draw 1, Qwen3-MoE's layer-0 q_proj A gradient differed by 4e-4 of its largest entry (1.7x
-    # this tolerance; draws 0, 2, 3 pass): not investigated (a near tie in a top-2 routing is the suspect).
+    # Data draw 0: with draw 1, Qwen3-MoE's layer-0 k_proj A gradient differs by 8.8e-4 of its largest entry in
+    # float32 (draws 0, 2, 3 pass); the same check in float64 (model, session and eager reference experts) passes
+    # at this tolerance: float32 rounding amplified there (a near tie in a top-2 routing is the suspect), not logic.
     data = make_batch(np.random.default_rng(0), 2, max_len=9)
     out = s.run_loss(data, "cross_entropy", None, backward=True)
 
@@ -199,3 +200,31 @@ def test_llama4_experts_are_read_from_their_structure_and_a_changed_forward_is_r
 
     with pytest.raises(ValidationError, match=r"odd \(Swapped\) holds fused expert parameters .*train_mlp=False"):
         layout(Swapped(experts), "odd")
+
+
+def test_llama4_lora_merged_weights_reload_to_the_sessions_logprobs(tmp_path) -> None:
+    """The merged full model of a Llama-4 adapter (its experts' deltas added in their (E, in, out) storage),
+    saved and loaded back with plain from_pretrained, gives the session's logprobs."""
+    import transformers
+
+    from tinkerq.worker.lora.session import write_merged
+
+    model = build_moe_class("Llama4ForCausalLM")
+    base = LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=64)
+    s = LoraSession("s", base, types.LoraConfig(rank=2, seed=4), base_model="tiny")
+    with torch.no_grad():
+        for p in s.engine.params:
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())), alpha=0.1)
+    write_merged(base.model, s.adapter.frozen(), tmp_path)
+    reloaded = transformers.Llama4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    data = make_batch(np.random.default_rng(3), 2, max_len=9)
+    out = s.run_loss(data, "cross_entropy", None, backward=False)
+    moved = 0.0
+    for d, o in zip(data, out.loss_fn_outputs, strict=True):
+        with torch.no_grad():
+            want = reference_logprobs(reloaded, d).numpy()
+            moved = max(moved, float(np.abs(want - reference_logprobs(model, d).numpy()).max()))
+        # x (W + s B A)^T against x W^T + s (x A^T) B^T in float32 over 6 layers, B at 0.1: up to 6.3e-5 measured
+        # (the reloaded model equals the in-memory merged reference of test_lora_fb_... exactly)
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), want, atol=1e-4)
+    assert moved > 1e-3  # the adapter changed the model
