@@ -130,10 +130,13 @@ def _dense_layout(module: torch.nn.Module) -> ExpertsLayout | None:
 
 def _probe_dense(module: torch.nn.Module, forward: Any, lay: ExpertsLayout) -> bool:
     """Whether the module's own forward equals :func:`_dense_experts` (no adapter) on 2 random tokens per expert.
-    A model on the meta device (parameter counts) has no values to probe: its structure is taken as is."""
+    A model on the meta device (parameter counts) has no values to probe, nor does an FSDP-sharded one a plain
+    forward (its parameters are DTensor shards outside its forward): their structure is taken as is."""
+    from torch.distributed.tensor import DTensor
+
     weight = module.gate_up_proj
     assert isinstance(weight, torch.Tensor)  # checked by _dense_layout
-    if weight.device.type == "meta":
+    if weight.device.type == "meta" or isinstance(weight, DTensor):
         return True
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(lay.num_experts * 2, lay.hidden, generator=generator).to(weight.device, weight.dtype)
