@@ -376,7 +376,7 @@ def build(module: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.Tenso
     return out
 
 
-CHUNK_ELEMENTS = 1 << 20  # weights dequantized in one call: per-call overhead amortized, temporaries bounded
+CHUNK_ELEMENTS = 1 << 18  # weights dequantized in one call: per-call overhead amortized, temporaries bounded
 
 
 def _chunks(src: Source, module: torch.nn.Module) -> Iterator[tuple[int, int, QuantizedTensor]]:
