@@ -327,3 +327,35 @@ def test_planner_plans_a_kept_base_as_stored_plus_one_layer() -> None:
     assert "--quantized-base keep" in render(kept) and "as stored" in render(kept)
     with pytest.raises(UserError, match="dequantize or keep"):
         plan("gpt-oss-20b", devices=8, device_gb=80, quantized_base="fp4")
+
+
+def test_a_worker_keeps_a_published_fp8_base(tmp_path: Path, redis_url: str) -> None:
+    """`tinkerq worker --quantized-base keep` on a DeepSeek-V3 FP8 checkpoint: a LoRA forward_backward gives the
+    in-process dequantized session's logprobs; a full session is one user error naming the fix."""
+    from tests.conftest import start_named_worker
+    from tinkerq.errors import TinkerqError
+    from tinkerq.producer import ServiceClient
+    from tinkerq.recipes.published import build_published
+    from tinkerq.worker.model_loading import load_causal_lm
+
+    directory = build_published("deepseek_v3-fp8", tmp_path / "ckpt")
+    proc = start_named_worker(directory, redis_url, "kept-fp8", tmp_path / "worker.log",
+                              extra=["--quantized-base", "keep", "--dtype", "float32"])
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        data = make_batch(np.random.default_rng(4), 2, max_len=10)
+        tc = sc.create_lora_training_client("kept-fp8", rank=4, seed=11).result()
+        got = tc.forward_backward(data, "cross_entropy").result(timeout=120)
+        model = load_causal_lm(str(directory), dtype="float32")
+        base = LoraBase(model, LogprobComputer(model, "torch"), model_dir=str(directory), microbatch_tokens=4096)
+        want = LoraSession("ref", base, types.LoraConfig(rank=4, seed=11), base_model="kept-fp8").run_loss(
+            data, "cross_entropy", None, backward=True)
+        for x, y in zip(_logprobs(want), _logprobs(got), strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+        with pytest.raises(TinkerqError, match="quantized-base dequantize"):
+            sc.create_training_client("kept-fp8").result(timeout=60)
+        assert "kept as stored" in (tmp_path / "worker.log").read_text()
+    finally:
+        sc.close()
+        proc.terminate()
+        proc.wait(30)
