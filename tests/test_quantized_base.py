@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tests.helpers import make_batch
 from tinkerq import types
@@ -28,7 +29,7 @@ from tinkerq.worker import quant_formats as qf
 from tinkerq.worker import quantized_base
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.batch import LossItem, run_pass
-from tinkerq.worker.lora.session import LoraBase, LoraSession
+from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
 from tinkerq.worker.quantized_base import keep_quantized
 from tinkerq.worker.sampling import SampleJob, StopRule, run_jobs
 
@@ -128,7 +129,7 @@ def assert_close_grads(a: LoraSession, b: LoraSession, tol: float = 1e-5) -> Non
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_lora_on_a_kept_base_equals_the_dequantized_base(fmt: str) -> None:
+def test_lora_on_a_kept_base_equals_the_dequantized_base(fmt: str, tmp_path: Path) -> None:
     model, kept, stored = models(fmt)
     # The kept model holds the stored bytes, not the dequantized ones.
     stats_bytes = sum(t.nbytes for t in stored.values())
@@ -180,6 +181,13 @@ def test_lora_on_a_kept_base_equals_the_dequantized_base(fmt: str) -> None:
     assert [s.tokens for s in got] == [s.tokens for s in want]
     for s, w in zip(got, want, strict=True):
         np.testing.assert_allclose(s.logprobs, w.logprobs, atol=1e-5)
+
+    # A merged save (save_weights_for_sampler(merged=True)) from the kept base is the dequantized base's.
+    write_merged(kept, mine.adapter.frozen(), tmp_path / "kept")
+    write_merged(model, ref.adapter.frozen(), tmp_path / "float")
+    a_dir, b_dir = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32) for d in ("kept", "float"))
+    for (name, x), (_, y) in zip(sorted(a_dir.state_dict().items()), sorted(b_dir.state_dict().items()), strict=True):
+        assert torch.equal(x, y), name
 
 
 def test_state_dict_is_the_dequantized_model_and_full_sessions_are_refused(tmp_path: Path) -> None:
