@@ -141,6 +141,7 @@ def test_lora_on_a_kept_base_equals_the_dequantized_base(fmt: str, tmp_path: Pat
     assert kept_bytes <= float_bytes - replaced + stats_bytes + sum(b.numel() * b.element_size()
                                                                     for b in model.buffers())
     assert quantized_base.is_kept(kept) and not quantized_base.is_kept(model)
+    assert quantized_base.parameter_count(kept) == sum(p.numel() for p in model.parameters())
 
     data = make_batch(np.random.default_rng(1), 3, max_len=12)
     (_, ref), (kept_base, mine) = session(model, 7), session(kept, 7)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -275,6 +276,13 @@ def stored_bytes(module: torch.nn.Module) -> int:
         return 0
     state = _state(module)
     return sum(state.part(module, b).numel() * state.part(module, b).element_size() for b in state.buffers())
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters, the kept weights included (``model.parameters()`` no longer yields them)."""
+    kept = sum(math.prod(shape) for m in model.modules() if _STATE in m.__dict__
+               for shape in _state(m).shapes.values())
+    return sum(p.numel() for p in model.parameters()) + kept
 
 
 def is_kept(model: torch.nn.Module) -> bool:
