@@ -162,7 +162,7 @@ def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor]
         stats.dequantized_bytes += sum(t.numel() * t.element_size() for t in before.values())
         stats.largest_module_bytes = max(stats.largest_module_bytes,
                                          sum(t.numel() * t.element_size() for t in before.values()))
-        _install(module, params, dtype)
+        _install(module, name, params, dtype)
         stats.modules += 1
         stats.names.append(name)
         stats.stored_bytes += stored_bytes(module)
@@ -208,10 +208,12 @@ def _source(q: QuantizedTensor, param: str, role: str, stacked: bool, shape: tup
                   stacked)
 
 
-def _install(module: torch.nn.Module, params: dict[str, list[tuple[Source, QuantizedTensor]]],
+def _install(module: torch.nn.Module, name: str, params: dict[str, list[tuple[Source, QuantizedTensor]]],
              dtype: torch.dtype) -> None:
     """Swap ``module``'s class, drop its float weights and register the stored parts as buffers."""
     shapes = {p: tuple(getattr(module, p).shape) for p in params}
+    if not isinstance(module, torch.nn.Linear):  # read once from the float weights: the adapter factory and every
+        module._tinkerq_layout = _layout(module, name)  # forward read it, and must not dequantize to get shapes
     device = getattr(module, next(iter(params))).device
     for param in params:
         del module._parameters[param]  # the float weight: freed once nothing else holds it
