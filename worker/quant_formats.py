@@ -20,6 +20,7 @@ the scale grid (``rows // scale_rows``), which fails on DeepSeek-V3's real shape
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ def fp8_scale_grid(shape: tuple[int, int] | torch.Size, block: tuple[int, int] |
     return math.ceil(rows / int(block[0])), math.ceil(cols / int(block[1]))
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | list[int],
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int],
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A block-FP8 weight (R, C) with its (ceil(R/br), ceil(C/bc)) scales -> (R, C) in ``dtype``."""
     if weight.dim() != 2:
@@ -74,7 +75,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.flatten(-2).to(dtype)  # (..., G * 32)
 
 
-def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int] | list[int],
+def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: Sequence[int],
                            group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """compressed-tensors ``pack-quantized`` symmetric INT4: ``packed`` int32 (R, ceil(C/8)), ``scale``
     (R, ceil(C/group)) -> (R, C) in ``dtype``."""

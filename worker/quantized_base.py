@@ -212,8 +212,10 @@ def _install(module: torch.nn.Module, name: str, params: dict[str, list[tuple[So
              dtype: torch.dtype) -> None:
     """Swap ``module``'s class, drop its float weights and register the stored parts as buffers."""
     shapes = {p: tuple(getattr(module, p).shape) for p in params}
-    if not isinstance(module, torch.nn.Linear):  # read once from the float weights: the adapter factory and every
-        module._tinkerq_layout = _layout(module, name)  # forward read it, and must not dequantize to get shapes
+    # Read once from the float weights: the adapter factory and every forward read it, and must not dequantize
+    # to get shapes.
+    if not isinstance(module, torch.nn.Linear):
+        module._tinkerq_layout = _layout(module, name)  # type: ignore[assignment]  # a plain attribute
     device = getattr(module, next(iter(params))).device
     for param in params:
         del module._parameters[param]  # the float weight: freed once nothing else holds it
