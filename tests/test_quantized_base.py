@@ -360,6 +360,8 @@ def test_a_worker_keeps_a_published_fp8_base(tmp_path: Path, redis_url: str) -> 
         tc = sc.create_lora_training_client("kept-fp8", rank=4, seed=11).result()
         got = tc.forward_backward(data, "cross_entropy").result(timeout=120)
         model = load_causal_lm(str(directory), dtype="float32")
+        # The kept weights are counted: the model's parameters as the dequantized model has them.
+        assert tc.get_info().num_parameters == sum(p.numel() for p in model.parameters())
         base = LoraBase(model, LogprobComputer(model, "torch"), model_dir=str(directory), microbatch_tokens=4096)
         want = LoraSession("ref", base, types.LoraConfig(rank=4, seed=11), base_model="kept-fp8").run_loss(
             data, "cross_entropy", None, backward=True)

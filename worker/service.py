@@ -40,6 +40,7 @@ from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.metrics import WorkerMetrics
 from tinkerq.worker.model_loading import max_seq_len, vocab_size
 from tinkerq.worker.operations import Operations
+from tinkerq.worker.quantized_base import parameter_count
 from tinkerq.worker.recovery import Recovery
 from tinkerq.worker.sampling.torch_engine import TorchEngine
 from tinkerq.worker.scheduler import Caller, Request, Scheduler, Work
@@ -67,7 +68,7 @@ class WorkerService:
         self.worker_id = worker_id
         self.vocab_size = vocab_size(model)
         self.max_seq_len = max_seq_len(model)
-        self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.num_parameters = parameter_count(model)  # a base kept quantized counts its kept weights too
         # A sharded worker (rank 0 of a group): sessions are LeaderSessions driving every shard.
         self.shards = shards
         self.logprobs = shards.logprobs if shards is not None else LogprobComputer(model, s.loss_backend)
