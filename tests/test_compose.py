@@ -107,6 +107,11 @@ def test_sharded_services_form_one_group(compose):
     for name, service in shards.items():
         assert "checkpoints:/checkpoints" in service["volumes"] and args[name].checkpoint_dir == "/checkpoints"
         assert service["profiles"] == ["sharded"]
+        # A kept-quantized base is served from one process only: the group dequantizes whatever .env says, and
+        # shares the rest of the workers' environment.
+        env = service["environment"]
+        assert env["TINKERQ_QUANTIZED_BASE"] == "dequantize"
+        assert env["TINKERQ_BROKER_URL"] == compose["services"]["worker"]["environment"]["TINKERQ_BROKER_URL"]
     assert "healthcheck" in shards[leader]  # it registers; the other ranks do not
 
 
