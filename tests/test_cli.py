@@ -96,7 +96,10 @@ def test_rl_job_runs_on_the_embedded_fleet(tmp_path: Path):
     # Where the time went: every iteration splits into snapshot + sampling + training (+ client work).
     for r in rows:
         parts = r["snapshot_s"] + r["sample_s"] + r["train_s"]
-        assert r["sample_s"] > 0 and r["samples_per_s"] == pytest.approx(16 / r["sample_s"], abs=0.051)  # to 0.1
+        # samples_per_s is rounded to 0.1 and computed from sample_s before sample_s is rounded to 1e-4: a short
+        # sampling phase (0.046 s: 16/s moves 0.38 per 5e-5) widens the bound by that rounding.
+        rounding = 0.051 + 16 * 5e-5 / (r["sample_s"] - 5e-5) ** 2
+        assert r["sample_s"] > 0 and r["samples_per_s"] == pytest.approx(16 / r["sample_s"], abs=rounding)
         assert parts == pytest.approx(r["iteration_s"], abs=2e-3)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["samples_per_s"] > 0 and sum(summary["share"].values()) == pytest.approx(1.0, abs=0.01)

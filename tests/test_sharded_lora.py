@@ -113,7 +113,7 @@ def _assert_same_grads(one: LoraSession, other: LoraSession) -> None:
 
     The ranks' partial sums are added in another order than one process adds them (and with other intra-op thread
     counts): a CI run saw 1.03e-5 of the largest element on qwen3_moe, so the bound is 4e-5 (float32 rounding over a
-    few hundred terms), still 1000x below any real gradient error (a dropped datum or a rank counted twice)."""
+    few hundred terms), far below what a dropped datum or a rank counted twice changes."""
     for g, h in zip(one.engine.grads(), other.engine.grads(), strict=True):
         assert float((g - h).abs().max()) <= GRAD_TOLERANCE * max(1.0, float(h.abs().max()))
 
