@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway import lookups
 from tinkerq.gateway.futures import Waiting
+from tinkerq.gateway.positions import SequenceGuard
 from tinkerq.gateway.service import Gateway, HTTPError
 from tinkerq.tenants import ApiKeys
 
@@ -112,6 +113,16 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         return name
 
     Tenant = Depends(tenant)
+
+    async def fill_refused(api_key: str | None, model_id: str, seq_id: int, why: str) -> None:
+        name = state["keys"].authenticate(api_key)  # another tenant's run, or no key: nothing to fill
+        if name is not None:
+            await asyncio.to_thread(gateway().fill_refused, name, model_id, seq_id, why)
+
+    # Any numbered request answered without being taken fills its position in the run (gateway/positions.py).
+    app.add_middleware(SequenceGuard, fill=fill_refused, ordered_paths=frozenset(
+        f"/api/v1/{op}" for op in ("forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+                                   "load_weights")))
 
     async def json_body(request: Request) -> dict[str, Any]:
         raw = await request.body()

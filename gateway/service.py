@@ -293,15 +293,17 @@ class Gateway:
         worker_seq = seq_id + run.offset
         try:
             job = prepare(run, request_id)
-        except (TinkerqError, PathError, HTTPError) as exc:
-            message = exc.message if isinstance(exc, TinkerqError) else str(exc) if isinstance(exc, PathError) \
-                else exc.detail
-            prior = self.records.claim(claim, f"refused|{message}")
-            if prior is not None:
-                return self._resent(prior, kind, run, seq_id)
-            # Fill the position so the requests after it run; the resend of this one gets the same answer.
-            self.records.raise_top(run.model_id, seq_id)
-            run.client.skip(worker_seq, "refused by the gateway")
+        except (TinkerqError, PathError, HTTPError, KeyError, TypeError, ValueError) as exc:
+            # A malformed body (a missing field, a wrong type) is the caller's error too: answered 400, as the app
+            # answers one outside this path.
+            message = exc.message if isinstance(exc, TinkerqError) else exc.detail if isinstance(exc, HTTPError) \
+                else str(exc) if isinstance(exc, PathError) \
+                else f"the request lacks the field {exc.args[0]!r}" if isinstance(exc, KeyError) \
+                else f"malformed request: {exc}"
+            if not self._fill(run, seq_id, message):
+                prior = self.records.get_claim(claim)
+                if prior is not None:
+                    return self._resent(prior, kind, run, seq_id)
             raise (exc if isinstance(exc, HTTPError) else HTTPError(400, message)) from None
         post_at = self.quotas.schedule(tenant, run.model_id, tokens)
         job.update(type="ordered", model_id=run.model_id, seq_id=seq_id, worker_seq=worker_seq, tokens=tokens,
@@ -320,6 +322,30 @@ class Gateway:
             return self._resent(prior, kind, run, seq_id)
         self.futures.begin(request_id, tenant, kind, job)
         return {"request_id": request_id, "model_id": run.model_id}
+
+    def _fill(self, run: Run, seq_id: int, message: str) -> bool:
+        """Claim position ``seq_id`` of ``run`` as refused with ``message`` and fill it on the worker (an ``echo``),
+        so the run's later requests are not held up by it; the resend of that request gets the same refusal.
+        False when the position was claimed already (the request was accepted, or refused, before)."""
+        if self.records.claim(f"seq:{run.model_id}:{seq_id}", f"refused|{message}") is not None:
+            return False
+        self.records.raise_top(run.model_id, seq_id)
+        run.client.skip(seq_id + run.offset, "refused by the gateway")
+        return True
+
+    def fill_refused(self, tenant: str, model_id: str, seq_id: int, message: str) -> bool:
+        """Fill position ``seq_id`` of the tenant's run ``model_id`` after its request was answered without being
+        taken (an unknown route or method, a malformed body, a refusal before the position was read: the app's
+        SequenceGuard); nothing when the run is not the tenant's or the position is taken. True when filled."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
+            return False
+        run = self.run(tenant, model_id, closed_ok=True)
+        if run is None:
+            return False
+        filled = self._fill(run, seq_id, message)
+        if filled:
+            log.info("model %s: seq_id %d filled (its request was refused: %s)", run.model_id, seq_id, message)
+        return filled
 
     @staticmethod
     def _resent(prior: str, kind: str, run: Run, seq_id: int) -> dict[str, Any]:
