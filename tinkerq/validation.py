@@ -263,10 +263,12 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
         raise ValidationError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
     stop = params.stop
-    if stop is None or isinstance(stop, str):
+    # None: the model's EOS stops; [] (Tinker's "no stop tokens, not even EOS"): only max_tokens ends a row.
+    if stop is None or isinstance(stop, str) or (isinstance(stop, (list, tuple)) and not stop):
         return
-    if not isinstance(stop, (list, tuple)) or not stop:
-        raise ValidationError("SamplingParams.stop must be a string, a non-empty list of strings or of token ids")
+    if not isinstance(stop, (list, tuple)):
+        raise ValidationError("SamplingParams.stop must be None, a string, a list of strings or of token ids, "
+                              "or [] (no stop at all, not even EOS)")
     if all(isinstance(x, str) and x for x in stop):
         return
     if all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
