@@ -18,12 +18,13 @@ import prometheus_client
 import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway import lookups
+from tinkerq.gateway.downloads import answer_file, answer_urls, stream
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.positions import SequenceGuard
 from tinkerq.gateway.service import Gateway, HTTPError
@@ -122,7 +123,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     # Any numbered request answered without being taken fills its position in the run (gateway/positions.py).
     app.add_middleware(SequenceGuard, fill=fill_refused, ordered_paths=frozenset(
         f"/api/v1/{op}" for op in ("forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
-                                   "load_weights")))
+                                   "save_weights_external", "load_weights")))
 
     async def json_body(request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -248,6 +249,10 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     async def save_weights_for_sampler(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
         return gateway().save_weights_for_sampler(t, body)
 
+    @app.post(f"{v1}/save_weights_external")
+    async def save_weights_external(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return gateway().save_weights_external(t, body)
+
     @app.post(f"{v1}/load_weights")
     async def load_weights(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
         return await gateway().load_weights(t, body)
@@ -297,6 +302,19 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
     async def checkpoints(run_id: str, t: str = Tenant) -> dict[str, Any]:
         return gateway().lookup(lookups.list_checkpoints, t, run_id)
+
+    @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}/external_weights_urls")
+    async def external_weights_urls(run_id: str, segment: str, name: str, request: Request,
+                                    t: str = Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(answer_urls, gateway().external_weights, t, run_id, f"{segment}/{name}",
+                                       str(request.base_url))
+
+    @app.get(f"{v1}/external_weights/{{token}}/{{file:path}}")
+    async def external_weights_file(token: str, file: str) -> Response:
+        # No API key: the signed token in the URL is the permission (gateway/downloads.py).
+        fd, size = await asyncio.to_thread(answer_file, gateway().external_weights, token, file)
+        return StreamingResponse(stream(fd, size), media_type="application/octet-stream",
+                                 headers={"content-length": str(size)})
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:

@@ -172,6 +172,8 @@ class Jobs:
             for name in out.get("pruned") or ():  # the key's retention removed these on the worker
                 await asyncio.to_thread(gw.records.delete, "checkpoint", str(TinkerPath(run.model_id, path.segment,
                                                                                           str(name))))
+            if path.segment == "external_weights":  # Tinker's answer says the archive's size too
+                return Answer(json={"path": str(path), "size_bytes": record["bytes"], "type": "save_weights_external"})
             return Answer(json={"path": str(path), "type": "save_weights" if path.segment == "weights"
                                 else "save_weights_for_sampler"})
         if finish == "snapshot":  # save_weights_and_get_sampling_client: a sampling session on frozen weights

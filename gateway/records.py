@@ -26,7 +26,8 @@ from tinkerq.store import KeyValueStore, RedisStore
 # Sessions and training runs are kept a week after their last use; checkpoints until their ttl (or forever).
 IDLE_TTL_S = 7 * 24 * 3600
 
-SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> Tinker's checkpoint_type
+# path segment -> Tinker's checkpoint_type
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 

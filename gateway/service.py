@@ -34,9 +34,11 @@ from typing import Any
 from tinkerq import keys, types, usage
 from tinkerq.errors import TinkerqError, UnknownModelError
 from tinkerq.gateway import lifecycle, lookups, proto
+from tinkerq.gateway.downloads import ExternalWeights
 from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
+from tinkerq.gateway.signing import Signer
 from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.sampling import SamplingClient
 from tinkerq.quotas import Quotas
@@ -102,6 +104,8 @@ class Gateway:
         self.records = Records(store)
         self.quotas = Quotas(store)
         self.usage = Usage(store)
+        self.signer = Signer(store)  # download URLs and exchanged credentials (gateway/signing.py)
+        self.external_weights = ExternalWeights(self.records, self.signer, settings.checkpoint_dir)
         self.jobs = Jobs(self)
         self.futures = Futures(store, self.records, self.jobs.run, self.account, poll_s=settings.gateway_poll_s,
                                keep_s=settings.gateway_keep_s)
@@ -396,8 +400,16 @@ class Gateway:
                                  lambda _run, _rid: {"op": "create_sampler", "finish": "snapshot", "body": {}})
         return self._save(tenant, body, "sampler_weights", "SaveWeightsForSampler")
 
+    def save_weights_external(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The run's weights archive at ``tinker://<model>/external_weights/<name>``, served behind signed URLs
+        (gateway/downloads.py)."""
+        return self._save(tenant, body, "external_weights", "SaveWeightsExternal")
+
     def _save(self, tenant: str, body: dict[str, Any], segment: str, kind: str) -> dict[str, Any]:
         def prepare(run: Run, _request_id: str) -> dict[str, Any]:
+            if body.get("age_encryption_recipients"):
+                raise HTTPError(400, "age_encryption_recipients is not supported by this server: leave it unset (the "
+                                     "download URLs are signed, expire, and are answered to their tenant only)")
             name = check_name(body.get("path"))
             ttl = _ttl(body.get("ttl_seconds"))
             path = TinkerPath(run.model_id, segment, name)
@@ -409,6 +421,9 @@ class Gateway:
                 if not overwrite and self.records.get("checkpoint", str(path), tenant) is not None:
                     raise HTTPError(400, f"checkpoint {path} exists; pass overwrite=True or choose another name")
                 op, request = "save_state", {"name": name, "ttl_seconds": ttl, "overwrite": overwrite}
+            elif segment == "external_weights":  # the sampler archive, in a folder of its own; no retention
+                op, keep = "save_weights_for_sampler", None
+                request = {"name": name, "ttl_seconds": ttl, "external": True}
             else:
                 op, request = "save_weights_for_sampler", {"name": name, "merged": False, "ttl_seconds": ttl}
             if keep is not None:

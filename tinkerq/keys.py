@@ -159,6 +159,12 @@ def gateway_claim(what: str) -> str:
     return f"{PREFIX}:gw:claim:{what}"
 
 
+def gateway_signing_secret() -> str:
+    """The fleet's secret for the gateway's signed tokens (download URLs, exchanged credentials): random bytes,
+    made once by the first gateway that needs them (gateway/signing.py). Deleting it ends every outstanding token."""
+    return f"{PREFIX}:gw:signing-secret"
+
+
 # -- API keys of the HTTP gateway (tinkerq/tenants.py) ---------------------------------------------------
 # Only SHA-256 digests of keys are stored, never a key. A hash: tenant name -> hex digest of its live key
 # (one key per tenant; ``tinkerq keys list`` / ``revoke`` work by name).

@@ -116,10 +116,21 @@ def _check_model_id(model_id: Any) -> str:
     return model_id
 
 
-def weights_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
-    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>`` (parents created,
+# Folders of a session's directory that hold other saves than save_weights_for_sampler's: save_state's, and
+# the gateway's save_weights_external exports. A weights save by either name would hold the other saves inside it.
+STATE_FOLDER, EXTERNAL_FOLDER = "state", "external"
+
+
+def weights_path(checkpoint_dir: str, model_id: str, name: Any, *, external: bool = False) -> Path:
+    """Where save_weights_for_sampler(name) writes: ``<checkpoint_dir>/<model_id>/<name>``, or with ``external``
+    (the gateway's save_weights_external) ``<checkpoint_dir>/<model_id>/external/<name>`` (parents created,
     owner-only; a symlink anywhere below the checkpoint directory is a ValidationError)."""
     check_name(name)
+    if external:
+        return path_below(checkpoint_dir, _check_model_id(model_id), EXTERNAL_FOLDER, name, create_parents=True)
+    if name in (STATE_FOLDER, EXTERNAL_FOLDER):
+        raise ValidationError(f"checkpoint name {name!r} is reserved (the folder of save_state's or "
+                              f"save_weights_external's checkpoints); choose another name")
     return path_below(checkpoint_dir, _check_model_id(model_id), name, create_parents=True)
 
 
@@ -127,7 +138,7 @@ def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
     """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>`` (as weights_path)."""
     if name != AUTO_SNAPSHOT:  # users' names are checked; the automatic snapshot's is ours
         check_name(name)
-    return path_below(checkpoint_dir, _check_model_id(model_id), "state", name, create_parents=True)
+    return path_below(checkpoint_dir, _check_model_id(model_id), STATE_FOLDER, name, create_parents=True)
 
 
 def previous_path(final: Path) -> Path:

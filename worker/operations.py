@@ -122,10 +122,12 @@ class Operations:
     def save_weights(self, session: Session, body: Any) -> tuple[bytes, int]:
         name: Any = body.get("name") if isinstance(body, dict) else None  # checked where the path is built
         merged = flag(body, "merged", False, "save_weights_for_sampler")
+        # external: the gateway's save_weights_external, the same archive in a folder of its own (checkpoint_paths)
+        external = flag(body, "external", False, "save_weights_for_sampler")
         expires_at = expires_at_of(body)
         keep_newest = retention.keep_newest_of(body, "save_weights_for_sampler")
         path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged,
-                                    expires_at=expires_at)
+                                    expires_at=expires_at, external=external)
         self.sweep_checkpoints()
         return codec.packb(self.saved(session, "save_weights_for_sampler", path, expires_at, keep_newest)), 0
 

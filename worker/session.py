@@ -60,7 +60,7 @@ class Session(Protocol):
         ...
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
-                     expires_at: float | None = None) -> str: ...
+                     expires_at: float | None = None, external: bool = False) -> str: ...
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
                    expires_at: float | None = None, overwrite: bool = True) -> str: ...
@@ -168,11 +168,11 @@ class FullSession:
         return cast(Any, snapshot).to(self.device)  # transformers types .to as a decorated method
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
-                     expires_at: float | None = None) -> str:
+                     expires_at: float | None = None, external: bool = False) -> str:
         """Write a plain Hugging Face model directory (from_pretrained loads it without tinkerq): every parameter
         and persistent buffer (:func:`worker.training.model_weights`); a full session's weights are merged
         already, so ``merged`` changes nothing."""
-        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
+        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name, external=external)
         weights = self._run("gather_weights")
 
         def fill(tmp: Path) -> None:

@@ -172,10 +172,10 @@ class LoraSession:
                                                                               base_model), indent=1))
 
     def save_weights(self, checkpoint_dir: str, name: str, *, base_model: str, merged: bool = False,
-                     expires_at: float | None = None) -> str:
+                     expires_at: float | None = None, external: bool = False) -> str:
         """A PEFT adapter directory (and, with ``merged``, the merged full model in ``merged/``)."""
         self._touch()
-        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name)
+        final = checkpoints.weights_path(checkpoint_dir, self.model_id, name, external=external)
         weights: dict[str, torch.Tensor] = dict(self.adapter.named_pairs())
 
         def fill(tmp: Path) -> None:
