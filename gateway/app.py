@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinkerq.errors import TinkerqError
-from tinkerq.gateway import lookups
+from tinkerq.gateway import console, lookups
 from tinkerq.gateway.downloads import answer_file, answer_urls, stream
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.positions import SequenceGuard
@@ -338,6 +338,8 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @app.post(f"{v1}/weights_info")
     async def weights_info(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
         return gateway().weights_info(t, body.get("tinker_path"))
+
+    console.add_routes(app, gateway, Tenant)  # the tenants' web console: GET /console (gateway/console.py)
 
     return app
 

@@ -27,6 +27,7 @@ from tinkerq.errors import CapacityError, RequestTimeoutError, ServerError, Tink
 from tinkerq.gateway import proto
 from tinkerq.gateway.futures import Answer, Waiting
 from tinkerq.gateway.records import TinkerPath, checkpoint_record
+from tinkerq.gateway.run_metrics import PLOTTED_OPS
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class Jobs:
         out = await run.client.submit(op, body, seq_id=int(job["worker_seq"]), decode=decode,
                                       argsrepr=str(job.get("argsrepr", "")))
         answer = await self._finish(finish, tenant, run, job, out)
+        if op in PLOTTED_OPS:  # the console's curves (gateway/run_metrics.py)
+            await asyncio.to_thread(gw.run_metrics.record, run.model_id, int(job["seq_id"]), op, out.metrics or {})
         # Usage (docs/operations.md): forward and forward_backward tokens are training tokens.
         counts = {usage.request_counter(op): 1, "training_tokens": int(job.get("tokens") or 0)}
         if finish == "save":

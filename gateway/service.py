@@ -38,6 +38,7 @@ from tinkerq.gateway.downloads import ExternalWeights
 from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
+from tinkerq.gateway.run_metrics import RunMetrics
 from tinkerq.gateway.signing import Signer
 from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.sampling import SamplingClient
@@ -104,6 +105,7 @@ class Gateway:
         self.records = Records(store)
         self.quotas = Quotas(store)
         self.usage = Usage(store)
+        self.run_metrics = RunMetrics(store)
         self.signer = Signer(store)  # download URLs and exchanged credentials (gateway/signing.py)
         self.external_weights = ExternalWeights(self.records, self.signer, settings.checkpoint_dir)
         self.jobs = Jobs(self)

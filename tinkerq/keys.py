@@ -159,6 +159,11 @@ def gateway_claim(what: str) -> str:
     return f"{PREFIX}:gw:claim:{what}"
 
 
+def gateway_run_metrics(model_id: str) -> str:
+    """A training run's metrics, one hash field per SDK seq_id (gateway/run_metrics.py): the console's curves."""
+    return f"{PREFIX}:gw:metrics:{model_id}"
+
+
 def gateway_signing_secret() -> str:
     """The fleet's secret for the gateway's signed tokens (download URLs, exchanged credentials): random bytes,
     made once by the first gateway that needs them (gateway/signing.py). Deleting it ends every outstanding token."""

@@ -1,0 +1,67 @@
+"""Each training run's metrics, step by step: what the console plots as loss and metric curves.
+
+Nothing else keeps them: a future's answer (with the metrics in it) lives only ``gateway_keep_s`` in Redis,
+and the usage counters sum tokens, not losses. So when a forward, forward_backward or optim_step of a run is
+answered, its metrics are written here, one field per SDK ``seq_id`` of a Redis hash per run
+(:func:`tinkerq.keys.gateway_run_metrics`). A field per seq_id makes a job run twice (an adopting gateway
+re-posts it; the worker answers from its kept reply) write the same field again, never a second point.
+
+Kept as long as the run's record (``IDLE_TTL_S`` after its last request), and at most ``MAX_POINTS`` per run
+(about 100 bytes each): a longer run keeps its newest points.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tinkerq import keys
+from tinkerq.errors import TinkerqError
+from tinkerq.gateway.records import IDLE_TTL_S
+from tinkerq.retry import retrying
+from tinkerq.store import RedisStore
+
+log = logging.getLogger("tinkerq.gateway")
+
+MAX_POINTS = 20_000
+PLOTTED_OPS = ("forward", "forward_backward", "optim_step")
+
+
+class RunMetrics:
+    def __init__(self, store: RedisStore) -> None:
+        self.redis = store.client
+
+    def record(self, model_id: str, seq_id: int, op: str, metrics: Mapping[str, float]) -> None:
+        """Keep step ``seq_id``'s metrics. Best effort: a Redis error loses the point, never the answer."""
+        point = json.dumps({"op": op, "t": time.time(), "metrics": {str(k): float(v) for k, v in metrics.items()}},
+                           separators=(",", ":"))
+        key = keys.gateway_run_metrics(model_id)
+
+        def run() -> None:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(key, str(seq_id), point)
+                pipe.expire(key, IDLE_TTL_S)
+                pipe.hlen(key)
+                size = pipe.execute()[-1]
+            if size > MAX_POINTS:  # rare: drop the oldest steps in one go
+                fields = sorted(int(f) for f in self.redis.hkeys(key))
+                self.redis.hdel(key, *[str(f) for f in fields[:len(fields) - MAX_POINTS]])
+
+        try:
+            retrying(run, deadline_s=0, what="recording a run's metrics")
+        except TinkerqError as exc:
+            log.warning("run %s step %d: metrics not kept for the console (%s)", model_id, seq_id, exc.message)
+
+    def points(self, model_id: str) -> list[dict[str, Any]]:
+        """Every kept step of the run, by seq_id: {seq_id, op, t, metrics}."""
+        raw = retrying(lambda: self.redis.hgetall(keys.gateway_run_metrics(model_id)), deadline_s=0,
+                       what="reading a run's metrics")
+        found = []
+        for field, value in raw.items():
+            point = json.loads(value)
+            point["seq_id"] = int(field)
+            found.append(point)
+        return sorted(found, key=lambda p: p["seq_id"])

@@ -1,0 +1,229 @@
+"""The tenants' web console (gateway/console.py) in a real headless chromium, against a real gateway, worker and Redis.
+
+A run trained by the official SDK through the gateway; the SDK's own console link (tinkerq.sdk_console) opens it;
+the browser signs in with the key typed into the form and shows the run's loss curve: the plotted values are the
+losses the SDK got, the first one equal to a plain torch forward of the base model (a fresh LoRA adds nothing).
+A second tenant signed in sees none of it. Chromium is driven over the DevTools protocol on a pipe
+(--remote-debugging-pipe: JSON messages ending in NUL on fds 3 and 4), so no client library is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+
+from tests.conftest import start_named_worker
+from tests.helpers import load_reference, make_batch, reference_loss
+from tests.test_gateway import ADAM, NAME, sdk_batch, start_gateway
+from tinkerq.settings import Settings
+from tinkerq.tenants import ApiKeys
+
+tinker = pytest.importorskip("tinker")
+
+pytestmark = pytest.mark.timeout(420)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "console.png"
+
+
+@pytest.fixture(scope="module")
+def gateway_url(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("console-logs")
+    worker = start_named_worker(model_dir, redis_url, NAME, logs / "worker.log",
+                                env={"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)})
+    gateway, url = start_gateway(redis_url, logs / "gateway.log")
+    yield url
+    for proc in (gateway, worker):
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def api_keys(redis_url: str) -> Iterator[dict[str, str]]:
+    keys = ApiKeys.open(Settings(broker_url=redis_url))
+    yield {tenant: keys.create(f"{tenant}-console-{uuid.uuid4().hex[:6]}") for tenant in ("alice", "bob")}
+    keys.close()
+
+
+@pytest.fixture(scope="module")
+def trained(gateway_url: str, api_keys: dict[str, str], model_dir: Path) -> dict[str, Any]:
+    """Alice's LoRA run: four forward_backward + optim_step on one batch through the SDK, and a save_state."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    service = tinker.ServiceClient(base_url=gateway_url, api_key=api_keys["alice"])
+    tc = service.create_lora_training_client(NAME, rank=4, seed=7).result(timeout=120)
+    rng = np.random.default_rng(11)
+    batches = [make_batch(rng, 3, max_len=20)] * 4  # one batch, learnt: a loss curve that goes down
+    losses = []
+    for batch in batches:
+        losses.append(tc.forward_backward(sdk_batch(batch), "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(tinker.AdamParams(**ADAM)).result()
+    saved = tc.save_state("console-ckpt").result().path
+    base = float(reference_loss(load_reference(model_dir), batches[0]).detach())
+    return {"tc": tc, "losses": losses, "saved": saved, "base_loss": base}
+
+
+def test_console_json_is_per_key(gateway_url, api_keys, trained):
+    run_id = trained["tc"].model_id
+
+    def get(path: str, key: str | None) -> requests.Response:
+        return requests.get(f"{gateway_url}{path}", headers={} if key is None else {"X-API-Key": key}, timeout=30)
+
+    page = get("/console", None)  # the page itself is public; every number on it comes from keyed JSON
+    assert page.status_code == 200 and "sign-in" in page.text and "script-src 'self'" in page.headers[
+        "content-security-policy"]
+    assert get(f"/console/training_runs/{run_id}", None).text == page.text
+    assert get("/console/static/console.py", None).status_code == 404  # only the page's own two files
+    assert get("/console/static/..%2Fconsole.py", None).text == page.text  # a path is a view name, never a file
+    assert get("/api/v1/console/overview", None).status_code == 401
+
+    alice = get("/api/v1/console/overview", api_keys["alice"]).json()
+    assert [r["training_run_id"] for r in alice["training_runs"]] == [run_id]
+    assert alice["quota"]["in_use"]["max_training_clients"] == 1 and alice["usage"]["totals"]["training_tokens"] > 0
+    assert alice["storage"]["checkpoints"] == 1 and alice["queue"]["waiting"] == 0
+    assert {"base_model": NAME, "role": "trainer", "count": 1} in alice["queue"]["workers"]
+    points = get(f"/api/v1/console/training_runs/{run_id}/metrics", api_keys["alice"]).json()["points"]
+    assert [p["metrics"]["loss:sum"] for p in points if p["op"] == "forward_backward"] == trained["losses"]
+    assert [p["op"] for p in points] == ["forward_backward", "optim_step"] * 4
+
+    bob = get("/api/v1/console/overview", api_keys["bob"]).json()
+    assert bob["training_runs"] == [] and bob["sessions"] == [] and bob["storage"]["checkpoints"] == 0
+    assert get(f"/api/v1/console/training_runs/{run_id}/metrics", api_keys["bob"]).status_code == 404
+
+
+class Chromium:
+    """Headless chromium driven over the DevTools protocol on a pipe: one page, JS evaluated in it."""
+
+    def __init__(self, profile: Path) -> None:
+        to_chrome, self._out = os.pipe()
+        self._in, from_chrome = os.pipe()
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--window-size=1280,1000", "--remote-debugging-pipe", "about:blank"]
+        # chromium reads commands on fd 3 and writes on fd 4
+        self.proc = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{to_chrome} 4>&{from_chrome}', CHROMIUM,
+                                      *flags], pass_fds=(to_chrome, from_chrome), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        os.close(to_chrome)
+        os.close(from_chrome)
+        self._replies: dict[int, dict] = {}
+        self._ready = threading.Condition()
+        self._next = 0
+        threading.Thread(target=self._read, daemon=True).start()
+        targets = self.call("Target.getTargets")["targetInfos"]
+        page = next(t["targetId"] for t in targets if t["type"] == "page")
+        self.session = self.call("Target.attachToTarget", targetId=page, flatten=True)["sessionId"]
+
+    def _read(self) -> None:
+        buffer = b""
+        while chunk := os.read(self._in, 1 << 16):
+            buffer += chunk
+            *messages, buffer = buffer.split(b"\0")
+            for raw in messages:
+                message = json.loads(raw)
+                if "id" in message:
+                    with self._ready:
+                        self._replies[message["id"]] = message
+                        self._ready.notify_all()
+
+    def call(self, method: str, session: str | None = None, **params: Any) -> dict:
+        self._next += 1
+        ident = self._next
+        message = {"id": ident, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._out, json.dumps(message).encode() + b"\0")
+        with self._ready:
+            assert self._ready.wait_for(lambda: ident in self._replies, timeout=60), f"no reply to {method}"
+            reply = self._replies.pop(ident)
+        assert "error" not in reply, reply
+        return reply["result"]
+
+    def page(self, method: str, **params: Any) -> dict:
+        return self.call(method, self.session, **params)
+
+    def js(self, expression: str) -> Any:
+        out = self.page("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in out, out
+        return out["result"].get("value")
+
+    def wait_js(self, expression: str, timeout: float = 60) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (value := self.js(expression)):
+            assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+            time.sleep(0.2)
+        return value
+
+    def sign_in(self, key: str) -> None:
+        """Type ``key`` into the form and submit it, as a user does."""
+        self.wait_js("document.readyState === 'complete' && !document.getElementById('sign-in').hidden")
+        self.js("document.getElementById('api-key').focus()")
+        self.page("Input.insertText", text=key)
+        self.js("document.querySelector('#sign-in button').click()")
+        self.wait_js("document.body.dataset.tenant")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        os.close(self._out)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)")
+def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
+    from tinkerq.sdk_console import use_gateway_console
+
+    tc = trained["tc"]
+    assert use_gateway_console(gateway_url) == f"{gateway_url}/console"
+    link = tc.get_console_url()
+    assert link == f"{gateway_url}/console/training_runs/{tc.model_id}"
+
+    browser = Chromium(tmp_path / "profile")
+    try:
+        browser.page("Page.navigate", url=link)
+        browser.sign_in(api_keys["alice"])
+        run = f'document.querySelector(\'details[data-run-id="{tc.model_id}"]\')'
+        browser.wait_js(f"{run} && {run}.open && {run}.dataset.ready")
+        chart = f"{run}.querySelector('svg[data-series=\"forward_backward loss:sum\"]')"
+        plotted = json.loads(browser.js(f"{chart}.dataset.values"))
+        assert plotted == trained["losses"] and plotted[-1] < plotted[0]  # the SDK's own numbers, as JSON carries
+        assert plotted[0] == pytest.approx(trained["base_loss"], rel=1e-4)  # and the first is a plain torch forward
+        assert len(browser.js(f"{chart}.querySelector('polyline').getAttribute('points')").split()) == 4
+        points = requests.get(f"{gateway_url}/api/v1/console/training_runs/{tc.model_id}/metrics", timeout=30,
+                              headers={"X-API-Key": api_keys["alice"]}).json()["points"]
+        series = sorted({f"{p['op']} {name}" for p in points for name in p["metrics"]})
+        assert sorted(browser.js(f"[...{run}.querySelectorAll('svg.chart')].map(c => c.dataset.series)")) == series
+        assert browser.js(f"{run}.querySelector('tr[data-checkpoint]').dataset.checkpoint") == trained["saved"]
+        # The key is in this tab's sessionStorage, nowhere else the page could leak it.
+        assert browser.js("sessionStorage.getItem('tinkerq-console-key')") == api_keys["alice"]
+        assert browser.js("document.cookie") == "" and api_keys["alice"] not in browser.js("location.href")
+
+        size = browser.page("Page.getLayoutMetrics")["cssContentSize"]  # the whole page, not the scrolled view
+        shot = browser.page("Page.captureScreenshot", format="png", captureBeyondViewport=True, clip={
+            "x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1})["data"]
+        png = tmp_path / "console.png"
+        png.write_bytes(base64.b64decode(shot))
+        assert png.read_bytes()[:4] == b"\x89PNG"
+        if not SCREENSHOT.exists():  # docs/gateway.md's screenshot; refreshed by deleting it and running this test
+            shutil.copy(png, SCREENSHOT)
+
+        # Bob, in the same tab after signing out, on the link to Alice's run: nothing of hers.
+        browser.js("document.getElementById('sign-out').click()")
+        assert browser.js("document.getElementById('console').textContent.includes('train:')") is False
+        assert browser.js("sessionStorage.length") == 0
+        browser.sign_in(api_keys["bob"])
+        browser.wait_js("document.querySelector('#runs .body p') !== null")
+        assert browser.js("document.querySelector('#runs .body').textContent") == "No training runs yet."
+        text = browser.js("document.body.innerText")
+        assert tc.model_id not in text and trained["saved"] not in text and tc.model_id.split(":")[0] not in text
+        assert browser.js("document.querySelectorAll('svg[data-series^=\"forward_backward\"]').length") == 0
+    finally:
+        browser.close()
