@@ -28,6 +28,7 @@ from tinkerq.gateway import proto
 from tinkerq.gateway.futures import Answer, Waiting
 from tinkerq.gateway.records import TinkerPath, checkpoint_record
 from tinkerq.gateway.run_metrics import PLOTTED_OPS
+from tinkerq.gateway.sample_options import target_layout
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ class Jobs:
             await asyncio.to_thread(gw.end_sample, tenant, request_id)
         sampled = sum(len(s.tokens) for s in out.sequences)
         cached = int(getattr(out, "prompt_cache_hit_tokens", 0) or 0)
-        return Answer(proto=proto.encode_sample_response(out), usage=usage_of(
+        return Answer(proto=proto.encode_sample_response(out, target_layout(job["request"])), usage=usage_of(
             tenant, sampler.record.get("session_id", ""), {
                 usage.request_counter("sample"): 1, "prefill_tokens": prompt.length - cached,
                 "cached_prefill_tokens": cached, "sampled_tokens": sampled}))

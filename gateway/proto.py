@@ -325,12 +325,14 @@ def _int32_tokens(where: str, tokens: object) -> bytes:
     return array.astype(_TOKEN).tobytes()
 
 
-def encode_sample_response(resp: types.SampleResponse) -> bytes:
+def encode_sample_response(resp: types.SampleResponse,
+                           target_layout: tuple[list[int], list[int]] | None = None) -> bytes:
     """Our sample result as the SampleResponse protobuf the SDK decodes (response_conv).
 
     Every sequence carries its logprobs: the SDK user (the cookbook's RL loops) reads them, so a sequence
     without them is a server bug, raised here rather than sent on. Sequence ids are not in the proto: the SDK
-    stamps them from the asample promise.
+    stamps them from the asample promise. ``target_layout``: the CSR indices (crow, col) of a sparse
+    target_prompt_logprobs request, whose answer has the same layout.
     """
     msg = pb.SampleResponse()
     for i, seq in enumerate(resp.sequences):
@@ -347,10 +349,43 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
             tokens=_int32_tokens(where, seq.tokens),
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         ))
+        if seq.topk_logprobs is not None:
+            msg.sequences[-1].topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs))
     if resp.prompt_logprobs is not None:
         # None (position 0 has no context) travels as NaN; the SDK turns NaN back into None.
         values = [math.nan if lp is None else float(lp) for lp in resp.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(resp.topk_prompt_logprobs))
+    if resp.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_tensor(resp.target_prompt_logprobs.to_numpy(), target_layout))
+    if resp.prompt_alt_tokens is not None:
+        alt = resp.prompt_alt_tokens
+        msg.prompt_alt_tokens.tokens.CopyFrom(_dense_tensor(alt.tokens.to_numpy().astype(_TOKEN), pb.DTYPE_INT32))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense_tensor(alt.logprobs.to_numpy().astype("<f4"), pb.DTYPE_FLOAT32))
     # The prompt tokens a prompt cache served (the cookbook's cost estimate reads it): 0, there is no cache yet.
     msg.prompt_cache_hit_tokens = int(getattr(resp, "prompt_cache_hit_tokens", 0) or 0)
     return msg.SerializeToString()
+
+
+def _topk(topk: types.TopkLogprobs) -> pb.TopkLogprobs:
+    """Tinker's dense N x k matrices, row-major (empty cells are already the sentinel 0 / -99999.0)."""
+    n, k = topk.token_ids.shape
+    return pb.TopkLogprobs(token_ids=np.ascontiguousarray(topk.token_ids, dtype=_TOKEN).tobytes(),
+                           logprobs=np.ascontiguousarray(topk.logprobs, dtype="<f4").tobytes(), k=k, length=n)
+
+
+def _dense_tensor(array: np.ndarray, dtype: pb.DType.ValueType) -> pb.Tensor:
+    return pb.Tensor(dense=np.ascontiguousarray(array).tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+def _target_tensor(values: np.ndarray, layout: tuple[list[int], list[int]] | None) -> pb.Tensor:
+    """The target logprobs (L - 1, K) float32, dense, or in the request's CSR layout (the listed cells only)."""
+    values = np.asarray(values, dtype="<f4")
+    if layout is None:
+        return _dense_tensor(values, pb.DTYPE_FLOAT32)
+    crow, col = np.asarray(layout[0], dtype="<i8"), np.asarray(layout[1], dtype="<i8")
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    return pb.Tensor(sparse_csr=pb.SparseCsr(values=values[rows, col].tobytes(), crow_indices=crow.tobytes(),
+                                             col_indices=col.tobytes()),
+                     dtype=pb.DTYPE_FLOAT32, shape=list(values.shape))

@@ -39,6 +39,7 @@ from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
 from tinkerq.gateway.run_metrics import RunMetrics
+from tinkerq.gateway.sample_options import STABILITY_REFUSAL, sample_options
 from tinkerq.gateway.signing import Signer
 from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.sampling import SamplingClient
@@ -565,18 +566,16 @@ class Gateway:
 
     def sample_request(self, body: dict[str, Any]) -> tuple[types.ModelInput, types.SamplingParams, dict[str, Any]]:
         """The prompt, parameters and options of an asample body; HTTPError 400 when malformed or unsupported."""
-        for option, default in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
-                                ("target_prompt_logprobs", None), ("record_stability_info", False)):
-            if body.get(option) not in (default, None):
-                raise HTTPError(400, f"{option} is not supported by this server; leave it at its default "
-                                     f"(record_stability_info is for stable_reinforce: use importance_sampling)")
+        if body.get("record_stability_info"):
+            raise HTTPError(400, STABILITY_REFUSAL)
         try:
             prompt = _model_input(body.get("prompt"))
             params = _sampling_params(body.get("sampling_params"))
+            options = sample_options(body)  # top-k, target and alternative tokens (gateway/sample_options.py)
         except (KeyError, TypeError, ValueError) as exc:
             raise HTTPError(400, f"malformed sample request: {exc}") from None
         return prompt, params, {"include_prompt_logprobs": bool(body.get("prompt_logprobs")),
-                                "prompt_logprobs_last_n": body.get("prompt_logprobs_last_n")}
+                                "prompt_logprobs_last_n": body.get("prompt_logprobs_last_n"), **options}
 
     def end_sample(self, tenant: str, request_id: str) -> None:
         self.quotas.end_sample(tenant, request_id)

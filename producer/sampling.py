@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 from tinkerq import keys, types
 from tinkerq.errors import ServerError, TinkerqError, UnknownModelError, UserError
 from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
-from tinkerq.validation import validate_sampling
+from tinkerq.validation import PromptOptions, validate_prompt_options, validate_sampling
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
@@ -72,21 +72,27 @@ class SamplingClient:
         """``num_samples`` completions of ``prompt``: tokens, per-token logprobs and why each stopped.
 
         ``include_prompt_logprobs``: also ``prompt_logprobs``, log p(prompt[i] | prompt[:i]) at every position
-        (None at 0); ``prompt_logprobs_last_n``: only the last N of them (earlier entries None). Tinker's
-        top-k, target-token and alternative-token options are not served: a non-default one is refused.
+        (None at 0); ``prompt_logprobs_last_n``: only the last N of them (earlier entries None, and likewise the
+        top-k rows). Tinker's per-position options, as its SDK defines them (log p at temperature 1):
+        ``topk_prompt_logprobs=k`` (the k most likely tokens at every prompt position), ``topk_sample_logprobs=k``
+        (at every sampled position, in each sequence's ``topk_logprobs``), ``target_prompt_logprobs`` (a
+        (len(prompt) - 1, K) tensor of token ids, -1 for none: row i is scored at prompt position i + 1) and
+        ``prompt_alt_tokens_k=k`` (k draws at the request's temperature per prompt position after the first).
         """
         prompt = types.as_model_input(prompt)  # a tinker.ModelInput / SamplingParams works too
         params = types.as_sampling_params(sampling_params) or types.SamplingParams()
         s = self.service.settings
+        options = PromptOptions(topk_prompt=topk_prompt_logprobs, topk_sample=topk_sample_logprobs,
+                                targets=types.target_ids(target_prompt_logprobs), alt_k=prompt_alt_tokens_k)
         try:
-            _check_unsupported(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
-                               prompt_alt_tokens_k)
             validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                               max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
+            validate_prompt_options(options, prompt.length, params.max_tokens, vocab_size=self.vocab_size)
             _check_last_n(prompt_logprobs_last_n, include_prompt_logprobs, prompt.length)
             # Asked only when wanted, so a plain sample request stays what it always was on the wire.
             extra = {"prompt_logprobs": True} if include_prompt_logprobs else {}
-            body = codec.packb(messages.encode_sample_request(self.source, prompt, num_samples, params, **extra))
+            body = codec.packb(messages.encode_sample_request(self.source, prompt, num_samples, params,
+                                                              options=options, **extra))
             self.service.connection.claim_check().check_size(len(body))
             record = self.service._sampling_workers.pick(self.base_model, exclude=())
         except TinkerqError as exc:
@@ -111,9 +117,10 @@ class SamplingClient:
             argsrepr=f"prompt_tokens={prompt.length} num_samples={num_samples} max_tokens={params.max_tokens}",
             describe=f"sample ({prompt.length} prompt tokens x {num_samples})",
         )
-        if not include_prompt_logprobs:
+        if not include_prompt_logprobs and not options.topk_sample and not options.asks_prompt():
             return future
-        return MappedFuture(future, lambda response: _with_prompt_logprobs(response, prompt_logprobs_last_n))
+        return MappedFuture(future, lambda response: _with_prompt_answers(response, include_prompt_logprobs, options,
+                                                                          prompt_logprobs_last_n))
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int = 1,
                            sampling_params: types.SamplingParams | None = None, include_prompt_logprobs: bool = False,
@@ -190,19 +197,6 @@ def _shared_service(broker_url: str | None) -> ServiceClient:
         return _shared_services[broker_url]
 
 
-def _check_unsupported(topk_prompt_logprobs: Any, topk_sample_logprobs: Any, target_prompt_logprobs: Any,
-                       prompt_alt_tokens_k: Any) -> None:
-    """Tinker's sampling options that tinkerq's workers do not compute: refused, never silently dropped."""
-    for name, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs),
-                        ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
-        if value != 0:
-            raise UserError(f"{name}={value!r} is not supported by tinkerq's workers (only 0); "
-                            f"use include_prompt_logprobs, or forward() for per-token logprobs")
-    if target_prompt_logprobs is not None:
-        raise UserError("target_prompt_logprobs is not supported by tinkerq's workers; score chosen tokens with "
-                        "forward() or compute_logprobs() on the prompt that contains them")
-
-
 def _check_last_n(last_n: Any, include_prompt_logprobs: bool, prompt_length: int) -> None:
     if last_n is None:
         return
@@ -213,17 +207,29 @@ def _check_last_n(last_n: Any, include_prompt_logprobs: bool, prompt_length: int
                         f"got {last_n!r}")
 
 
-def _with_prompt_logprobs(response: types.SampleResponse, last_n: int | None) -> types.SampleResponse:
-    """The answer to a request with include_prompt_logprobs: checked, and cut to the last ``last_n`` (here, on
-    the client: the worker computes them all in the same prefill anyway)."""
+def _with_prompt_answers(response: types.SampleResponse, prompt_logprobs: bool, options: PromptOptions,
+                         last_n: int | None) -> types.SampleResponse:
+    """The answer to a request that asked for prompt logprobs or per-position options: checked (a worker that
+    predates an option ignores it), and the prompt's logprobs and top-k cut to the last ``last_n`` (here, on the
+    client: the worker computes them all in the same prefill anyway)."""
+    missing = [name for name, asked, got in (
+        ("prompt logprobs", prompt_logprobs, response.prompt_logprobs),
+        ("topk_prompt_logprobs", options.topk_prompt, response.topk_prompt_logprobs),
+        ("target_prompt_logprobs", options.targets is not None, response.target_prompt_logprobs),
+        ("prompt_alt_tokens", options.alt_k, response.prompt_alt_tokens),
+        ("topk_sample_logprobs", options.topk_sample,
+         all(s.topk_logprobs is not None for s in response.sequences) or None)) if asked and got is None]
+    if missing:
+        raise ServerError(f"the worker returned no {', '.join(missing)}; it may predate that option "
+                          f"(upgrade the fleet's workers)")
     logprobs = response.prompt_logprobs
-    if logprobs is None:
-        raise ServerError("the worker returned no prompt logprobs; it may predate include_prompt_logprobs "
-                          "(upgrade the fleet's workers)")
-    if last_n is not None:
+    if last_n is not None and logprobs is not None:
         keep = len(logprobs) - last_n
         cut: list[float | None] = [None] * keep
         response.prompt_logprobs = cut + list(logprobs[keep:])
+        if response.topk_prompt_logprobs is not None:  # the SDK: last_n applies to the top-k rows too
+            response.topk_prompt_logprobs.token_ids[:keep] = 0
+            response.topk_prompt_logprobs.logprobs[:keep] = types.TOPK_MASK_LOGPROB
     return response
 
 

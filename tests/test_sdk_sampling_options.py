@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,55 @@ def test_stop_none_stops_at_eos_and_an_empty_list_runs_to_max_tokens(eos_model, 
         assert (seq.tokens, seq.stop_reason) == (tokens, reason), f"producer, stop={stop!r}"
     # With stop=[] the EOS token itself is sampled and decoding goes on past it.
     assert eos in continuation[:-1]
+
+
+# -- top-k logprobs ----------------------------------------------------------------------------------------------
+
+
+def log_softmax_rows(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens), V): row i is log p(. | tokens[:i + 1]), from one plain forward (float32, full logits)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+
+
+def check_topk(rows: list, expected: torch.Tensor, k: int, where: str) -> None:
+    """``rows``: per position, k (id, logprob) pairs (the SDK's list form); ``expected``: the positions' log p."""
+    assert len(rows) == expected.shape[0], where
+    for i, (row, lsm) in enumerate(zip(rows, expected, strict=True)):
+        values, ids = lsm.topk(k)
+        assert [t for t, _ in row] == ids.tolist(), f"{where}, position {i}"
+        np.testing.assert_allclose([lp for _, lp in row], values.numpy(), atol=1e-4, err_msg=f"{where}, position {i}")
+
+
+TOPK = dict(topk_prompt_logprobs=5, topk_sample_logprobs=3)
+
+
+def test_topk_prompt_and_sample_logprobs_match_a_plain_forward(reference, sdk_sampler, library_sampler):
+    params = dict(max_tokens=6, temperature=1.0, seed=11, stop=[])
+    sdk_out = sdk_sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, tinker.SamplingParams(**params),
+                                 include_prompt_logprobs=True, **TOPK).result(timeout=120)
+    lib_out = library_sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(**params),
+                                     include_prompt_logprobs=True, **TOPK).result(timeout=120)
+    prompt_lsm = log_softmax_rows(reference, PROMPT)[:-1]  # row i predicts PROMPT[i + 1]
+    for name, topk_prompt, sequences in (
+            ("SDK", sdk_out.topk_prompt_logprobs, [(s.tokens, s.topk_logprobs) for s in sdk_out.sequences]),
+            ("producer", lib_out.topk_prompt_logprobs.to_lists(),
+             [(s.tokens, s.topk_logprobs.to_lists()) for s in lib_out.sequences])):
+        assert topk_prompt[0] is None, name  # nothing predicts the first prompt token
+        check_topk(topk_prompt[1:], prompt_lsm, 5, f"{name} topk_prompt_logprobs")
+        for j, (tokens, topk) in enumerate(sequences):
+            assert len(tokens) == params["max_tokens"]
+            full = log_softmax_rows(reference, PROMPT + list(tokens))
+            check_topk(topk, full[len(PROMPT) - 1:-1], 3, f"{name} sequence {j} topk_logprobs")
+    # The same numbers the plain prompt logprobs are: the top-1 bounds them from above.
+    for i, lp in enumerate(sdk_out.prompt_logprobs[1:]):
+        assert lp <= sdk_out.topk_prompt_logprobs[i + 1][0][1] + 1e-6
+
+
+def test_prompt_logprobs_last_n_also_cuts_the_top_k_rows(reference, sdk_sampler):
+    out = sdk_sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=1),
+                             include_prompt_logprobs=True, prompt_logprobs_last_n=3,
+                             topk_prompt_logprobs=4).result(timeout=120)
+    cut = len(PROMPT) - 3
+    assert out.topk_prompt_logprobs[:cut] == [None] * cut
+    check_topk(out.topk_prompt_logprobs[cut:], log_softmax_rows(reference, PROMPT)[cut - 1:-1], 4, "last_n")

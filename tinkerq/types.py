@@ -252,6 +252,35 @@ class SamplingParams:
     top_p: float = 1.0
 
 
+# An empty cell of a TopkLogprobs (Tinker's sentinel): token id 0 with this logprob.
+TOPK_MASK_LOGPROB = -99999.0
+
+
+@dataclass
+class TopkLogprobs:
+    """The k most likely tokens at each of N positions, most likely first (Tinker's ``TopkLogprobs``): log p at
+    temperature 1, as ``logprobs`` are. A position with nothing computed is a row of sentinels (id 0,
+    TOPK_MASK_LOGPROB)."""
+
+    token_ids: np.ndarray  # (N, k) int32
+    logprobs: np.ndarray  # (N, k) float32
+
+    def to_lists(self) -> list[list[tuple[int, float]] | None]:
+        """Per position: k (token id, logprob) pairs, or None where nothing was computed (the SDK's list form)."""
+        return [None if row_ids.size and row_ids[0] == 0 and row_lps[0] == TOPK_MASK_LOGPROB
+                else list(zip(row_ids.tolist(), row_lps.tolist(), strict=True))
+                for row_ids, row_lps in zip(self.token_ids, self.logprobs, strict=True)]
+
+
+@dataclass
+class PromptAltTokens:
+    """Tinker's ``prompt_alt_tokens``: row i holds k independent draws, at the request's temperature, from the
+    model's distribution over prompt token i + 1, and their log p (temperature 1); both (len(prompt) - 1, k)."""
+
+    tokens: TensorData  # int64
+    logprobs: TensorData  # float32
+
+
 @dataclass
 class SampledSequence:
     stop_reason: Literal["stop", "length"]
@@ -259,6 +288,8 @@ class SampledSequence:
     # log p(token) under the sampled weights at temperature 1: what ``forward`` computes for the same tokens.
     logprobs: list[float] | None = None
     sequence_id: str | None = None  # set by the HTTP gateway's clients (Tinker's sample_sequence_ids)
+    # With topk_sample_logprobs=k: the k most likely tokens at each sampled position, (len(tokens), k).
+    topk_logprobs: TopkLogprobs | None = None
 
 
 @dataclass
@@ -266,6 +297,13 @@ class SampleResponse:
     sequences: list[SampledSequence]
     # With include_prompt_logprobs: log p(prompt[i] | prompt[:i]) for every prompt position, None at 0.
     prompt_logprobs: list[float | None] | None = None
+    # With topk_prompt_logprobs=k: the k most likely tokens at every prompt position, (len(prompt), k), row 0 empty.
+    topk_prompt_logprobs: TopkLogprobs | None = None
+    # With target_prompt_logprobs=ids ((len(prompt) - 1, K) int64): log p(ids[i, j] | prompt[:i + 1]), float32 of
+    # the same shape, 0.0 where ids has -1.
+    target_prompt_logprobs: TensorData | None = None
+    # With prompt_alt_tokens_k=k: k draws per prompt position after the first.
+    prompt_alt_tokens: PromptAltTokens | None = None
 
 
 
@@ -293,6 +331,30 @@ def as_datum(obj: Any) -> Any:
     if isinstance(obj, Datum) or not hasattr(obj, "model_input") or not isinstance(inputs, Mapping):
         return obj
     return Datum(model_input=as_model_input(obj.model_input), loss_fn_inputs=dict(inputs))
+
+
+def target_ids(obj: Any) -> Any:
+    """Tinker's ``target_prompt_logprobs`` as a dense (len(prompt) - 1, K) int64 array, -1 in the cells a sparse
+    CSR tensor leaves out: from a numpy array, our TensorData, the SDK's TensorData (dense or CSR: ``data``,
+    ``shape``, ``sparse_crow_indices``, ``sparse_col_indices``) or a torch tensor. Anything else is returned
+    unchanged (validation refuses it)."""
+    if obj is None or isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, TensorData):
+        return obj.to_numpy()
+    crow, col = getattr(obj, "sparse_crow_indices", None), getattr(obj, "sparse_col_indices", None)
+    data, shape = getattr(obj, "data", None), getattr(obj, "shape", None)
+    try:
+        values = np.asarray(data, dtype=np.int64).reshape(-1)  # (a CPU torch tensor's .data converts too)
+        if crow is None:
+            return values.reshape(tuple(shape)) if shape is not None else values
+        dense = np.full(tuple(shape), -1, dtype=np.int64)
+        crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+        rows = np.repeat(np.arange(len(crow_a) - 1), np.diff(crow_a))
+        dense[rows, col_a] = values
+        return dense
+    except (TypeError, ValueError, IndexError):
+        return obj
 
 
 def as_sampling_params(obj: Any) -> Any:

@@ -277,6 +277,64 @@ def validate_sampling(prompt: Any, num_samples: Any, params: Any, *, vocab_size:
     raise ValidationError("SamplingParams.stop must be all (non-empty) strings or all token ids, not a mix")
 
 
+# Tinker's per-position sampling options (topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+# prompt_alt_tokens_k): the width of one position's answer, and positions x width per request. Both bound what a
+# request makes the worker copy to the CPU and send back, as Tinker bounds a top-k width.
+MAX_TOPK = 1024
+MAX_SCORED_CELLS = 1 << 22
+
+
+@dataclass
+class PromptOptions:
+    """Tinker's top-k, target-token and alternative-token options of one sample request (0 / None: not asked)."""
+
+    topk_prompt: int = 0  # topk_prompt_logprobs
+    topk_sample: int = 0  # topk_sample_logprobs
+    targets: np.ndarray | None = None  # target_prompt_logprobs, dense (len(prompt) - 1, K) int64, -1 = no cell
+    alt_k: int = 0  # prompt_alt_tokens_k
+
+    def asks_prompt(self) -> bool:
+        """Whether the prefill has to score the prompt for these options."""
+        return bool(self.topk_prompt or self.alt_k or self.targets is not None)
+
+
+def validate_prompt_options(options: PromptOptions, prompt_length: int, max_tokens: int | None, *,
+                            vocab_size: int | None = None) -> None:
+    """Raise ValidationError for the first problem in a sample request's top-k / target / alternative options."""
+    width = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
+    for name, k in (("topk_prompt_logprobs", options.topk_prompt), ("topk_sample_logprobs", options.topk_sample)):
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= width:
+            raise ValidationError(f"{name} must be an integer from 0 (off) to {width}, got {k!r}")
+    k = options.alt_k
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValidationError(f"prompt_alt_tokens_k must be an integer >= 0 (0: off), got {k!r}")
+    for name, cells in (("topk_prompt_logprobs", prompt_length * options.topk_prompt),
+                        ("topk_sample_logprobs", (max_tokens or 0) * options.topk_sample),
+                        ("prompt_alt_tokens_k", prompt_length * k)):
+        if cells > MAX_SCORED_CELLS:
+            raise ValidationError(f"{name}: {cells} (positions x k) is over this server's limit of "
+                                  f"{MAX_SCORED_CELLS}; ask for a smaller k or a shorter request")
+    if (options.topk_prompt or k or options.targets is not None) and prompt_length < 2:
+        raise ValidationError("top-k, target and alternative prompt tokens need a prompt of at least 2 tokens "
+                              "(position 0 has no preceding context)")
+    ids = options.targets
+    if ids is None:
+        return
+    if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ValidationError("target_prompt_logprobs must be a 2-D int64 tensor of token ids, [len(prompt) - 1, K]")
+    if ids.shape[0] != prompt_length - 1:
+        raise ValidationError(f"target_prompt_logprobs has {ids.shape[0]} rows; it needs exactly len(prompt) - 1 = "
+                              f"{prompt_length - 1} (row i is scored at prompt position i + 1)")
+    named = ids[ids != -1]
+    if named.size == 0:
+        raise ValidationError("target_prompt_logprobs names no token id (every cell is -1); name at least one")
+    _check_ids("target_prompt_logprobs (-1 marks an empty cell)", named, vocab_size)
+    distinct = int(np.unique(named).size)
+    if prompt_length * distinct > MAX_SCORED_CELLS:
+        raise ValidationError(f"target_prompt_logprobs: len(prompt) x distinct ids = {prompt_length * distinct} is "
+                              f"over this server's limit of {MAX_SCORED_CELLS}")
+
+
 # A checkpoint's ttl_seconds: at most about ten years (anything larger is more likely a unit mistake than a wish).
 MAX_CHECKPOINT_TTL_S = 10 * 365 * 24 * 3600
 

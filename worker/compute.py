@@ -316,6 +316,7 @@ class ComputeLoop:
         timing = queue_wait(request.envelope, started)
         ref = request.envelope.get("payload")
         prompt_logprobs: list[Any] = []
+        prompt_scores: list[Any] = []
 
         def done(sequences: Any, error: BaseException | None) -> None:
             outcome: Outcome
@@ -323,7 +324,7 @@ class ComputeLoop:
                 tokens = sum(len(seq.tokens) for seq in sequences)
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
-                outcome = ("ok", sample_response(sequences, prompt_logprobs), timing)
+                outcome = ("ok", sample_response(sequences, prompt_logprobs, prompt_scores), timing)
             elif isinstance(error, TinkerqError):
                 outcome = ("error", error.to_wire(), timing)
             else:
@@ -336,7 +337,8 @@ class ComputeLoop:
             service.claim_check.discard(ref)
 
         try:
-            job, _ = service.operations.sample_job(service.decode(ref), done, prompt_logprobs)
+            job, _ = service.operations.sample_job(service.decode(ref), done, prompt_logprobs,
+                                                         prompt_scores)
             service.engine.submit(job)
         except TinkerqError as exc:
             if isinstance(exc, MalformedMessageError):

@@ -22,6 +22,7 @@ from tinkerq.validation import (
     Limits,
     validate_adam,
     validate_loss_request,
+    validate_prompt_options,
     validate_sampling,
     validate_ttl_seconds,
 )
@@ -167,21 +168,27 @@ class Operations:
         sampler_id = self.snapshots.add(session.snapshot(), session.model_id)
         return codec.packb({"sampler_id": sampler_id}), 0
 
-    def sample_job(self, body: Any, on_done: Callable[..., None],
-                   prompt_logprobs: list[Any]) -> tuple[SampleJob, int]:
-        """A checked sample request as a job for the sampling engine, and its prompt length."""
+    def sample_job(self, body: Any, on_done: Callable[..., None], prompt_logprobs: list[Any],
+                   prompt_scores: list[Any] | None = None) -> tuple[SampleJob, int]:
+        """A checked sample request as a job for the sampling engine, and its prompt length. The prompt's logprobs
+        and its top-k / target / alternative-token answers, when asked, are appended to the two lists."""
         request = messages.decode_sample_request(body)
         prompt, num_samples, params = request.prompt, request.num_samples, request.params
         s = self.settings
         validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                           max_num_samples=s.max_num_samples, max_tokens=s.max_sample_tokens)
         max_tokens = params.max_tokens or min(self.max_seq_len - prompt.length, s.max_sample_tokens)
+        options = request.options
+        validate_prompt_options(options, prompt.length, max_tokens, vocab_size=self.vocab_size)
+        scores = prompt_scores if prompt_scores is not None else []
         memory.admit_sample(self.model, s, prompt.length, max_tokens, num_samples)
         key, model, adapter = self.snapshots.resolve(request.source)
         stop = StopRule(params.stop, self._default_stop_ids(), self._tokenizer_for(params.stop))
         job = SampleJob(model=model, model_key=key, prompt=prompt.to_ints(), num_samples=num_samples,
                         params=params, stop=stop, max_tokens=max_tokens, on_done=on_done, adapter=adapter,
-                        on_prompt_logprobs=prompt_logprobs.append if request.prompt_logprobs else None)
+                        on_prompt_logprobs=prompt_logprobs.append if request.prompt_logprobs else None,
+                        options=options if options.topk_sample or options.asks_prompt() else None,
+                        on_prompt_scores=scores.append if options.asks_prompt() else None)
         return job, prompt.length
 
     def _default_stop_ids(self) -> list[int]:
@@ -211,10 +218,20 @@ def tokens_of(item: LossItem) -> int:
     return sum(d.model_input.length for d in item.data)
 
 
-def sample_response(sequences: list[types.SampledSequence], prompt_logprobs: list[Any]) -> bytes:
+def sample_response(sequences: list[types.SampledSequence], prompt_logprobs: list[Any],
+                    prompt_scores: list[Any] | None = None) -> bytes:
     response = types.SampleResponse(sequences=sequences)
     if prompt_logprobs:
         response.prompt_logprobs = [None, *prompt_logprobs[0][1:].tolist()]
+    if prompt_scores:
+        scores = prompt_scores[0]  # worker/sampling/prompt_scores.PromptScores
+        response.topk_prompt_logprobs = scores.topk
+        if scores.targets is not None:
+            response.target_prompt_logprobs = types.TensorData(scores.targets, "float32")
+        if scores.alt_tokens is not None:
+            response.prompt_alt_tokens = types.PromptAltTokens(
+                tokens=types.TensorData(scores.alt_tokens, "int64"),
+                logprobs=types.TensorData(scores.alt_logprobs, "float32"))
     return codec.packb(messages.encode_sample_response(response))
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from tinkerq import types
 from tinkerq.errors import MalformedMessageError, TinkerqError, error_from_wire
+from tinkerq.validation import PromptOptions
 from tinkerq.wire import codec
 
 WIRE_VERSION = 1
@@ -239,10 +240,13 @@ class SampleRequest:
     params: types.SamplingParams
     # Tinker's include_prompt_logprobs (and compute_logprobs): log p(prompt[i] | prompt[:i]) in the reply too.
     prompt_logprobs: bool = False
+    # Tinker's top-k, target-token and alternative-token options (checked by validate_prompt_options).
+    options: PromptOptions = field(default_factory=PromptOptions)
 
 
 def encode_sample_request(source: dict[str, Any], prompt: types.ModelInput, num_samples: int,
-                          params: types.SamplingParams, *, prompt_logprobs: bool = False) -> dict[str, Any]:
+                          params: types.SamplingParams, *, prompt_logprobs: bool = False,
+                          options: PromptOptions | None = None) -> dict[str, Any]:
     """``source`` names the weights: ``{"snapshot": id}``, ``{"path": dir}`` or ``{"base": True}``."""
     stop: Any = params.stop
     if stop is not None and not isinstance(stop, str):
@@ -254,7 +258,17 @@ def encode_sample_request(source: dict[str, Any], prompt: types.ModelInput, num_
     }
     if prompt_logprobs:  # absent when not asked: the body an older worker understands
         body["prompt_logprobs"] = True
+    if options is not None:  # likewise, each only when asked
+        for name, value in _option_fields(options):
+            if value:
+                body[name] = value
+        if options.targets is not None:
+            body["targets"] = np.asarray(options.targets, dtype=np.int64)
     return body
+
+
+def _option_fields(options: PromptOptions) -> list[tuple[str, int]]:
+    return [("topk_prompt", options.topk_prompt), ("topk_sample", options.topk_sample), ("alt_k", options.alt_k)]
 
 
 def decode_sample_request(body: Any) -> SampleRequest:
@@ -269,8 +283,13 @@ def decode_sample_request(body: Any) -> SampleRequest:
     prompt_logprobs = body.get("prompt_logprobs", False)
     if not isinstance(prompt_logprobs, bool):
         raise MalformedMessageError(f"sample body 'prompt_logprobs' must be true or false, got {prompt_logprobs!r:.80}")
+    targets = body.get("targets")
+    if targets is not None and not isinstance(targets, np.ndarray):
+        raise MalformedMessageError("sample body 'targets' must be an array")
+    options = PromptOptions(topk_prompt=body.get("topk_prompt", 0), topk_sample=body.get("topk_sample", 0),
+                            targets=targets, alt_k=body.get("alt_k", 0))
     return SampleRequest(source, types.ModelInput.from_ints(prompt), body.get("num_samples"),
-                         types.SamplingParams(**params), prompt_logprobs)
+                         types.SamplingParams(**params), prompt_logprobs, options)
 
 
 def check_source(source: Any) -> dict[str, Any]:
@@ -293,7 +312,28 @@ def encode_sample_response(response: types.SampleResponse) -> dict[str, Any]:
     if response.prompt_logprobs is not None:  # (P,) float32; NaN where there is no number (position 0)
         body["prompt_logprobs"] = np.array([np.nan if x is None else x for x in response.prompt_logprobs],
                                            dtype=np.float32)
+    if response.topk_prompt_logprobs is not None:
+        body["topk_prompt"] = _encode_topk(response.topk_prompt_logprobs)
+    if response.target_prompt_logprobs is not None:
+        body["targets"] = np.asarray(response.target_prompt_logprobs.to_numpy(), dtype=np.float32)
+    if response.prompt_alt_tokens is not None:
+        alt = response.prompt_alt_tokens
+        body["alt"] = {"tokens": np.asarray(alt.tokens.to_numpy(), dtype=np.int64),
+                       "logprobs": np.asarray(alt.logprobs.to_numpy(), dtype=np.float32)}
     return body
+
+
+def _encode_topk(topk: types.TopkLogprobs) -> dict[str, Any]:
+    return {"ids": np.asarray(topk.token_ids, dtype=np.int32), "logprobs": np.asarray(topk.logprobs, dtype=np.float32)}
+
+
+def _decode_topk(raw: Any) -> types.TopkLogprobs | None:
+    if raw is None:
+        return None
+    ids, lps = raw["ids"], raw["logprobs"]
+    if not isinstance(ids, np.ndarray) or not isinstance(lps, np.ndarray) or ids.ndim != 2 or ids.shape != lps.shape:
+        raise ValueError("top-k logprobs must be two (N, k) arrays of one shape")
+    return types.TopkLogprobs(token_ids=np.array(ids, dtype=np.int32), logprobs=np.array(lps, dtype=np.float32))
 
 
 def _encode_sequence(s: types.SampledSequence) -> dict[str, Any]:
@@ -301,6 +341,8 @@ def _encode_sequence(s: types.SampledSequence) -> dict[str, Any]:
                            "logprobs": None if s.logprobs is None else np.asarray(s.logprobs, dtype=np.float32)}
     if s.sequence_id is not None:
         out["sequence_id"] = s.sequence_id
+    if s.topk_logprobs is not None:
+        out["topk"] = _encode_topk(s.topk_logprobs)
     return out
 
 
@@ -311,11 +353,18 @@ def decode_sample_response(body: Any) -> types.SampleResponse:
                 stop_reason=s["stop_reason"], tokens=[int(t) for t in s["tokens"]],
                 logprobs=None if s["logprobs"] is None else [float(x) for x in s["logprobs"]],
                 sequence_id=None if s.get("sequence_id") is None else str(s["sequence_id"]),
+                topk_logprobs=_decode_topk(s.get("topk")),
             )
             for s in body["sequences"]
         ]
-        return types.SampleResponse(sequences=sequences,
-                                    prompt_logprobs=_decode_prompt_logprobs(body.get("prompt_logprobs")))
+        targets, alt = body.get("targets"), body.get("alt")
+        return types.SampleResponse(
+            sequences=sequences, prompt_logprobs=_decode_prompt_logprobs(body.get("prompt_logprobs")),
+            topk_prompt_logprobs=_decode_topk(body.get("topk_prompt")),
+            target_prompt_logprobs=None if targets is None else types.TensorData(targets, "float32"),
+            prompt_alt_tokens=None if alt is None else types.PromptAltTokens(
+                tokens=types.TensorData(alt["tokens"], "int64"), logprobs=types.TensorData(alt["logprobs"], "float32")),
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise MalformedMessageError(f"sample result is malformed: {exc}") from exc
 

@@ -66,7 +66,7 @@ class ChunkedTargetLogprobs(torch.autograd.Function):
         states = []
         for start in range(0, n, chunk_tokens):
             stop = min(start + chunk_tokens, n)
-            logits = _logits(hidden, weight, low, low_weight, start, stop)  # (C, V)
+            logits = chunk_logits(hidden, weight, low, low_weight, start, stop)  # (C, V)
             out[start:stop], state = kernel.forward(logits, targets[start:stop])
             states.append(state)
             del logits
@@ -91,7 +91,7 @@ class ChunkedTargetLogprobs(torch.autograd.Function):
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_tokens)):
             stop = min(start + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[start:stop]
-            logits = _logits(hidden, weight, low, low_weight, start, stop)  # (C, V), recomputed
+            logits = chunk_logits(hidden, weight, low, low_weight, start, stop)  # (C, V), recomputed
             g = ctx.kernel.grad_logits(logits, targets[start:stop], ctx.states[i], grad_out[start:stop])
             del logits
             if grad_h is not None:
@@ -107,7 +107,7 @@ class ChunkedTargetLogprobs(torch.autograd.Function):
                 grad_low, (grad_lw.to(low_weight.dtype) if grad_lw is not None else None))
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None, low_weight: torch.Tensor | None,
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None, low_weight: torch.Tensor | None,
             start: int, stop: int) -> torch.Tensor:
     logits = hidden[start:stop] @ weight.t()  # (C, V)
     if low is not None and low_weight is not None:

@@ -278,6 +278,7 @@ class Group:
         self.py_stop: list[int] = []  # rows whose stop rule needs Python (stop strings)
         self.all_greedy = self.any_greedy = False
         self.plain = False  # every row samples at temperature 1 with no filter (the common RL case)
+        self.topk_rows: tuple[torch.Tensor, int] | None = None  # see below
         if self.rows is None:
             return
         by_filter: dict[tuple[int, float], list[int]] = {}
@@ -290,6 +291,11 @@ class Group:
             if not vectorised_stop(job.job.stop):
                 self.py_stop.append(r)
         self.filters = [(k, p, torch.tensor(rows, device=self.device)) for (k, p), rows in by_filter.items()]
+        # Rows whose job asks for topk_sample_logprobs, and the largest k among them.
+        topk = [(r, job.job.options.topk_sample) for r, job in enumerate(self.rows.jobs)
+                if job.job.options is not None and job.job.options.topk_sample]
+        if topk:
+            self.topk_rows = (torch.tensor([r for r, _ in topk], device=self.device), max(k for _, k in topk))
         self.all_greedy, self.any_greedy = all(greedy), any(greedy)
         self.plain = not by_filter and all(j.job.params.temperature == 1.0 for j in self.rows.jobs)
 

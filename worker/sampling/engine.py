@@ -5,7 +5,8 @@ calls (``step``, on the thread that owns the model and the device: the worker's 
 of its own. It reports each job exactly once through ``job.on_done``, on the stepping thread. It must report,
 for every sampled token, log p(token) at temperature 1 under the job's weights: the number ``forward`` computes
 for that token; and, for a job with ``on_prompt_logprobs``, the same number for every prompt token after the
-first.
+first. A job with ``options`` gets the top-k of every sampled position in its sequences, and the prompt answers
+(top-k, target ids, alternative tokens: worker/sampling/prompt_scores.py) through ``on_prompt_scores``.
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ import numpy as np
 
 from tinkerq import types
 from tinkerq.errors import WorkerError
+from tinkerq.validation import PromptOptions
 from tinkerq.worker.sampling.rules import StopRule
 
 if TYPE_CHECKING:  # a backend need not import transformers
     from transformers import PreTrainedModel
 
+    from tinkerq.worker.sampling.prompt_scores import PromptScores
+
 OnDone = Callable[[list[types.SampledSequence] | None, BaseException | None], None]
 # (P,) float32: NaN at 0, then log p(prompt[i] | prompt[:i]) at temperature 1 under the job's weights.
 OnPromptLogprobs = Callable[[np.ndarray], None]
+OnPromptScores = Callable[["PromptScores"], None]
 
 
 def _ignore(sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
@@ -58,6 +63,11 @@ class SampleJob:
     # Asks for the prompt's logprobs (Tinker's include_prompt_logprobs): called once, on the stepping thread,
     # just before a successful on_done (never when the job fails). None: not asked, nothing computed.
     on_prompt_logprobs: OnPromptLogprobs | None = None
+    # Tinker's top-k / target / alternative-token options (None: none asked). The prompt's answers are passed to
+    # ``on_prompt_scores`` as the prompt logprobs are (set it when ``options.asks_prompt()``); topk_sample's are
+    # in each sequence's ``topk_logprobs``.
+    options: PromptOptions | None = None
+    on_prompt_scores: OnPromptScores | None = None
 
 
 class SamplingEngine(Protocol):

@@ -4,7 +4,8 @@ Numerics: rows of one group are left-padded to a common cache length, with an at
 position ids, so a row's logits are those of its own unpadded sequence (padded keys get exactly zero
 attention weight); prompts are prefilled without padding (each distinct prompt once, batched with prompts of
 the same length). A job that asks for its prompt's logprobs gets them from that same prefill
-(worker/sampling/prompt_logprobs.py).
+(worker/sampling/prompt_logprobs.py), as does one that asks for its prompt's top-k, target-token or alternative-token
+answers (worker/sampling/prompt_scores.py).
 
 Seeds: row ``r`` (sample index) of a job with seed ``s`` uses ``torch.Generator().manual_seed(row_seed(s, r))``
 with ``row_seed(s, r) = (s * 1_000_003 + r) mod 2**64`` (unseeded jobs draw ``s`` at random). Its k-th token
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tinkerq.worker.lora import routing
-from tinkerq.worker.sampling import prompt_logprobs
+from tinkerq.worker.sampling import prompt_logprobs, prompt_scores
 from tinkerq.worker.sampling.cache_rows import Group, Rows, kind_of, vectorised_stop
 
 if TYPE_CHECKING:
@@ -107,12 +108,21 @@ def prefill(group: Group, jobs: list[Job]) -> tuple[Rows, torch.Tensor]:
             adapters.append(job.job.adapter)
     ids = torch.tensor([key[0] for key in index], dtype=torch.long, device=device)  # (N, P)
     asked = {prompt_key(j) for j in jobs if j.job.on_prompt_logprobs is not None}
+    scored = [j for j in jobs if j.job.options is not None and j.job.options.asks_prompt()]
+    looked_at = bool(asked or scored)  # the prefill's every position is needed
     # Every position's logits only for a model whose head cannot be applied to hidden states chunk by chunk.
-    keep = 0 if asked and not group.fused_head else 1
+    keep = 0 if looked_at and not group.fused_head else 1
     with (routed(adapters, device=device),
-          prompt_logprobs.final_hidden(group.model, bool(asked) and group.fused_head) as hidden):
+          prompt_logprobs.final_hidden(group.model, looked_at and group.fused_head) as hidden):
         out = group.model(input_ids=ids, use_cache=True, logits_to_keep=keep)  # (N, keep or P, V) logits
         by_prompt = {key: _prompt_logprobs(group, ids, index[key], adapters, hidden, out.logits) for key in asked}
+        for job in scored:  # each job its own: options and seeds differ between jobs of one prompt
+            row = index[prompt_key(job)]
+            chunks = prompt_scores.position_logits(
+                group.model, hidden=hidden[-1][row] if hidden else None, logits=None if hidden else out.logits[row],
+                adapter=adapters[row])
+            assert job.job.options is not None
+            job.prompt_scores = prompt_scores.score_prompt(chunks, ids.shape[1], job.job.options, job.job.params)
     for job in jobs:
         if job.job.on_prompt_logprobs is not None:
             job.prompt_logprobs = by_prompt[prompt_key(job)]

@@ -51,9 +51,10 @@ def final_hidden(model: Any, enabled: bool = True) -> Iterator[list[torch.Tensor
         handle.remove()
 
 
-def from_hidden(model: Any, hidden: torch.Tensor, prompt: torch.Tensor, adapter: Any = None) -> np.ndarray:
-    """(P,) float32 for one prompt (P,) and its final hidden states (P, H): NaN at 0 (nothing predicts the
-    first token), then log p(prompt[i] | prompt[:i]). ``adapter``: the LoRA snapshot the prompt ran under."""
+def head_inputs(model: Any, hidden: torch.Tensor, adapter: Any = None) -> tuple[
+        torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What the output head needs for one prompt's final hidden states (P, H): the P - 1 states that predict
+    tokens 1.., the output weight (V, H), and ``adapter``'s low-rank term (LoRA on the head) or None."""
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H)
     h = hidden[:-1]  # (P-1, H): position i - 1 predicts token i
@@ -62,6 +63,13 @@ def from_hidden(model: Any, hidden: torch.Tensor, prompt: torch.Tensor, adapter:
     if pair is not None:  # logits h W^T + (s h A^T) B^T, as the routing hook adds to the sampled tokens'
         a, b = pair
         low_rank = (F.linear(h, a.to(h.dtype)) * adapter.scaling, b.to(weight.dtype))  # (P-1, r), (V, r)
+    return h, weight, low_rank
+
+
+def from_hidden(model: Any, hidden: torch.Tensor, prompt: torch.Tensor, adapter: Any = None) -> np.ndarray:
+    """(P,) float32 for one prompt (P,) and its final hidden states (P, H): NaN at 0 (nothing predicts the
+    first token), then log p(prompt[i] | prompt[:i]). ``adapter``: the LoRA snapshot the prompt ran under."""
+    h, weight, low_rank = head_inputs(model, hidden, adapter)
     logprobs = target_logprobs_from_hidden(h, weight, prompt[1:], backend="torch",
                                            chunk_tokens=chunk_tokens(weight.shape[0]), low_rank=low_rank)
     return _with_first(logprobs)

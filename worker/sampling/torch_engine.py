@@ -26,6 +26,7 @@ from tinkerq import types
 from tinkerq.worker.sampling import forwards
 from tinkerq.worker.sampling.cache_rows import Group, Rows
 from tinkerq.worker.sampling.engine import EngineClosed, SampleJob
+from tinkerq.worker.sampling.prompt_scores import PromptScores, sample_topk
 from tinkerq.worker.sampling.rules import filter_logits
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ class Job:
         self.left = job.num_samples
         self.reported = False
         self.prompt_logprobs: np.ndarray | None = None  # (P,), set at prefill when the job asks
+        self.prompt_scores: PromptScores | None = None  # set at prefill when the job's options ask
+        # topk_sample_logprobs: per sample, the (ids (k,), logprobs (k,)) of each position sampled so far.
+        self.sample_topk: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(job.num_samples)]
 
     def report(self, sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
         if self.reported:
@@ -51,6 +55,9 @@ class Job:
             if sequences is not None and self.job.on_prompt_logprobs is not None:
                 assert self.prompt_logprobs is not None  # computed at prefill, before any row could finish
                 self.job.on_prompt_logprobs(self.prompt_logprobs)
+            if sequences is not None and self.job.on_prompt_scores is not None:
+                assert self.prompt_scores is not None  # likewise
+                self.job.on_prompt_scores(self.prompt_scores)
             self.job.on_done(sequences, error)
         except Exception:  # a caller's bug must not stop the engine
             log.exception("sampling on_done callback raised; ignored")
@@ -256,6 +263,12 @@ class TorchEngine:
         lp = logits.gather(1, tok[:, None]).squeeze(1) - lse  # (B,) log p at temperature 1
 
         active = t["active"]
+        if group.topk_rows is not None:  # topk_sample_logprobs: kept on the host, per row still sampling
+            idx, kmax = group.topk_rows
+            ids, values = sample_topk(logits, lse, idx, kmax)
+            for r, alive, i, v in zip(idx.tolist(), active.index_select(0, idx).tolist(), ids, values, strict=True):
+                if alive:
+                    rows.jobs[r].sample_topk[rows.samples[r]].append((i, v))
         t["out_tok"].scatter_(1, gen[:, None], tok[:, None])  # finished rows write their scratch column
         t["out_lp"].scatter_(1, gen[:, None], lp[:, None])
         t["last"] = tok
@@ -277,7 +290,8 @@ class TorchEngine:
                                              stopped[finished].tolist(), strict=True)):
             job = rows.jobs[r]
             job.results[rows.samples[r]] = types.SampledSequence(
-                stop_reason="stop" if stop else "length", tokens=toks[i, :n].tolist(), logprobs=lps[i, :n].tolist())
+                stop_reason="stop" if stop else "length", tokens=toks[i, :n].tolist(), logprobs=lps[i, :n].tolist(),
+                topk_logprobs=_topk_of(job, rows.samples[r]))
             job.left -= 1
             if job.left == 0:
                 job.report(job.results, None)  # type: ignore[arg-type]
@@ -288,3 +302,13 @@ class TorchEngine:
         elif group.finished * 8 >= group.size:
             group.rows, group.finished = rows.select(active.nonzero().squeeze(1)), 0
             group.refresh()
+
+
+def _topk_of(job: Job, sample: int) -> types.TopkLogprobs | None:
+    """The sampled positions' top-k of ``sample`` of ``job`` (its own k), or None when the job did not ask."""
+    k = job.job.options.topk_sample if job.job.options is not None else 0
+    if not k:
+        return None
+    kept = job.sample_topk[sample]
+    return types.TopkLogprobs(token_ids=np.stack([ids[:k] for ids, _ in kept]).astype(np.int32),
+                              logprobs=np.stack([lps[:k] for _, lps in kept]).astype(np.float32))
