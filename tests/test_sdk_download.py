@@ -106,6 +106,18 @@ def test_save_weights_external_answers_tinkers_path_and_the_archive(exported):
     assert config["r"] == 4 and config["lora_alpha"] == 32 and config["base_model_name_or_path"] == NAME
 
 
+def test_a_refused_export_fills_its_position(fleet, exported):
+    """age encryption is refused (400, saying so); the run's next request is still answered at once, as before."""
+    tc = exported["tc"]
+    with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+        tc.save_weights_external("encrypted", age_encryption_recipients=["age1" + "q" * 58]).result(timeout=60)
+    started = time.monotonic()
+    out = tc.forward(sdk_batch(exported["batch"]), "cross_entropy").result(timeout=60)
+    assert time.monotonic() - started < 30
+    for got, want in zip(out.loss_fn_outputs, exported["logprobs"], strict=True):
+        np.testing.assert_array_equal(got["logprobs"].to_numpy(), want)
+
+
 def test_tinker_checkpoint_download_gets_the_saved_files_and_the_sessions_logprobs(fleet, exported, model_dir,
                                                                                      tmp_path):
     done = _cli(fleet, fleet["keys"]["alice"], "--format", "json", "checkpoint", "download", exported["path"],
