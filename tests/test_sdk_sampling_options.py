@@ -173,3 +173,79 @@ def test_prompt_logprobs_last_n_also_cuts_the_top_k_rows(reference, sdk_sampler)
     cut = len(PROMPT) - 3
     assert out.topk_prompt_logprobs[:cut] == [None] * cut
     check_topk(out.topk_prompt_logprobs[cut:], log_softmax_rows(reference, PROMPT)[cut - 1:-1], 4, "last_n")
+
+
+# -- target_prompt_logprobs and prompt_alt_tokens_k -----------------------------------------------------------------
+
+
+def test_target_prompt_logprobs_dense_and_sparse_match_a_plain_forward(reference, sdk_sampler, library_sampler):
+    lsm = log_softmax_rows(reference, PROMPT)[:-1]  # row i scores prompt position i + 1
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, lsm.shape[1], size=(len(PROMPT) - 1, 3))
+    ids[0, :] = -1  # a row that asks nothing
+    ids[2, 1] = -1
+    ids[:, 0] = PROMPT[1:]  # the prompt's own tokens: the plain prompt logprobs
+    ids[0, 0] = -1
+    expected = np.where(ids >= 0, lsm.gather(-1, torch.from_numpy(ids).clamp(min=0)).numpy(), 0.0)
+    params = tinker.SamplingParams(max_tokens=1)
+    dense = sdk_sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, params, include_prompt_logprobs=True,
+                               target_prompt_logprobs=tinker.TensorData.from_torch(torch.from_numpy(ids)),
+                               ).result(timeout=120)
+    got = dense.target_prompt_logprobs
+    assert got.sparse_crow_indices is None and list(got.shape) == list(ids.shape)
+    np.testing.assert_allclose(got.to_numpy(), expected, atol=1e-4)
+    np.testing.assert_allclose(got.to_numpy()[1:, 0], dense.prompt_logprobs[2:], atol=1e-5)
+
+    # A few cells of a wide tensor: the SDK sends it as CSR, and the answer keeps the request's indices.
+    few = np.full((len(PROMPT) - 1, 20), -1, dtype=np.int64)
+    for row, col, token in ((1, 3, 17), (1, 19, 4), (4, 0, PROMPT[5]), (6, 7, 60)):
+        few[row, col] = token
+    request = tinker.TensorData.from_torch_sparse(torch.from_numpy(few), pad_value=-1)
+    assert request.sparse_crow_indices is not None
+    sparse = sdk_sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, params, target_prompt_logprobs=request,
+                                ).result(timeout=120).target_prompt_logprobs
+    assert (sparse.sparse_crow_indices, sparse.sparse_col_indices) == (request.sparse_crow_indices,
+                                                                       request.sparse_col_indices)
+    expected_few = np.where(few >= 0, lsm.gather(-1, torch.from_numpy(few).clamp(min=0)).numpy(), 0.0)
+    np.testing.assert_allclose(sparse.to_torch().to_dense().numpy(), expected_few, atol=1e-4)
+
+    lib = library_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=1),
+                                 target_prompt_logprobs=ids).result(timeout=120)
+    np.testing.assert_allclose(lib.target_prompt_logprobs.to_numpy(), expected, atol=1e-4)
+
+
+def test_prompt_alt_tokens_are_draws_from_the_model_with_their_logprobs(reference, sdk_sampler, library_sampler):
+    lsm = log_softmax_rows(reference, PROMPT)[:-1]
+    k = 3000
+    out = sdk_sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(
+        max_tokens=1, temperature=1.0, seed=8), prompt_alt_tokens_k=k).result(timeout=120).prompt_alt_tokens
+    tokens, logprobs = out.tokens.to_torch(), out.logprobs.to_torch()
+    assert tuple(tokens.shape) == tuple(logprobs.shape) == (len(PROMPT) - 1, k)
+    # Each draw's logprob is the model's log p of that token there (temperature 1).
+    np.testing.assert_allclose(logprobs.numpy(), lsm.gather(-1, tokens).numpy(), atol=1e-4)
+    # The draws follow the model's distribution: empirical frequencies within 4 standard errors of p.
+    probs = lsm.exp()
+    for i in range(tokens.shape[0]):
+        freq = torch.bincount(tokens[i], minlength=probs.shape[1]).double() / k
+        bound = 4 * (probs[i].double() * (1 - probs[i].double()) / k).sqrt() + 1e-3
+        assert bool(((freq - probs[i]).abs() <= bound).all()), f"position {i + 1}"
+    # At temperature 0 every draw is the most likely token; a seed gives the same draws on the producer's path.
+    greedy_alt = library_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
+        max_tokens=1, temperature=0.0), prompt_alt_tokens_k=2).result(timeout=120).prompt_alt_tokens
+    assert (greedy_alt.tokens.to_numpy() == lsm.argmax(-1, keepdim=True).expand(-1, 2).numpy()).all()
+    again = library_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
+        max_tokens=1, temperature=1.0, seed=8), prompt_alt_tokens_k=k).result(timeout=120).prompt_alt_tokens
+    assert (again.tokens.to_numpy() == tokens.numpy()).all()
+
+
+def test_malformed_options_are_final_400s_that_say_what_to_fix(sdk_sampler):
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    wrong_rows = torch.zeros((len(PROMPT), 1), dtype=torch.int64)
+    with pytest.raises(tinker.BadRequestError, match=r"exactly len\(prompt\) - 1 = 7"):
+        sdk_sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=1),
+                           target_prompt_logprobs=tinker.TensorData.from_torch(wrong_rows)).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="names no token id"):
+        sdk_sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=1), target_prompt_logprobs=tinker.TensorData
+                           .from_torch(torch.full((len(PROMPT) - 1, 2), -1, dtype=torch.int64))).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs must be an integer from 0"):
+        sdk_sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=1), topk_prompt_logprobs=5000).result(timeout=60)
