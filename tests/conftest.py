@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +67,22 @@ def cookbook_venvs() -> None:
 
 
 @pytest.fixture(scope="session")
+def plain_install_python() -> str:
+    """The interpreter of a plain ``pip install -e '.[worker,gateway]'`` (no dev extras), to run servers on as a user
+    installs them. scripts/test builds it (.venv-plain) beside the tests and names the file its exit status goes to in
+    TINKERQ_TEST_PLAIN_INSTALL: wait for it. Without it (pytest by hand), this interpreter."""
+    status = os.environ.get("TINKERQ_TEST_PLAIN_INSTALL")
+    if not status:
+        return sys.executable
+    path = Path(status)
+    wait_for(path.exists, 900, "scripts/test to build the plain install (.venv-plain)")
+    if path.read_text().strip() != "0":
+        log = path.with_suffix(".log")
+        pytest.fail(f"the plain install failed:\n{log.read_text()[-3000:] if log.exists() else ''}")
+    return str(Path(__file__).resolve().parent.parent / ".venv-plain" / "bin" / "python")
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free port for this test session."""
     if shutil.which("redis-server") is None:
@@ -100,19 +117,21 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_worker_process(model_dir: Path, redis_url: str, log: Path, env: dict[str, str] | None = None,
-                         extra: list[str] | None = None) -> subprocess.Popen:
+                         extra: list[str] | None = None, python: str | None = None) -> subprocess.Popen:
+    """``python``: another interpreter to run the worker on (an install of its own: plain_install_python)."""
     cmd = worker_command(str(model_dir), redis_url, threads=1, extra=["--max-sessions", "16", *(extra or [])])
-    return start_process(cmd, log, env)
+    return start_process([python or cmd[0], *cmd[1:]], log, env)
 
 
 def start_named_worker(model_dir: Path, redis_url: str, name: str, log: Path, env: dict[str, str] | None = None,
-                       extra: list[str] | None = None, timeout: float = 120) -> subprocess.Popen:
+                       extra: list[str] | None = None, timeout: float = 120,
+                       python: str | None = None) -> subprocess.Popen:
     """A private worker serving ``model_dir`` as ``name`` (heartbeat 1 s), registered when this returns."""
     from tinkerq.connection import Connection
     from tinkerq.settings import Settings
 
     proc = start_worker_process(model_dir, redis_url, log, {"TINKERQ_HEARTBEAT_S": "1", **(env or {})},
-                                extra=["--name", name, *(extra or [])])
+                                extra=["--name", name, *(extra or [])], python=python)
     conn = Connection.open(Settings(broker_url=redis_url))
     try:
         wait_for(lambda: bool(conn.workers_serving(name)), timeout, f"tinkerq worker {name}", proc, log)

@@ -10,6 +10,10 @@ through `tinkerq gateway`, as a user points a trainer at a maker's repository:
 
 The MXFP4 and INT4 layouts run a second time with `--quantized-base keep` (the base held as stored): the same
 checks, and the kept base's logprobs equal the dequantized reference too.
+
+Under scripts/test (CI) the worker and the gateway run on the plain install it builds, `pip install -e
+'.[worker,gateway]'` without the dev extras (.venv-plain, fixture plain_install_python): a run-time dependency only
+the dev extras bring fails here; the SDK, the client, runs in the test's own environment.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
-from tests.test_gateway import sdk_batch, start_gateway
+from tests.test_gateway import POLL_S, sdk_batch
 from tinkerq import types
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.recipes.published import LAYOUTS, build_published, reference_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,8 +48,13 @@ def api_key(redis_url):
 
 
 @pytest.fixture(scope="module")
-def gateway_url(redis_url, tmp_path_factory):
-    proc, url = start_gateway(redis_url, tmp_path_factory.mktemp("logs") / "gateway.log")
+def gateway_url(redis_url, plain_install_python, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "gateway.log"
+    cmd = gateway_command(redis_url, port)
+    proc = start_process([plain_install_python, *cmd[1:]], log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", proc, log)
     yield url
     proc.terminate()
     proc.wait(30)
@@ -57,13 +67,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(params=CASES, ids=[f"{layout}-{held}" for layout, held in CASES])
-def served(request, checkpoints, redis_url, checkpoint_dir, tmp_path):
+def served(request, checkpoints, redis_url, checkpoint_dir, plain_install_python, tmp_path):
     layout, held = request.param
     name = f"published/{layout}/{held}"
     log = tmp_path / "worker.log"
     proc = start_named_worker(checkpoints[layout], redis_url, name, log,
                               env={"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)},
-                              extra=["--dtype", "float32", "--quantized-base", held])
+                              extra=["--dtype", "float32", "--quantized-base", held], python=plain_install_python)
     yield layout, held, name, log
     proc.terminate()
     proc.wait(30)
