@@ -27,7 +27,8 @@ import requests
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_loss
-from tests.test_gateway import ADAM, NAME, sdk_batch, start_gateway
+from tests.test_gateway import ADAM, NAME, sdk_batch
+from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
 
@@ -41,9 +42,13 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "console.
 @pytest.fixture(scope="module")
 def gateway_url(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("console-logs")
-    worker = start_named_worker(model_dir, redis_url, NAME, logs / "worker.log",
-                                env={"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)})
-    gateway, url = start_gateway(redis_url, logs / "gateway.log")
+    env = {"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)}  # the gateway reads exports there for download links
+    worker = start_named_worker(model_dir, redis_url, NAME, logs / "worker.log", env=env)
+    port = free_port()
+    gateway = start_process(gateway_command(redis_url, port), logs / "gateway.log",
+                            {**env, "TINKERQ_GATEWAY_POLL_S": "2"})
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", gateway, logs / "gateway.log")
     yield url
     for proc in (gateway, worker):
         proc.terminate()
@@ -59,7 +64,8 @@ def api_keys(redis_url: str) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def trained(gateway_url: str, api_keys: dict[str, str], model_dir: Path) -> dict[str, Any]:
-    """Alice's LoRA run: four forward_backward + optim_step on one batch through the SDK, and a save_state."""
+    """Alice's LoRA run: four forward_backward + optim_step on one batch through the SDK, a save_state and an
+    export (save_weights_external)."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     service = tinker.ServiceClient(base_url=gateway_url, api_key=api_keys["alice"])
     tc = service.create_lora_training_client(NAME, rank=4, seed=7).result(timeout=120)
@@ -70,8 +76,9 @@ def trained(gateway_url: str, api_keys: dict[str, str], model_dir: Path) -> dict
         losses.append(tc.forward_backward(sdk_batch(batch), "cross_entropy").result().metrics["loss:sum"])
         tc.optim_step(tinker.AdamParams(**ADAM)).result()
     saved = tc.save_state("console-ckpt").result().path
+    exported = tc.save_weights_external("console-export").result(timeout=120).path
     base = float(reference_loss(load_reference(model_dir), batches[0]).detach())
-    return {"tc": tc, "losses": losses, "saved": saved, "base_loss": base}
+    return {"tc": tc, "losses": losses, "saved": saved, "exported": exported, "base_loss": base}
 
 
 def test_console_json_is_per_key(gateway_url, api_keys, trained):
@@ -91,7 +98,7 @@ def test_console_json_is_per_key(gateway_url, api_keys, trained):
     alice = get("/api/v1/console/overview", api_keys["alice"]).json()
     assert [r["training_run_id"] for r in alice["training_runs"]] == [run_id]
     assert alice["quota"]["in_use"]["max_training_clients"] == 1 and alice["usage"]["totals"]["training_tokens"] > 0
-    assert alice["storage"]["checkpoints"] == 1 and alice["queue"]["waiting"] == 0
+    assert alice["storage"]["checkpoints"] == 2 and alice["queue"]["waiting"] == 0
     assert {"base_model": NAME, "role": "trainer", "count": 1} in alice["queue"]["workers"]
     points = get(f"/api/v1/console/training_runs/{run_id}/metrics", api_keys["alice"]).json()["points"]
     assert [p["metrics"]["loss:sum"] for p in points if p["op"] == "forward_backward"] == trained["losses"]
@@ -201,7 +208,8 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
                               headers={"X-API-Key": api_keys["alice"]}).json()["points"]
         series = sorted({f"{p['op']} {name}" for p in points for name in p["metrics"]})
         assert sorted(browser.js(f"[...{run}.querySelectorAll('svg.chart')].map(c => c.dataset.series)")) == series
-        assert browser.js(f"{run}.querySelector('tr[data-checkpoint]').dataset.checkpoint") == trained["saved"]
+        rows = browser.js(f"[...{run}.querySelectorAll('tr[data-checkpoint]')].map(r => r.dataset.checkpoint)")
+        assert sorted(rows) == sorted([trained["saved"], trained["exported"]])
         # The key is in this tab's sessionStorage, nowhere else the page could leak it.
         assert browser.js("sessionStorage.getItem('tinkerq-console-key')") == api_keys["alice"]
         assert browser.js("document.cookie") == "" and api_keys["alice"] not in browser.js("location.href")
@@ -215,6 +223,41 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
         if not SCREENSHOT.exists():  # docs/gateway.md's screenshot; refreshed by deleting it and running this test
             shutil.copy(png, SCREENSHOT)
 
+        # The checkpoint actions, by their buttons: download links (signed, no key), publish, delete.
+        def button(path: str, action: str) -> str:
+            return f"{run}.querySelector('tr[data-checkpoint=\"{path}\"] button[data-action=\"{action}\"]')"
+
+        def checkpoints() -> dict[str, dict]:
+            listed = requests.get(f"{gateway_url}/api/v1/training_runs/{tc.model_id}/checkpoints", timeout=30,
+                                  headers={"X-API-Key": api_keys["alice"]}).json()["checkpoints"]
+            return {c["tinker_path"]: c for c in listed}
+
+        assert browser.js(f"{button(trained['saved'], 'download')}.disabled")  # only exported weights have links
+        browser.js(f"{button(trained['exported'], 'download')}.click()")
+        notice = browser.wait_js("document.getElementById('notice').textContent")
+        files = dict(browser.js("[...document.querySelectorAll('#notice a')].map(a => [a.textContent.trim(), a.href])"))
+        assert notice.startswith(f"Signed links for {trained['exported']}"), notice
+        assert "adapter_config.json" in files and all(api_keys["alice"] not in url for url in files.values())
+        config = requests.get(files["adapter_config.json"], timeout=30)  # no key: the signature is the grant
+        assert config.status_code == 200 and config.json()["r"] == 4  # the run's LoRA rank
+
+        if browser.js("Boolean(document.querySelector('button[data-action=\"publish\"]:not([disabled])'))"):
+            browser.js(f"{button(trained['saved'], 'publish')}.click()")
+            browser.wait_js("document.getElementById('notice').textContent.includes('readable by every API key')")
+            assert checkpoints()[trained["saved"]]["public"] is True
+            browser.wait_js(f"{run} && {run}.dataset.ready")
+            browser.js(f"{button(trained['saved'], 'unpublish')}.click()")
+            browser.wait_js("document.getElementById('notice').textContent.includes('private again')")
+            assert checkpoints()[trained["saved"]]["public"] is False
+        else:  # a gateway without the route: the button says so rather than failing
+            assert "publish" in browser.js(f"{run}.querySelector('.note').textContent")
+        browser.wait_js(f"{run} && {run}.dataset.ready")
+        browser.js(f"{button(trained['saved'], 'delete')}.click()")  # armed: nothing deleted yet
+        assert trained["saved"] in checkpoints()
+        browser.js(f"{button(trained['saved'], 'delete')}.click()")
+        browser.wait_js("document.getElementById('notice').textContent.endsWith('deleted')")
+        assert trained["saved"] not in checkpoints() and trained["exported"] in checkpoints()
+
         # Bob, in the same tab after signing out, on the link to Alice's run: nothing of hers.
         browser.js("document.getElementById('sign-out').click()")
         assert browser.js("document.getElementById('console').textContent.includes('train:')") is False
@@ -223,7 +266,7 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
         browser.wait_js("document.querySelector('#runs .body p') !== null")
         assert browser.js("document.querySelector('#runs .body').textContent") == "No training runs yet."
         text = browser.js("document.body.innerText")
-        assert tc.model_id not in text and trained["saved"] not in text and tc.model_id.split(":")[0] not in text
+        assert tc.model_id.split(":")[0] not in text  # no run, session or checkpoint of hers
         assert browser.js("document.querySelectorAll('svg[data-series^=\"forward_backward\"]').length") == 0
     finally:
         browser.close()

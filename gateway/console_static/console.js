@@ -205,15 +205,24 @@ function checkpointUrl(runId, checkpointId, tail) {
   return `/api/v1/training_runs/${encodeURIComponent(runId)}/checkpoints/${id}${tail || ""}`;
 }
 
+// What an action did (or why it failed), above the runs: the runs are drawn again after a change.
+function notify(...parts) {
+  document.getElementById("notice").replaceChildren(...parts);
+}
+
+// Signed links are made for exported weights only (tinker://<run>/external_weights/<name>).
+const NOT_EXPORTED = "download links are signed for exported weights: export this run with " +
+  "TrainingClient.save_weights_external (as `tinker checkpoint download` does)";
+
 function showCheckpoints(box, runId, checkpoints, actions) {
   const missing = Object.entries(actions).filter(([, served]) => !served).map(([name]) => name);
   const note = missing.length ? el("p", { class: "note" }, `Not served by this gateway yet: ${missing.join(", ")}.`) : null;
   if (!checkpoints.length) { box.replaceChildren(el("h3", {}, "Checkpoints"), el("p", { class: "muted" }, "None saved.")); return; }
-  const status = el("p", { class: "status" });
-  const act = (label, name, run) => el("button", {
-    type: "button", disabled: !actions[name], title: actions[name] ? null : `${name} is not served by this gateway yet`,
+  const act = (label, name, run, why) => el("button", {
+    type: "button", "data-action": name, disabled: !actions[name] || Boolean(why),
+    title: !actions[name] ? `${name} is not served by this gateway yet` : why || null,
     onclick: async (event) => {
-      try { status.textContent = await run(event.target); } catch (err) { status.textContent = err.message; }
+      try { await run(event.target); } catch (err) { notify(el("span", { class: "error" }, err.message)); }
     } }, label);
   const rows = checkpoints.map((c) => el("tr", { "data-checkpoint": c.tinker_path },
     el("td", { class: "mono" }, c.tinker_path), el("td", {}, c.checkpoint_type), el("td", {}, when(c.time)),
@@ -221,27 +230,26 @@ function showCheckpoints(box, runId, checkpoints, actions) {
     el("td", {},
        act("Download", "download", async () => {
          const got = await api(checkpointUrl(runId, c.checkpoint_id, "/external_weights_urls"));
-         status.replaceChildren(`Signed links for ${c.tinker_path}, valid until ${when(got.expires)}: `,
-           ...Object.entries(got.urls).map(([file, url]) => el("a", { href: url, download: file }, file, " ")));
-         return status.textContent;
-       }),
+         notify(`Signed links for ${c.tinker_path}, valid until ${when(got.expires)}: `,
+                ...Object.entries(got.urls).map(([file, url]) => el("a", { href: url, download: file }, file, " ")));
+       }, c.checkpoint_type === "external" ? null : NOT_EXPORTED),
        c.public ? act("Unpublish", "unpublish", async () => {
          await api(checkpointUrl(runId, c.checkpoint_id, "/publish"), { method: "DELETE" });
-         refresh(); return `${c.tinker_path} is private again`;
+         await refresh(); notify(`${c.tinker_path} is private again`);
        }) : act("Publish", "publish", async () => {
          await api(checkpointUrl(runId, c.checkpoint_id, "/publish"), { method: "POST" });
-         refresh(); return `${c.tinker_path} is readable by every API key now`;
+         await refresh(); notify(`${c.tinker_path} is readable by every API key now`);
        }),
        act("Delete", "delete", async (button) => {
          if (button.dataset.armed !== "1") {  // a second click confirms (no modal dialogs)
-           button.dataset.armed = "1"; button.textContent = "Really delete?"; return "";
+           button.dataset.armed = "1"; button.textContent = "Really delete?"; return;
          }
          await api(checkpointUrl(runId, c.checkpoint_id), { method: "DELETE" });
-         refresh(); return `${c.tinker_path} deleted`;
+         await refresh(); notify(`${c.tinker_path} deleted`);
        }))));
   box.replaceChildren(...[el("h3", {}, "Checkpoints"), el("table", {},
     el("tr", {}, el("th", {}, "path"), el("th", {}, "type"), el("th", {}, "saved"), el("th", {}, "expires"),
-       el("th", {}, "visibility"), el("th", {}, "")), rows), note, status].filter(Boolean));
+       el("th", {}, "visibility"), el("th", {}, "")), rows), note].filter(Boolean));
 }
 
 // -- routing, signing in and out ------------------------------------------------------------------------------
@@ -284,6 +292,7 @@ function signOut(why) {
   sessionStorage.removeItem(KEY);
   // Nothing of the last key's stays in the page, hidden or not.
   for (const body of document.querySelectorAll("#console .body")) body.replaceChildren();
+  notify();
   delete document.body.dataset.tenant;
   document.getElementById("who").textContent = "";
   document.getElementById("sign-in-error").textContent = why || "";
