@@ -13,12 +13,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from tinkerq import types
+from tinkerq.validation import UNDEFINED_BY_SDK
 
-# SDK 0.38 names record_stability_info and the stable_reinforce loss it serves, but defines neither what is
-# recorded nor the loss's math (types/sample_request.py, types/loss_fn_type.py, the clients' docstrings).
-STABILITY_REFUSAL = ("record_stability_info is not served: the tinker SDK (0.38) does not define what stability "
-                     "information is recorded nor the stable_reinforce loss that reads it, so this server cannot "
-                     "compute either; sample without it (e.g. the cookbook's loss_fn=importance_sampling)")
+# Refused, saying the SDK does not define it (tinkerq.validation.UNDEFINED_BY_SDK).
+STABILITY_REFUSAL = UNDEFINED_BY_SDK["record_stability_info"]
 
 
 def sample_options(body: dict[str, Any]) -> dict[str, Any]:

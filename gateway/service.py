@@ -47,7 +47,7 @@ from tinkerq.quotas import Quotas
 from tinkerq.settings import Settings
 from tinkerq.store import RedisStore
 from tinkerq.usage import Usage
-from tinkerq.validation import validate_adam, validate_lora
+from tinkerq.validation import UNDEFINED_BY_SDK, validate_adam, validate_lora
 from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
@@ -382,7 +382,10 @@ class Gateway:
 
     def optim_step(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         def prepare(_run: Run, _request_id: str) -> dict[str, Any]:
-            if body.get("optimizer_params") is not None:
+            optimizer = body.get("optimizer_params")
+            if isinstance(optimizer, dict) and optimizer.get("type") == "dimuon":
+                raise HTTPError(400, UNDEFINED_BY_SDK["dimuon"])
+            if optimizer is not None:
                 raise HTTPError(400, "only AdamW is served: send adam_params (optimizer_params is not supported)")
             raw = body.get("adam_params") or {}
             params = types.AdamParams(**{k: raw[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
@@ -643,6 +646,8 @@ def _sample_promise(request_id: str, num_samples: Any) -> dict[str, Any]:
 
 
 def _check_optimizer(config: Any) -> None:
+    if isinstance(config, dict) and config.get("type") == "dimuon":
+        raise HTTPError(400, UNDEFINED_BY_SDK["dimuon"])
     if config is not None and (not isinstance(config, dict) or config.get("type", "adamw") != "adamw"):
         raise HTTPError(400, f"optimizer {config!r} is not supported; this server trains with AdamW")
 

@@ -32,7 +32,14 @@ from tinkerq.producer.dispatch import Dispatcher
 from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
 from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, SamplingWorkers, load_tokenizer
 from tinkerq.settings import Settings
-from tinkerq.validation import Limits, validate_adam, validate_lora, validate_loss_request, validate_ttl_seconds
+from tinkerq.validation import (
+    UNDEFINED_BY_SDK,
+    Limits,
+    validate_adam,
+    validate_lora,
+    validate_loss_request,
+    validate_ttl_seconds,
+)
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
@@ -777,6 +784,8 @@ async def _off_loop(fn: Callable[..., C], *args: Any, **kwargs: Any) -> C:
 def _check_optimizer(optimizer: Any) -> None:
     """Tinker's ``optimizer=`` (an OptimizerConfig): tinkerq trains with AdamW only."""
     kind = optimizer.get("type") if isinstance(optimizer, dict) else getattr(optimizer, "type", None)
+    if optimizer is not None and kind == "dimuon":
+        raise UserError(UNDEFINED_BY_SDK["dimuon"])
     if optimizer is not None and kind != "adamw":
         raise UserError(f"tinkerq trains with AdamW only; optimizer={optimizer!r} is not supported "
                         f"(pass None or an AdamOptimizerConfig)")
@@ -784,8 +793,7 @@ def _check_optimizer(optimizer: Any) -> None:
 
 def _check_stability_info(record_stability_info: bool) -> None:
     if record_stability_info:
-        raise UserError("record_stability_info=True is not supported by tinkerq (no stability records for "
-                        "StableReinforce); pass False")
+        raise UserError(UNDEFINED_BY_SDK["record_stability_info"])
 
 
 def _is_session_id(value: Any) -> bool:

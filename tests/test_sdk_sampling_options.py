@@ -83,12 +83,17 @@ def api_key(redis_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def sdk_sampler(gateway_url: str, api_key: str) -> Iterator:
+def sdk(gateway_url: str, api_key: str) -> Iterator:
     import os
 
     os.environ["TINKER_TELEMETRY"] = "0"
-    with tinker.ServiceClient(base_url=gateway_url, api_key=api_key) as sdk:
-        yield sdk.create_sampling_client(base_model=NAME).result()
+    with tinker.ServiceClient(base_url=gateway_url, api_key=api_key) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def sdk_sampler(sdk) -> Iterator:
+    return sdk.create_sampling_client(base_model=NAME).result()
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +254,43 @@ def test_malformed_options_are_final_400s_that_say_what_to_fix(sdk_sampler):
                            .from_torch(torch.full((len(PROMPT) - 1, 2), -1, dtype=torch.int64))).result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs must be an integer from 0"):
         sdk_sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=1), topk_prompt_logprobs=5000).result(timeout=60)
+
+
+# -- what SDK 0.38 names without defining: refused, saying so ----------------------------------------------------
+
+
+def test_stable_reinforce_stability_info_and_dimuon_are_refused_as_undefined_by_the_sdk(sdk, reference, redis_url):
+    from tinkerq import errors
+    from tinkerq.producer import ServiceClient
+
+    undefined = "the tinker SDK \\(0.38\\)"
+    tc = sdk.create_lora_training_client(base_model=NAME, rank=4, seed=1).result()
+    tokens = [*PROMPT, 3, 8]
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tinker.TensorData(data=tokens[1:], dtype="int64", shape=[len(tokens) - 1]),
+        "logprobs": tinker.TensorData(data=[-1.0] * (len(tokens) - 1), dtype="float32", shape=[len(tokens) - 1]),
+        "advantages": tinker.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32", shape=[len(tokens) - 1]),
+        "weights": tinker.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32", shape=[len(tokens) - 1])})
+    with pytest.raises(tinker.BadRequestError, match=f"stable_reinforce' is not served: {undefined} names it"):
+        tc.forward_backward([datum], "stable_reinforce").result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match=f"Dimuon optimizer is not served: {undefined} defines only"):
+        tc.optim_step(tinker.DimuonParams(learning_rate=1e-3)).result(timeout=60)
+    # Both refused positions were filled: the run's next request answers, with the base model's numbers (a new
+    # LoRA adapter changes nothing) from a plain forward.
+    out = tc.forward([datum], "cross_entropy").result(timeout=120)
+    expected = log_softmax_rows(reference, tokens[:-1]).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), expected.numpy(), atol=1e-4)
+    with pytest.raises(tinker.BadRequestError, match=f"Dimuon optimizer is not served: {undefined}"):
+        sdk.create_lora_training_client(base_model=NAME, rank=4, optimizer=tinker.DimuonOptimizerConfig()).result()
+    stable = sdk.create_sampling_client(base_model=NAME, record_stability_info=True).result()
+    with pytest.raises(tinker.BadRequestError, match=f"record_stability_info is not served: {undefined} does not"):
+        stable.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=2)).result(timeout=60)
+    # The producer says the same.
+    service = ServiceClient(broker_url=redis_url)
+    try:
+        with pytest.raises(errors.UserError, match=f"Dimuon optimizer is not served: {undefined}"):
+            service.create_lora_training_client(NAME, optimizer={"type": "dimuon"})
+        with pytest.raises(errors.UserError, match=f"record_stability_info is not served: {undefined}"):
+            service.create_sampling_client(base_model=NAME, record_stability_info=True)
+    finally:
+        service.close()

@@ -39,6 +39,25 @@ LOSS_SPECS: dict[str, LossSpec] = {
 }
 
 
+# Names SDK 0.38 carries without defining what they compute: types/loss_fn_type.py lists "stable_reinforce" (and a
+# docstring mentions its kl_coeff), types/sample_request.py and the clients' docstrings say record_stability_info
+# "records stability information" for it, and types/optimizer.py gives Dimuon's parameters, but no formula, update
+# rule or recorded quantity is in its source or docs (nor in tinker-cookbook's, which only selects them). Each is
+# refused with a message saying so, never approximated.
+UNDEFINED_BY_SDK: dict[str, str] = {
+    "stable_reinforce": "loss_fn 'stable_reinforce' is not served: the tinker SDK (0.38) names it but does not define "
+                        "its loss (no formula in its source or docs), so this server cannot compute it; use "
+                        "importance_sampling, ppo or cispo",
+    "record_stability_info": "record_stability_info is not served: the tinker SDK (0.38) does not define what "
+                             "stability information is recorded, nor the stable_reinforce loss that reads it, so "
+                             "this server cannot compute either; sample without it (e.g. the cookbook's "
+                             "loss_fn=importance_sampling)",
+    "dimuon": "the Dimuon optimizer is not served: the tinker SDK (0.38) defines only its parameters "
+              "(DimuonOptimizerConfig; DimuonParams: learning_rate, beta1, grad_clip_norm), not its update rule, so "
+              "this server cannot implement it; train with AdamW (AdamOptimizerConfig, AdamParams)",
+}
+
+
 def resolve_loss_config(loss_fn: str, loss_fn_config: Any) -> dict[str, float]:
     """The loss's full config (defaults filled in); ValidationError for unknown, missing or bad values."""
     spec = LOSS_SPECS[loss_fn]
@@ -88,6 +107,8 @@ def validate_loss_request(
 ) -> None:
     """Raise ValidationError for the first problem found in a forward/forward_backward request."""
     spec = LOSS_SPECS.get(loss_fn) if isinstance(loss_fn, str) else None
+    if spec is None and loss_fn in UNDEFINED_BY_SDK:
+        raise ValidationError(UNDEFINED_BY_SDK[loss_fn])
     if spec is None:
         raise ValidationError(f"unknown loss_fn {loss_fn!r}; this fleet serves {sorted(LOSS_SPECS)}")
     resolve_loss_config(loss_fn, loss_fn_config)
