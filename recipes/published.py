@@ -288,31 +288,49 @@ def _beyond_layers(name: str, layers: int) -> bool:
 
 
 def max_logprob_diff(model: Any, reference: Any, seed: int = 0) -> float:
-    """max |log softmax(model) - log softmax(reference)| over a fixed random batch (2 x 12 tokens)."""
+    """max |log softmax(model) - log softmax(reference)| over a fixed random batch (2 x 12 tokens), on the model's
+    device."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     vocab = int(reference.config.vocab_size)
-    ids = torch.randint(3, vocab, (2, 12), generator=generator)
+    ids = torch.randint(3, vocab, (2, 12), generator=generator).to(next(model.parameters()).device)
     with torch.no_grad():
         ours = torch.log_softmax(model(ids).logits.float(), -1)
         theirs = torch.log_softmax(reference(ids).logits.float(), -1)
     return float((ours - theirs).abs().max())
 
 
-def check(out_root: Path, tolerance: float = 1e-4, report: Callable[[str], None] = print) -> bool:
-    """Build every layout under ``out_root``, load each with ``load_causal_lm`` and compare its logprobs with plain
-    transformers on the dequantized model; True if every one is within ``tolerance``."""
-    from tinkerq.worker.model_loading import load_causal_lm
+def check(out_root: Path, tolerance: float | None = None, report: Callable[[str], None] = print, *,
+          device: str = "cpu", dtype: str = "float32") -> bool:
+    """Build every layout under ``out_root``, load each with ``load_causal_lm`` on ``device`` in ``dtype`` and compare
+    its logprobs with plain transformers on the dequantized model (the same device and dtype); a quantized layout
+    also kept quantized (worker/quantized_base.py), compared with the dequantized load. True if every one is within
+    ``tolerance`` (default 1e-4 in float32, 5e-2 in a half dtype: the GPU check,
+    ``--check --device cuda --dtype bfloat16``)."""
+    import torch
 
+    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.quantized_base import keep_checkpoint_quantized
+
+    limit = tolerance if tolerance is not None else 1e-4 if dtype == "float32" else 5e-2
     ok = True
+
+    def verdict(what: str, diff: float) -> None:
+        nonlocal ok
+        ok &= diff <= limit
+        report(f"{what} {diff:.2e} ({'ok' if diff <= limit else 'FAILED'}; {device}, {dtype})")
+
     for name in LAYOUTS:
         directory = build_published(name, out_root / name)
-        diff = max_logprob_diff(load_causal_lm(str(directory)), reference_model(directory))
-        passed = diff <= tolerance
-        ok &= passed
-        report(f"{name}: max |logprob diff| vs plain transformers on the dequantized model {diff:.2e} "
-               f"({'ok' if passed else 'FAILED'})")
+        model = load_causal_lm(str(directory), device=device, dtype=dtype)
+        reference = reference_model(directory).to(device=device, dtype=getattr(torch, dtype))
+        verdict(f"{name}: max |logprob diff| vs plain transformers on the dequantized model",
+                max_logprob_diff(model, reference))
+        if LAYOUTS[name].quantization:
+            kept = load_causal_lm(str(directory), device=device, dtype=dtype)
+            keep_checkpoint_quantized(kept, str(directory))
+            verdict(f"{name}: kept quantized vs dequantized on load", max_logprob_diff(kept, model))
     return ok
 
 
@@ -344,12 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="build every layout in a temporary directory and load "
                                                                "each in a fresh process: a markdown table of the "
                                                                "logprob difference, load time and RSS")
+    parser.add_argument("--device", default="cpu", help="with --check: where to load (cuda: the GPU check)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="with --check: the served dtype (bfloat16 with --device cuda: the GPU check)")
     parser.add_argument("--measure-one", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("dir", nargs="?", help="without --check: write every layout to DIR/<layout>")
     args = parser.parse_args(argv)
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            return 0 if check(Path(tmp)) else 1
+            return 0 if check(Path(tmp), device=args.device, dtype=args.dtype) else 1
     if args.measure_one:
         print(measure_one(Path(args.measure_one)))
         return 0
