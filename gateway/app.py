@@ -27,6 +27,7 @@ from tinkerq.gateway import console, lookups
 from tinkerq.gateway.downloads import answer_file, answer_urls, stream
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.positions import SequenceGuard
+from tinkerq.gateway.rest_routes import add_routes as add_rest_routes
 from tinkerq.gateway.service import Gateway, HTTPError
 from tinkerq.tenants import ApiKeys
 
@@ -207,8 +208,8 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         return gateway().heartbeat(t, str(body.get("session_id")))
 
     @app.post(f"{v1}/sessions/{{session_id}}/finish")
-    async def finish(session_id: str, t: str = Tenant) -> dict[str, Any]:
-        return await gateway().finish_session(t, session_id)
+    async def finish(session_id: str, t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
+        return await gateway().finish_session(t, session_id, body.get("reason"), body.get("detail"))
 
     # -- training ---------------------------------------------------------------------------------------------
 
@@ -315,6 +316,10 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         fd, size = await asyncio.to_thread(answer_file, gateway().external_weights, token, file)
         return StreamingResponse(stream(fd, size), media_type="application/octet-stream",
                                  headers={"content-length": str(size)})
+
+    # Sessions, checkpoints across runs, publish / ttl / copy, the audit log (gateway/rest_routes.py); before the
+    # deletion route below, whose {checkpoint_id:path} would take ".../publish" too.
+    add_rest_routes(app, gateway, Tenant, Body)
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:

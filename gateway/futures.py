@@ -97,6 +97,8 @@ class Futures:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Called once per request, by the gateway whose answer was stored first (gateway/session_trace.py).
+        self.on_stored: Callable[[str, Answer], None] | None = None
 
     # -- life -----------------------------------------------------------------------------------------------
 
@@ -198,6 +200,8 @@ class Futures:
         if not self.store.set_if_absent(key, answer.pack(), self.keep_s):
             raw = self.store.get(key)
             answer = Answer.unpack(raw) if raw is not None else answer
+        elif self.on_stored is not None:
+            self.on_stored(request_id, answer)
         self.store.expire(keys.gateway_record("future", request_id), self.keep_s)
         self.store.delete(keys.gateway_body(request_id))
         self.store.client.publish(keys.GATEWAY_ANSWERS, request_id)

@@ -173,6 +173,8 @@ class Jobs:
                                        args.get("user_metadata"))
             record["bytes"] = int(out.get("bytes") or 0)
             await asyncio.to_thread(gw.records.put, "checkpoint", str(path), record, ttl_s=args.get("ttl"))
+            await asyncio.to_thread(gw.audit.record, tenant, "checkpoint_create", model_id=run.model_id,
+                                    tinker_path=str(path), ttl_seconds=args.get("ttl"))
             for name in out.get("pruned") or ():  # the key's retention removed these on the worker
                 await asyncio.to_thread(gw.records.delete, "checkpoint", str(TinkerPath(run.model_id, path.segment,
                                                                                           str(name))))

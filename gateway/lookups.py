@@ -73,7 +73,8 @@ def str_map(value: Any) -> dict[str, str] | None:
 def checkpoint_view(record: dict[str, Any]) -> dict[str, Any]:
     return {
         "checkpoint_id": record["checkpoint_id"], "checkpoint_type": record["checkpoint_type"],
-        "time": iso(record["time"]), "tinker_path": record["tinker_path"], "public": False,
+        "time": iso(record["time"]), "tinker_path": record["tinker_path"],
+        "public": bool(record.get("public")), "size_bytes": record.get("bytes"),
         "user_metadata": str_map(record.get("user_metadata")),
         "expires_at": None if record.get("expires_at") is None else iso(record["expires_at"]),
     }

@@ -32,14 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinkerq import keys, types, usage
+from tinkerq.audit import AuditLog
 from tinkerq.errors import TinkerqError, UnknownModelError
-from tinkerq.gateway import lifecycle, lookups, proto
+from tinkerq.gateway import lifecycle, lookups, proto, publishing
 from tinkerq.gateway.downloads import ExternalWeights
 from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.records import PathError, Records, TinkerPath, check_name
 from tinkerq.gateway.run_metrics import RunMetrics
 from tinkerq.gateway.sample_options import STABILITY_REFUSAL, sample_options
+from tinkerq.gateway.session_trace import SessionTrace
 from tinkerq.gateway.signing import Signer
 from tinkerq.producer.client import ServiceClient, TrainingClient
 from tinkerq.producer.sampling import SamplingClient
@@ -52,6 +54,7 @@ from tinkerq.wire import messages
 
 log = logging.getLogger("tinkerq.gateway")
 
+FINISH_REASONS = ("success", "errored", "interrupted")  # the SDK's close(status)
 CACHED_CLIENTS = 1024  # runs and sampling sessions whose producer clients a gateway keeps at hand (LRU)
 
 
@@ -106,12 +109,15 @@ class Gateway:
         self.records = Records(store)
         self.quotas = Quotas(store)
         self.usage = Usage(store)
-        self.run_metrics = RunMetrics(store)
+        self.audit = AuditLog(store)
         self.signer = Signer(store)  # download URLs and exchanged credentials (gateway/signing.py)
         self.external_weights = ExternalWeights(self.records, self.signer, settings.checkpoint_dir)
+        self.run_metrics = RunMetrics(store)
         self.jobs = Jobs(self)
         self.futures = Futures(store, self.records, self.jobs.run, self.account, poll_s=settings.gateway_poll_s,
                                keep_s=settings.gateway_keep_s)
+        self.session_trace = SessionTrace(self.records, self.run_metrics)
+        self.futures.on_stored = self.session_trace.record
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self.samplers: OrderedDict[str, Sampler] = OrderedDict()
 
@@ -129,6 +135,7 @@ class Gateway:
         self.records.put("session", session_id, {
             "tenant": tenant, "created": time.time(), "finished": False,
             "tags": body.get("tags") or [], "user_metadata": body.get("user_metadata"),
+            "display_name": body.get("display_name"), "project_id": body.get("project_id"),
         })
         return {"session_id": session_id, "type": "create_session"}
 
@@ -146,9 +153,13 @@ class Gateway:
         self.records.put("session", session_id, record)
         return {"type": "session_heartbeat"}
 
-    async def finish_session(self, tenant: str, session_id: str) -> dict[str, Any]:
-        """End the session and free its models' memory on the workers (their checkpoints stay)."""
+    async def finish_session(self, tenant: str, session_id: str, reason: Any = None,
+                             detail: Any = None) -> dict[str, Any]:
+        """End the session and free its models' memory on the workers (their checkpoints stay). The client's
+        reason (success, errored, interrupted) is kept, first one wins, for get_session / search_sessions."""
         record = self.session(tenant, session_id)
+        if not record["finished"] and isinstance(reason, dict) and reason.get("type") in FINISH_REASONS:
+            record.update(finish_reason=reason["type"], finish_detail=None if detail is None else str(detail))
         record["finished"] = True
         self.records.put("session", session_id, record)
         for run_record in await asyncio.to_thread(self.records.scan, "run", tenant, f"{session_id}:train:"):
@@ -447,7 +458,7 @@ class Gateway:
             raise HTTPError(400, f"optimizer must be true or false, got {optimizer!r}")
         if body.get("session_id") is None:  # legacy TrainingClient.load_state: an ordered request
             def prepare(_run: Run, _request_id: str) -> dict[str, Any]:
-                checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights")
+                checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights", readable=True)
                 return {"op": "load_state", "finish": "load", "argsrepr": f"path={body.get('path')}",
                         "body": {"path": checkpoint["directory"], "optimizer": optimizer},
                         "args": {"path": body.get("path")}}
@@ -460,7 +471,7 @@ class Gateway:
             raise HTTPError(400, f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{model_seq_id}"
         _check_optimizer(body.get("optimizer_config"))
-        checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights")
+        checkpoint = self._checkpoint(tenant, body.get("path"), segment="weights", readable=True)
         base_model = str(body.get("base_model") or checkpoint["base_model"])
         await self._check_served(base_model)
         job = {"type": "create", "model_id": model_id, "session_id": session_id, "base_model": base_model,
@@ -468,7 +479,10 @@ class Gateway:
                "load": {"directory": checkpoint["directory"], "optimizer": optimizer, "path": body["path"]}}
         return {"request_id": self._create_once(tenant, model_id, "LoadWeights", job), "model_id": model_id}
 
-    def _checkpoint(self, tenant: str, path: Any, *, segment: str | None = None) -> dict[str, Any]:
+    def _checkpoint(self, tenant: str, path: Any, *, segment: str | None = None,
+                    readable: bool = False) -> dict[str, Any]:
+        """The checkpoint record at ``path``: the caller's own; with ``readable``, a published one too
+        (gateway/publishing.py)."""
         try:
             parsed = TinkerPath.parse(path)
         except PathError as exc:
@@ -477,9 +491,13 @@ class Gateway:
             what = "save_state (tinker://.../weights/...)" if segment == "weights" else \
                 "save_weights_for_sampler (tinker://.../sampler_weights/...)"
             raise HTTPError(400, f"{path} cannot be used here: this needs a checkpoint made by {what}")
-        record = self.records.get("checkpoint", str(parsed), tenant)
+        record = publishing.readable(self.records, tenant, parsed) if readable else \
+            self.records.get("checkpoint", str(parsed), tenant)
         if record is None:
             raise not_found("checkpoint", path)
+        if record["tenant"] != tenant:  # a published checkpoint read by another tenant: its owner's log says so
+            self.audit.record(record["tenant"], "checkpoint_read", actor=tenant, model_id=parsed.run,
+                              tinker_path=str(parsed))
         return record
 
     # -- sampling ---------------------------------------------------------------------------------------------
@@ -492,7 +510,7 @@ class Gateway:
             return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
         model_path = body.get("model_path")
         if model_path is not None:
-            checkpoint = self._checkpoint(tenant, model_path, segment="sampler_weights")
+            checkpoint = self._checkpoint(tenant, model_path, segment="sampler_weights", readable=True)
             base_model = str(body.get("base_model") or checkpoint["base_model"])
             source: dict[str, Any] = {"path": checkpoint["directory"]}
         elif body.get("base_model"):
@@ -631,10 +649,11 @@ class Gateway:
         path = f"tinker://{run_id}/{checkpoint_id}"
         self._checkpoint(tenant, path)
         self.records.delete("checkpoint", path)
+        self.audit.record(tenant, "checkpoint_delete", model_id=run_id, tinker_path=path)
         return {}
 
     def weights_info(self, tenant: str, tinker_path: Any) -> dict[str, Any]:
-        return lookups.weights_info(self._checkpoint(tenant, tinker_path))
+        return lookups.weights_info(self._checkpoint(tenant, tinker_path, readable=True))
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------

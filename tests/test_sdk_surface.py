@@ -51,7 +51,8 @@ RETURN_ALIASES = {
 }
 
 NO_TELEMETRY = "tinkerq reports no telemetry to anyone: there is no Telemetry object to return"
-NO_CONSOLE = "there is no Tinker Console: a fleet's dashboard is Flower (`tinkerq fleet up` prints its URL)"
+NO_CONSOLE = ("the producer library makes no console links: the console is the gateway's (GET /console, for the "
+              "official SDK's users: docs/gateway.md, Console); operators have Flower")
 LOSS_FN_DEFAULT = ("tinkerq superset: loss_fn defaults to 'cross_entropy' (tinkerq's callers relied on it); "
                    "every SDK call binds unchanged")
 SAMPLE_DEFAULTS = ("tinkerq superset: num_samples defaults to 1 and sampling_params to SamplingParams() "

@@ -170,6 +170,16 @@ def gateway_signing_secret() -> str:
     return f"{PREFIX}:gw:signing-secret"
 
 
+def gateway_session_trace(session_id: str) -> str:
+    """A list: one JSON event per answered request of a session (gateway/session_trace.py), for its trace export."""
+    return f"{PREFIX}:gw:trace:{session_id}"
+
+
+def audit_log(tenant: str) -> str:
+    """A list: a tenant's audit events, newest last (tinkerq/audit.py): keys, checkpoints, publishing, projects."""
+    return f"{PREFIX}:audit:{tenant}"
+
+
 # -- API keys of the HTTP gateway (tinkerq/tenants.py) ---------------------------------------------------
 # Only SHA-256 digests of keys are stored, never a key. A hash: tenant name -> hex digest of its live key
 # (one key per tenant; ``tinkerq keys list`` / ``revoke`` work by name).

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypedDict
 
 from tinkerq import keys
+from tinkerq.audit import AuditLog
 from tinkerq.errors import UserError, ValidationError
 from tinkerq.quotas import LIMIT_NAMES, Limits, check_limit, option_of
 
@@ -166,6 +167,7 @@ class ApiKeys:
                 with contextlib.suppress(Exception):
                     self.revoke(name)
                 raise
+        AuditLog(self.store).record(name, "api_key_create", key_digest_prefix=digest[:12])
         return key
 
     def update_limits(self, name: str, changes: Mapping[str, int | None]) -> Limits:
@@ -242,4 +244,6 @@ class ApiKeys:
         with self._lock:
             for digest in [d for d, (tenant, _) in self._cache.items() if tenant == name]:
                 del self._cache[digest]
+        if revoked:
+            AuditLog(self.store).record(name, "api_key_revoke")
         return revoked
