@@ -343,7 +343,8 @@ def target_ids(obj: Any) -> Any:
     if isinstance(obj, TensorData):
         return obj.to_numpy()
     crow, col = getattr(obj, "sparse_crow_indices", None), getattr(obj, "sparse_col_indices", None)
-    data, shape = getattr(obj, "data", None), getattr(obj, "shape", None)
+    data: Any = getattr(obj, "data", None)
+    shape: Any = getattr(obj, "shape", None)
     try:
         values = np.asarray(data, dtype=np.int64).reshape(-1)  # (a CPU torch tensor's .data converts too)
         if crow is None:
