@@ -22,7 +22,6 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from fastapi.params import Depends
 from fastapi.responses import Response
 from starlette.routing import Route
 
@@ -56,7 +55,7 @@ def _asset(name: str) -> bytes:
     return resources.files("tinkerq.gateway").joinpath("console_static", name).read_bytes()
 
 
-def add_routes(app: FastAPI, gateway: Callable[[], Gateway], tenant: Depends) -> None:
+def add_routes(app: FastAPI, gateway: Callable[[], Gateway], tenant: Any) -> None:
     """The console's page, its two files, and its two JSON routes (behind ``tenant``, the API-key check)."""
     page = _asset("index.html")
 
@@ -97,11 +96,9 @@ def overview(gw: Gateway, tenant: str, served: dict[str, bool]) -> dict[str, Any
     runs = [{**lookups.training_run_view(records, r), "session_id": r.get("session_id"),
              "created": lookups.iso(r["created"]), "closed": bool(r.get("closed"))} for r in run_records]
     per_session = Counter(r.get("session_id") for r in run_records)
-    sessions = sorted(({"session_id": sid, "created": lookups.iso(s["created"]), "finished": bool(s.get("finished")),
-                        "last_heartbeat": None if s.get("heartbeat_at") is None else lookups.iso(s["heartbeat_at"]),
-                        "tags": s.get("tags") or [], "user_metadata": lookups.str_map(s.get("user_metadata")),
-                        "training_runs": per_session.get(sid, 0)}
-                       for sid, s in records.scan_items("session", tenant)), key=lambda s: s["created"], reverse=True)
+    found = records.scan_items("session", tenant)
+    sessions = sorted((_session_view(sid, s, per_session.get(sid, 0)) for sid, s in found),
+                      key=lambda s: str(s["created"]), reverse=True)
     limits = gw.quotas.limits(tenant)
     since = time.time() - USAGE_WINDOW_S
     hourly = [{"hour": lookups.iso(row.hour), **row.counts} for row in gw.usage.rows(tenant, since=since)]
@@ -127,12 +124,23 @@ def queue(gw: Gateway, tenant: str) -> dict[str, Any]:
             pipe.exists(keys.gateway_answer(request_id))
         answered = pipe.execute()
     now = time.time()
-    waiting = sorted(({"request_id": rid, "kind": f.get("kind"), "state": f.get("state") or "active",
-                       "reason": f.get("reason"), "age_s": round(now - float(f.get("created") or now), 1)}
-                      for (rid, f), done in zip(futures, answered, strict=True) if not done),
-                     key=lambda w: -w["age_s"])
+    waiting = sorted((_waiting_view(rid, f, now) for (rid, f), done in zip(futures, answered, strict=True) if not done),
+                     key=lambda w: -float(w["age_s"]))
     workers = Counter((w.get("base_model"), w.get("role", "trainer")) for w in gw.service.connection.workers_serving())
     return {"waiting": len(waiting), "by_state": dict(Counter(w["state"] for w in waiting)),
             "oldest": waiting[:QUEUE_SHOWN],
             "workers": [{"base_model": model, "role": role, "count": n}
                         for (model, role), n in sorted(workers.items())]}
+
+
+def _session_view(session_id: str, record: dict[str, Any], training_runs: int) -> dict[str, Any]:
+    beat = record.get("heartbeat_at")
+    return {"session_id": session_id, "created": lookups.iso(record["created"]),
+            "finished": bool(record.get("finished")), "last_heartbeat": None if beat is None else lookups.iso(beat),
+            "tags": record.get("tags") or [], "user_metadata": lookups.str_map(record.get("user_metadata")),
+            "training_runs": training_runs}
+
+
+def _waiting_view(request_id: str, record: dict[str, Any], now: float) -> dict[str, Any]:
+    return {"request_id": request_id, "kind": record.get("kind"), "state": record.get("state") or "active",
+            "reason": record.get("reason"), "age_s": round(now - float(record.get("created") or now), 1)}
