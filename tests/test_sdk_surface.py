@@ -434,7 +434,8 @@ def test_compute_logprobs_match_forward(service, model_dir, training_client):
     assert response.sequences[0].tokens
 
     prompt = types.ModelInput.from_ints(tokens)
-    for options in ({"topk_prompt_logprobs": 2}, {"topk_sample_logprobs": 1}, {"prompt_alt_tokens_k": 1},
+    # Malformed per-position options are user errors (served ones: tests/test_sdk_sampling_options.py).
+    for options in ({"topk_prompt_logprobs": -1}, {"topk_sample_logprobs": 5000}, {"prompt_alt_tokens_k": -1},
                     {"target_prompt_logprobs": types.TensorData([[1]], dtype="int64")},
                     {"prompt_logprobs_last_n": 2}, {"include_prompt_logprobs": True, "prompt_logprobs_last_n": 99}):
         err = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), **options).exception(timeout=5)
