@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -12,7 +13,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests import sdk_coverage
 from tests.helpers import build_tiny_llama
+from tests.sdk_coverage import (  # noqa: F401  (hooks: the SDK surface check)
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from tinkerq.launcher.processes import free_port, start_process, start_redis, wait_for, worker_command
 from tinkerq.store import KeyValueStore, MemoryStore, RedisStore
 
@@ -38,6 +46,10 @@ SLOW_MODULES_FIRST = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The installed SDK's methods record which tests use them (tests/sdk_coverage.py); without the SDK, the tests
+    # that need it skip.
+    with contextlib.suppress(ImportError):
+        sdk_coverage.install()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # One torch thread per test process when they run in parallel (scripts/test): on 2 cores with 3 test
         # processes and their worker processes, two threads each made in-process tests 2x slower, not faster.

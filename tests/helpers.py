@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,21 @@ def send_raw(tc, op: str, envelope, *, task_id: str | None = None, decode=None, 
     service.connection.app.send_task(TASK_NAMES[op], args=(envelope,), queue=tc._queue, task_id=task_id,
                                      headers={messages.REPLY_HEADER: service._dispatch.inbox}, **send_options)
     return future
+
+
+def run_tinker_cli(args: list[str], *, base_url: str, api_key: str, timeout: float = 120,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The SDK's `tinker` command against a gateway (``tinker -f json checkpoint list ...``), recorded for the SDK
+    surface check (tests/sdk_coverage.py): the one way tests run it."""
+    import os
+    import sys
+
+    from tests.sdk_coverage import cli_entry, record
+
+    entry = cli_entry(args)
+    if entry is not None:
+        record(entry)
+    tinker = Path(sys.executable).with_name("tinker")
+    return subprocess.run([str(tinker), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": api_key,
+                               "TINKER_TELEMETRY": "0", **(env or {})})
