@@ -73,7 +73,7 @@ def score_prompt(chunks: Iterator[tuple[int, torch.Tensor]], prompt_length: int,
                                       logprobs=np.full((prompt_length, k), types.TOPK_MASK_LOGPROB, dtype=np.float32))
     targets = None
     if options.targets is not None:
-        targets = torch.as_tensor(np.asarray(options.targets, dtype=np.int64))  # (P - 1, K)
+        targets = torch.from_numpy(np.array(options.targets, dtype=np.int64))  # (P - 1, K), a writable copy
         out.targets = np.zeros(targets.shape, dtype=np.float32)
     uniforms = None
     if alt_k:
