@@ -27,8 +27,9 @@ import requests
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_loss
-from tests.test_gateway import ADAM, NAME, sdk_batch
+from tests.test_gateway import ADAM, NAME, post, result, sdk_batch
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
+from tinkerq.quotas import Limits
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
 
@@ -109,6 +110,64 @@ def test_console_json_is_per_key(gateway_url, api_keys, trained):
     assert get(f"/api/v1/console/training_runs/{run_id}/metrics", api_keys["bob"]).status_code == 404
 
 
+def test_console_queue_shows_a_create_the_quota_holds(gateway_url, redis_url, trained):
+    """Carol may hold one training client: her second create waits, and the console's queue and quota say so (the
+    state and reason her SDK's polls get); it leaves the queue once her first run is unloaded."""
+    keys = ApiKeys.open(Settings(broker_url=redis_url))
+    key = keys.create(f"carol-console-{uuid.uuid4().hex[:6]}", Limits(max_training_clients=1))
+    keys.close()
+
+    def overview() -> dict:
+        return requests.get(f"{gateway_url}/api/v1/console/overview", headers={"X-API-Key": key}, timeout=30).json()
+
+    session = post(gateway_url, "create_session", key, {}).json()["session_id"]
+
+    def create(n: int) -> str:
+        return post(gateway_url, "create_model", key, {"session_id": session, "model_seq_id": n, "base_model": NAME,
+                                                       "lora_config": {"rank": 2, "seed": n}}).json()["request_id"]
+
+    first = result(gateway_url, key, create(0)).json()["model_id"]
+    second = create(1)
+    deadline = time.monotonic() + 30
+    while (seen := overview())["queue"]["by_state"] != {"paused_rate_limit": 1}:
+        assert time.monotonic() < deadline, seen["queue"]
+        time.sleep(0.5)
+    held = seen["queue"]["oldest"][0]
+    assert held["request_id"] == second and held["kind"] == "CreateModel" and "max_training_clients" in held["reason"]
+    polled = post(gateway_url, "retrieve_future", key, {"request_id": second, "allow_metadata_only": False}).json()
+    assert (polled["queue_state"], polled["queue_state_reason"]) == (held["state"], held["reason"])
+    assert seen["quota"] == {"limits": {"max_training_clients": 1, "max_sampling_inflight": None,
+                                        "max_tokens_per_minute": None, "keep_checkpoints": None},
+                             "in_use": {"max_training_clients": 1, "max_sampling_inflight": 0}}
+    assert [r["training_run_id"] for r in seen["training_runs"]] == [first]  # none of Alice's
+
+    result(gateway_url, key, post(gateway_url, "unload_model", key, {"model_id": first}).json()["request_id"])
+    made = result(gateway_url, key, second).json()["model_id"]
+    assert overview()["queue"]["waiting"] == 0
+    result(gateway_url, key, post(gateway_url, "unload_model", key, {"model_id": made}).json()["request_id"])
+
+
+def _restore_sdk_console(monkeypatch) -> None:
+    """use_gateway_console sets a constant of the SDK for the whole process: put it back after the test."""
+    from tinker.lib import console_urls
+
+    monkeypatch.setattr(console_urls, "_CONSOLE_BASE_URL", console_urls._CONSOLE_BASE_URL)
+
+
+def test_use_gateway_console_needs_the_gateways_url(monkeypatch):
+    from tinkerq.errors import ValidationError
+    from tinkerq.sdk_console import use_gateway_console
+
+    _restore_sdk_console(monkeypatch)
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    with pytest.raises(ValidationError, match="TINKER_BASE_URL"):
+        use_gateway_console()
+    monkeypatch.setenv("TINKER_BASE_URL", "http://gw.example:8000/")
+    assert use_gateway_console() == "http://gw.example:8000/console"
+    assert tinker.types.SaveWeightsResponse(path="tinker://r1/weights/a").get_console_url() == \
+        "http://gw.example:8000/console/checkpoints/r1/weights%2Fa"  # the page decodes it (route() in console.js)
+
+
 class Chromium:
     """Headless chromium driven over the DevTools protocol on a pipe: one page, JS evaluated in it."""
 
@@ -165,10 +224,15 @@ class Chromium:
 
     def wait_js(self, expression: str, timeout: float = 60) -> Any:
         deadline = time.monotonic() + timeout
-        while not (value := self.js(expression)):
+        while True:
+            try:
+                value = self.js(expression)
+            except AssertionError:  # evaluated while a page was being replaced: ask the next one
+                value = None
+            if value:
+                return value
             assert time.monotonic() < deadline, f"timed out waiting for {expression}"
             time.sleep(0.2)
-        return value
 
     def sign_in(self, key: str) -> None:
         """Type ``key`` into the form and submit it, as a user does."""
@@ -185,8 +249,10 @@ class Chromium:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)")
-def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
+def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path, monkeypatch):
     from tinkerq.sdk_console import use_gateway_console
+
+    _restore_sdk_console(monkeypatch)
 
     tc = trained["tc"]
     assert use_gateway_console(gateway_url) == f"{gateway_url}/console"
@@ -257,6 +323,12 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path):
         browser.js(f"{button(trained['saved'], 'delete')}.click()")
         browser.wait_js("document.getElementById('notice').textContent.endsWith('deleted')")
         assert trained["saved"] not in checkpoints() and trained["exported"] in checkpoints()
+
+        # The SDK's link to a checkpoint opens its run (still signed in: the tab keeps its sessionStorage).
+        browser.js("window.before = true")  # gone once the new page is loaded
+        browser.page("Page.navigate", url=tinker.types.SaveWeightsResponse(path=trained["exported"]).get_console_url())
+        browser.wait_js(f"!window.before && {run} && {run}.classList.contains('selected') && {run}.dataset.ready")
+        assert browser.js("location.pathname").startswith("/console/checkpoints/")
 
         # Bob, in the same tab after signing out, on the link to Alice's run: nothing of hers.
         browser.js("document.getElementById('sign-out').click()")
