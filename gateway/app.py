@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway import console, lookups
+from tinkerq.gateway.auth import Credentials, Refused, credentials
 from tinkerq.gateway.downloads import answer_file, answer_urls, stream
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.positions import SequenceGuard
@@ -97,6 +98,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         gw = gateway_factory()
         gw.start()
         state["gateway"], state["keys"] = gw, ApiKeys(gw.store, cache_s=AUTH_CACHE_S)
+        state["credentials"] = Credentials(state["keys"], gw.signer, cache_s=AUTH_CACHE_S)
         try:
             yield
         finally:
@@ -108,16 +110,16 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         return state["gateway"]  # type: ignore[no-any-return]
 
     def tenant(request: Request) -> str:
-        name = state["keys"].authenticate(request.headers.get("x-api-key"))
-        if name is None:
-            raise HTTPError(401, "unknown or revoked API key (X-API-Key): ask the fleet's operator for one "
-                                 "(`tinkerq keys create NAME`) and set TINKER_API_KEY")
-        return name
+        # An API key, or the token the SDK exchanged one for (gateway/auth.py); 401 otherwise.
+        return credentials(state["credentials"].tenant, request.headers.get("x-api-key"))
 
     Tenant = Depends(tenant)
 
     async def fill_refused(api_key: str | None, model_id: str, seq_id: int, why: str) -> None:
-        name = state["keys"].authenticate(api_key)  # another tenant's run, or no key: nothing to fill
+        try:  # another tenant's run, or no key: nothing to fill
+            name = state["credentials"].tenant(api_key)
+        except Refused:
+            return
         if name is not None:
             await asyncio.to_thread(gateway().fill_refused, name, model_id, seq_id, why)
 
@@ -143,6 +145,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         # Operators see every refusal (what, to whom, why); a user sees the same reason in the SDK's error.
         log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.detail)
         headers = {} if exc.retry_after_s is None else {"retry-after": f"{exc.retry_after_s:g}"}
+        headers.update(exc.headers)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(TinkerqError)
@@ -185,7 +188,21 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.post(f"{v1}/client/config")
     async def client_config(_t: str = Tenant) -> dict[str, Any]:
-        return CLIENT_CONFIG
+        return {**CLIENT_CONFIG, "pjwt_auth_enabled": bool(gateway().settings.gateway_token_exchange)}
+
+    @app.post(f"{v1}/auth/token")
+    async def auth_token(request: Request) -> dict[str, Any]:
+        # The SDK's exchange (pjwt_auth_enabled): its API key for a short-lived signed token (gateway/auth.py).
+        creds = state["credentials"]
+        who = await asyncio.to_thread(credentials, creds.key_tenant, request.headers.get("x-api-key"))
+        return {"jwt": await asyncio.to_thread(credentials, creds.mint, who)}
+
+    @app.get(f"{v1}/auth/apikey/me")
+    async def api_key_me(request: Request) -> dict[str, Any]:
+        # `tinker auth login` checks the key it was given here before storing it.
+        creds = state["credentials"]
+        who = await asyncio.to_thread(credentials, creds.key_tenant, request.headers.get("x-api-key"))
+        return await asyncio.to_thread(credentials, creds.describe, who)
 
     @app.post(f"{v1}/client/dynamic_config")
     async def dynamic_config(_t: str = Tenant) -> dict[str, Any]:

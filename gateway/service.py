@@ -61,11 +61,13 @@ CACHED_CLIENTS = 1024  # runs and sampling sessions whose producer clients a gat
 class HTTPError(Exception):
     """An answer other than 200, with a JSON ``{"detail": ...}`` body the SDK shows to the user."""
 
-    def __init__(self, status: int, detail: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, status: int, detail: str, *, retry_after_s: float | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.retry_after_s = retry_after_s
+        self.headers = headers or {}  # e.g. WWW-Authenticate on a refused token (gateway/auth.py)
 
 
 def not_found(what: str, ident: Any) -> HTTPError:

@@ -4,10 +4,10 @@ The SDK numbers a training client's requests and the worker applies a run's requ
 worker's gap timeout is 600 s, so a position nobody fills would hold the run's next request far past the 60 s
 these tests wait for it. In the middle of a pipelined SDK run, hostile and mistaken requests take the SDK's next
 numbers (reserved through the SDK's own turn-taking, as one of its calls would): every POST route the gateway has
-with a body it cannot take, routes and methods it does not have (``save_weights_external`` wedged runs so),
-bodies it cannot read, and a numbered body sent to a route that takes no position. The run's next steps answer,
-with the same numbers, bitwise, as a twin run that saw none of it. Another tenant sending a number of this run
-fills nothing: the run's own request with that number is applied.
+with a body it cannot take, routes and methods it does not have (``save_weights_external`` wedged runs so before it
+was served), bodies it cannot read, and a numbered body sent to a route that takes no position. The run's next
+steps answer, with the same numbers, bitwise, as a twin run that saw none of it. Another tenant sending a number of
+this run fills nothing: the run's own request with that number is applied.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def _hostile(url: str, key: str, model_id: str) -> list[tuple[str, object]]:
                                                                                 **body}, headers=json_h, timeout=60)
 
     cases: list[tuple[str, object]] = [
-        # What the SDK's save_weights_external sends (`tinker checkpoint download`), to a server without it.
-        ("unknown route (save_weights_external)", post("save_weights_external",
-                                                       {"path": "x", "type": "save_weights_external"})),
+        # The SDK's save_weights_external (`tinker checkpoint download`; it had no route once) with an option refused.
+        ("save_weights_external, age encryption (refused)", post("save_weights_external", {
+            "path": "x", "age_encryption_recipients": ["age1" + "q" * 58], "type": "save_weights_external"})),
         ("unknown route", post("no_such_route", {"type": "garbage"})),
         ("wrong method", post("optim_step", {"adam_params": {"learning_rate": 1e-3}}, method="PUT")),
         ("malformed adam_params", post("optim_step", {"adam_params": {"learning_rate": "fast"}})),

@@ -53,6 +53,9 @@ class Settings:
     # A session whose SDK sent no heartbeat for this long (it sends one every 10 s) is gone: when its API key is at
     # max_training_clients, its training runs are closed to make room.
     gateway_session_stale_s: float = 300.0
+    # 1: the gateway's client/config turns the SDK's token exchange on (pjwt_auth_enabled): the SDK trades its API key
+    # for a short-lived signed token (POST auth/token) and sends that instead; `whoami` reads it. 0: API keys only.
+    gateway_token_exchange: int = 1
     max_datums: int = 8192
     max_batch_tokens: int = 4 * 1024 * 1024
     # Seconds a producer waits for the broker to answer before failing.

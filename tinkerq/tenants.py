@@ -201,6 +201,14 @@ class ApiKeys:
         fields = self.store.api_key_fields(keys.TENANTS, name, keys.api_key(""), list(LIMIT_NAMES))
         return None if fields is None else Limits.from_fields(fields)
 
+    def created_at(self, name: str) -> float | None:
+        """When tenant ``name``'s live key was created (epoch seconds; it tells one key of a tenant from the next, so
+        the gateway's tokens end with the key they were exchanged for); None if it has no key."""
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            return None
+        fields = self.store.api_key_fields(keys.TENANTS, name, keys.api_key(""), ["created_at"])
+        return None if fields is None else _number(fields[0])
+
     def authenticate(self, key: str | None) -> str | None:
         """The tenant whose live key ``key`` is; None for a missing, malformed, unknown or revoked key.
 
