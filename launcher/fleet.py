@@ -361,6 +361,7 @@ def fleet_up(args: argparse.Namespace) -> int:
                   else "")
         print(f"  gateway: TINKER_BASE_URL=http://127.0.0.1:{front['port']}  "
               f"({behind}a key for the SDK: tinkerq keys create NAME)")
+        print(f"  console for tenants: http://127.0.0.1:{front['port']}/console  (sign in with the API key)")
     print(f"  {command(args.fleet, 'status')} | {command(args.fleet, 'down')}")
     return 0
 

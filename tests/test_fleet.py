@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import torch
 
 from tests.helpers import build_tiny_llama, make_batch
@@ -103,6 +104,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
     assert "Flower: http://127.0.0.1:" in up.stdout
     assert f"Flower: http://127.0.0.1:{DEFAULT_FLOWER_PORT}/" not in up.stdout
     assert f"TINKER_BASE_URL=http://127.0.0.1:{gateway_port}" in up.stdout
+    assert f"console for tenants: http://127.0.0.1:{gateway_port}/console" in up.stdout
     assert "tinkerq fleet status --fleet t | tinkerq fleet down --fleet t" in up.stdout
     assert f"{other} is served as 'org/Other-1B'" in up.stdout
     # No --threads: the cores are split between the four torch processes (each would otherwise take them all).
@@ -114,6 +116,7 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
     try:
         # "up" means serving: Flower and the gateway answer HTTP as soon as `up` has returned.
         assert flower_up(state["flower"]["port"]) and gateway_up(f"http://127.0.0.1:{gateway_port}")
+        assert 'id="sign-in"' in requests.get(f"http://127.0.0.1:{gateway_port}/console", timeout=10).text
         status = _tinkerq("fleet", "status", "--fleet", "t", env=env)
         assert status.returncode == 0, status.stderr
         assert status.stdout.count("running") == 7  # redis, two workers, two sampling workers, flower, gateway
