@@ -176,7 +176,7 @@ def gateway_session_trace(session_id: str) -> str:
 
 
 def audit_log(tenant: str) -> str:
-    """A list: a tenant's audit events, newest last (tinkerq/audit.py): keys, checkpoints, publishing, projects."""
+    """A list: a tenant's audit events, newest first (tinkerq/audit.py): keys, checkpoints, publishing, projects."""
     return f"{PREFIX}:audit:{tenant}"
 
 
