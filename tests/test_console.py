@@ -79,11 +79,19 @@ def trained(gateway_url: str, api_keys: dict[str, str], model_dir: Path) -> dict
     saved = tc.save_state("console-ckpt").result().path
     exported = tc.save_weights_external("console-export").result(timeout=120).path
     base = float(reference_loss(load_reference(model_dir), batches[0]).detach())
-    return {"tc": tc, "losses": losses, "saved": saved, "exported": exported, "base_loss": base}
+    return {"service": service, "tc": tc, "losses": losses, "saved": saved, "exported": exported, "base_loss": base}
 
 
-def test_console_json_is_per_key(gateway_url, api_keys, trained):
+def test_console_json_is_per_key(gateway_url, api_keys, trained, monkeypatch):
+    from tinkerq.sdk_console import use_gateway_console
+
     run_id = trained["tc"].model_id
+    _restore_sdk_console(monkeypatch)
+    use_gateway_console(gateway_url)
+    session_link = trained["service"].get_console_url()
+    assert session_link.startswith(f"{gateway_url}/console/sessions/")
+    assert trained["tc"].get_console_url() == f"{gateway_url}/console/training_runs/{run_id}"
+    assert session_link.rsplit("/", 1)[1] == run_id.split(":")[0]  # the run's session
 
     def get(path: str, key: str | None) -> requests.Response:
         return requests.get(f"{gateway_url}{path}", headers={} if key is None else {"X-API-Key": key}, timeout=30)
@@ -91,7 +99,8 @@ def test_console_json_is_per_key(gateway_url, api_keys, trained):
     page = get("/console", None)  # the page itself is public; every number on it comes from keyed JSON
     assert page.status_code == 200 and "sign-in" in page.text and "script-src 'self'" in page.headers[
         "content-security-policy"]
-    assert get(f"/console/training_runs/{run_id}", None).text == page.text
+    assert get(f"/console/training_runs/{run_id}", None).text == page.text  # every view is the same page
+    assert requests.get(session_link, timeout=30).text == page.text
     assert get("/console/static/console.py", None).status_code == 404  # only the page's own two files
     assert get("/console/static/..%2Fconsole.py", None).text == page.text  # a path is a view name, never a file
     assert get("/api/v1/console/overview", None).status_code == 401
@@ -329,6 +338,11 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path, 
         browser.page("Page.navigate", url=tinker.types.SaveWeightsResponse(path=trained["exported"]).get_console_url())
         browser.wait_js(f"!window.before && {run} && {run}.classList.contains('selected') && {run}.dataset.ready")
         assert browser.js("location.pathname").startswith("/console/checkpoints/")
+        browser.js("window.before = true")
+        browser.page("Page.navigate", url=trained["service"].get_console_url())  # the session's link
+        session = tc.model_id.split(":")[0]
+        row = f"document.querySelector('tr.selected[data-session-id=\"{session}\"]')"
+        browser.wait_js(f"!window.before && {row} !== null")
 
         # Bob, in the same tab after signing out, on the link to Alice's run: nothing of hers.
         browser.js("document.getElementById('sign-out').click()")
