@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import start_named_worker
+from tests.helpers import run_tinker_cli
 from tests.test_gateway import NAME
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
-
-ROOT = Path(__file__).resolve().parent.parent
-TINKER_CLI = ROOT / ".venv" / "bin" / "tinker"
 
 
 @dataclass
@@ -32,11 +30,8 @@ class Fleet:
     logs: Path
 
     def cli(self, who: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """The `tinker` command as ``who``, against this gateway."""
-        import os
-
-        env = {**os.environ, "TINKER_BASE_URL": self.url, "TINKER_API_KEY": self.keys[who], "TINKER_TELEMETRY": "0"}
-        return subprocess.run([str(TINKER_CLI), *args], env=env, capture_output=True, text=True, timeout=timeout)
+        """The `tinker` command as ``who``, against this gateway (recorded for tests/sdk_coverage.py)."""
+        return run_tinker_cli(list(args), base_url=self.url, api_key=self.keys[who], timeout=timeout)
 
 
 @contextmanager
