@@ -354,5 +354,11 @@ def test_console_in_headless_chromium(gateway_url, api_keys, trained, tmp_path, 
         text = browser.js("document.body.innerText")
         assert tc.model_id.split(":")[0] not in text  # no run, session or checkpoint of hers
         assert browser.js("document.querySelectorAll('svg[data-series^=\"forward_backward\"]').length") == 0
+
+        # `tinker auth`'s link to make a key: the console says who makes keys here.
+        from tinker.lib.console_urls import new_api_key_console_url
+
+        browser.page("Page.navigate", url=new_api_key_console_url("laptop"))
+        browser.wait_js("document.getElementById('page-note').textContent.includes('tinkerq keys create')")
     finally:
         browser.close()

@@ -260,6 +260,7 @@ function route() {
   const parts = location.pathname.replace(/^\/console\/?/, "").split("/").map(decodeURIComponent);
   if ((parts[0] === "training_runs" || parts[0] === "checkpoints") && parts[1]) return { run: parts[1] };
   if (parts[0] === "sessions" && parts[1]) return { session: parts[1] };
+  if (parts[0] === "keys") return { keys: true };  // `tinker auth`'s links
   return {};
 }
 
@@ -267,6 +268,8 @@ async function refresh() {
   const data = await api("/api/v1/console/overview");
   const where = route();
   document.getElementById("who").textContent = `signed in as ${data.tenant}`;
+  document.getElementById("page-note").textContent = where.keys ? "API keys are made and revoked by the fleet's " +
+    "operator (tinkerq keys create NAME / revoke NAME); this console shows what a key may use, below." : "";
   showUsage(data);
   showQueue(data.queue);
   showRuns(data.training_runs, data.actions, where.run);
