@@ -320,7 +320,12 @@ def test_audit_log(fleet: Fleet, trained: dict):
     assert admin.get_audit_log(day=today - timedelta(days=1)).result().entries == []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        assert len(rest(fleet, "alice").get_audit_log().result().entries) == len(entries)  # the deprecated spelling
+        assert len(rest(fleet, "alice").get_audit_log().result().entries) == len(entries)  # the deprecated spellings
+
+        async def spelled_async() -> list[int]:
+            return [len((await admin.get_audit_log()).entries), len((await admin.get_audit_log_async()).entries),
+                    len((await rest(fleet, "alice").get_audit_log_async()).entries)]
+        assert asyncio.run(spelled_async()) == [len(entries)] * 3
 
     # Bob's log has his own events only: none about alice's checkpoints but his reads' answers to him.
     theirs = tinker.AdminClient(base_url=fleet.url, api_key=fleet.keys["bob"]).get_audit_log().result().entries

@@ -218,6 +218,14 @@ def test_export_session_trace(fleet: Fleet, tmp_path: Path):
     done = fleet.cli("alice", "session", "export-trace", session_id, "--url-only")
     assert done.returncode == 0 and requests.get(done.stdout.strip(), timeout=30).content == got.content
 
+    # The async spellings answer a URL to the same trace.
+    async def spelled_async() -> list[str]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return [await rest.export_session_trace(session_id), await rest.export_session_trace_async(session_id)]
+    for other in asyncio.run(spelled_async()):
+        assert _slices(requests.get(other, timeout=30).content)[1] == slices
+
     # A URL altered, or another tenant's session: refused.
     token = url.rsplit("/", 1)[1]
     assert requests.get(url.replace(token, token[:-2] + ("AA" if token[-2:] != "AA" else "BB")),
