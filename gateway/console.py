@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 STATIC = {"console.js": "text/javascript", "console.css": "text/css"}  # the only files served besides the page
 USAGE_WINDOW_S = 48 * 3600  # the hourly usage the page plots
 QUEUE_SHOWN = 50  # waiting requests listed (all are counted)
+RUNS_SHOWN = 200  # newest training runs listed (each costs a scan of its checkpoints; all are counted)
 
 # The page runs only its own script and style, talks only to this origin, and is never framed.
 HEADERS = {
@@ -94,7 +95,7 @@ def overview(gw: Gateway, tenant: str, served: dict[str, bool]) -> dict[str, Any
     records = gw.records
     run_records = sorted(records.scan("run", tenant), key=lambda r: r["created"], reverse=True)
     runs = [{**lookups.training_run_view(records, r), "session_id": r.get("session_id"),
-             "created": lookups.iso(r["created"]), "closed": bool(r.get("closed"))} for r in run_records]
+             "created": lookups.iso(r["created"]), "closed": bool(r.get("closed"))} for r in run_records[:RUNS_SHOWN]]
     per_session = Counter(r.get("session_id") for r in run_records)
     found = records.scan_items("session", tenant)
     sessions = sorted((_session_view(sid, s, per_session.get(sid, 0)) for sid, s in found),
@@ -104,7 +105,8 @@ def overview(gw: Gateway, tenant: str, served: dict[str, bool]) -> dict[str, Any
     hourly = [{"hour": lookups.iso(row.hour), **row.counts} for row in gw.usage.rows(tenant, since=since)]
     checkpoints = records.scan("checkpoint", tenant)
     return {
-        "tenant": tenant, "training_runs": runs, "sessions": sessions, "actions": served,
+        "tenant": tenant, "training_runs": runs, "training_runs_total": len(run_records), "sessions": sessions,
+        "actions": served,
         "quota": {"limits": limits.as_dict(), "in_use": {
             "max_training_clients": len(gw.quotas.training_clients(tenant)),
             "max_sampling_inflight": gw.quotas.samples_inflight(tenant)}},

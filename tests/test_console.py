@@ -106,7 +106,7 @@ def test_console_json_is_per_key(gateway_url, api_keys, trained, monkeypatch):
     assert get("/api/v1/console/overview", None).status_code == 401
 
     alice = get("/api/v1/console/overview", api_keys["alice"]).json()
-    assert [r["training_run_id"] for r in alice["training_runs"]] == [run_id]
+    assert [r["training_run_id"] for r in alice["training_runs"]] == [run_id] and alice["training_runs_total"] == 1
     assert alice["quota"]["in_use"]["max_training_clients"] == 1 and alice["usage"]["totals"]["training_tokens"] > 0
     assert alice["storage"]["checkpoints"] == 2 and alice["queue"]["waiting"] == 0
     assert {"base_model": NAME, "role": "trainer", "count": 1} in alice["queue"]["workers"]

@@ -273,6 +273,10 @@ async function refresh() {
   showUsage(data);
   showQueue(data.queue);
   showRuns(data.training_runs, data.actions, where.run);
+  if (data.training_runs_total > data.training_runs.length) {
+    document.querySelector("#runs .body").append(el("p", { class: "note" },
+      `The newest ${data.training_runs.length} of ${data.training_runs_total} training runs.`));
+  }
   showSessions(data.sessions, where.session);
   document.body.dataset.tenant = data.tenant;
 }
