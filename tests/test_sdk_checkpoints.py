@@ -299,6 +299,31 @@ def test_copy_weights(fleet: Fleet, trained: dict):
         tinker.RestClient(base_url=fleet.url, api_key=fleet.keys["bob"]).copy_weights(source)
 
 
+def test_copy_outlives_its_source_and_retries_once(fleet: Fleet, trained: dict):
+    """The copy's files are its own links: the source expiring and swept leaves the copy whole. A resend with the
+    SDK's idempotency key answers the first copy."""
+    alice = rest(fleet, "alice")
+    source = trained["tc"].save_weights_for_sampler("to-expire").result(timeout=120).path
+    copy_path = alice.copy_weights(source, "keep").result(timeout=60)
+    alice.set_checkpoint_ttl_from_tinker_path(source, 1).result()
+    source_dir = directory_of(fleet, source)
+    time.sleep(1.5)
+    trained["tc"].save_state("sweep-now").result(timeout=120)  # the worker sweeps after a save
+    deadline = time.monotonic() + 30
+    while source_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not source_dir.exists()
+    sampler = service(fleet, "alice").create_sampling_client(model_path=copy_path).result(timeout=120)
+    np.testing.assert_allclose(prompt_logprobs(sampler), trained["logprobs"], rtol=0, atol=1e-6)
+
+    body = {"source_path": trained["sampler"], "destination_project_id": "keep"}
+    headers = {"X-API-Key": fleet.keys["alice"], "X-Idempotency-Key": uuid.uuid4().hex}
+    first, again = (requests.post(f"{fleet.url}/api/v1/copy_weights", json=body, headers=headers, timeout=30)
+                    for _ in range(2))
+    assert first.status_code == again.status_code == 200
+    assert first.json()["tinker_path"] == again.json()["tinker_path"]
+
+
 def test_audit_log(fleet: Fleet, trained: dict):
     admin = tinker.AdminClient(base_url=fleet.url, api_key=fleet.keys["alice"])
     entries = admin.get_audit_log().result().entries
