@@ -30,6 +30,8 @@ from tests.helpers import make_batch
 from tests.sdk_fleet import Fleet, sdk_fleet
 from tests.test_gateway import ADAM, NAME, sdk_batch
 from tinkerq import keys
+from tinkerq.settings import Settings
+from tinkerq.tenants import ApiKeys
 
 tinker = pytest.importorskip("tinker")
 
@@ -357,3 +359,14 @@ def test_audit_log(fleet: Fleet, trained: dict):
     assert theirs[0].event == "api_key_create"
     assert all(e.event_details.get("actor") == fleet.tenants["bob"] for e in theirs)
     assert not any(e.event_details.get("tinker_path") in (trained["state"], trained["sampler"]) for e in theirs)
+
+    # Key events: a tenant's key revoked and made again (tinkerq keys revoke / create) is in its log, in order.
+    name = f"carol-{uuid.uuid4().hex[:6]}"
+    api_keys = ApiKeys.open(Settings(broker_url=fleet.redis_url))
+    api_keys.create(name)
+    assert api_keys.revoke(name)
+    key = api_keys.create(name)
+    api_keys.close()
+    log = tinker.AdminClient(base_url=fleet.url, api_key=key).get_audit_log(event_type="organizations").result()
+    assert [e.event for e in log.entries] == ["api_key_create", "api_key_revoke", "api_key_create"]
+    assert all(key not in json.dumps(e.event_details) for e in log.entries)  # never the key itself
