@@ -310,8 +310,9 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     # -- REST lookups -----------------------------------------------------------------------------------------
 
     @app.get(f"{v1}/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0, t: str = Tenant) -> dict[str, Any]:
-        return gateway().lookup(lookups.training_runs, t, max(1, min(limit, 1000)), max(0, offset))
+    async def training_runs(limit: int = 20, offset: int = 0, project_id: str | None = None,
+                            t: str = Tenant) -> dict[str, Any]:
+        return gateway().lookup(lookups.training_runs, t, max(1, min(limit, 1000)), max(0, offset), project_id)
 
     @app.get(f"{v1}/training_runs/{{run_id}}")
     async def training_run(run_id: str, t: str = Tenant) -> dict[str, Any]:

@@ -110,6 +110,9 @@ def test_get_list_search_and_assign_sessions(fleet: Fleet):
         rest.assign_session_project(made[2][0], project).result()
         in_project = rest.search_sessions(ttypes.SessionSearchRequest(project_ids=[project])).result()
         assert [(s.session_id, s.project_id) for s in in_project.sessions] == [(made[2][0], project)]
+        # ...with its training runs: list_training_runs(project_id=...) lists those only.
+        in_project_runs = rest.list_training_runs(project_id=project).result()
+        assert [r.training_run_id for r in in_project_runs.training_runs] == made[2][1]
 
         # Another tenant: 404 for each call on alice's sessions, and none of them in its listings or searches.
         bob = tinker.RestClient(base_url=fleet.url, api_key=fleet.keys["bob"])  # constructed directly
