@@ -29,7 +29,7 @@ def training_runs(records: Records, tenant: str, limit: int, offset: int,
     found = sorted(records.scan("run", tenant), key=lambda r: r["created"], reverse=True)
     if project_id is not None:  # a run is in its session's project (assign_session_project moves both)
         projects = {ident: s.get("project_id") for ident, s in records.scan_items("session", tenant)}
-        found = [r for r in found if projects.get(r.get("session_id")) == project_id]
+        found = [r for r in found if projects.get(str(r.get("session_id"))) == project_id]
     page = found[offset:offset + limit]
     return {"training_runs": [training_run_view(records, r) for r in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
