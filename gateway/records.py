@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import WatchError
 
 from tinkerq import keys
 from tinkerq.retry import retrying
@@ -107,6 +110,32 @@ class Records:
         owned = ((name[head:], _owned(raw, tenant)) for name, raw in zip(names, self.store.get_many(names),
                                                                          strict=True))
         return [(ident, record) for ident, record in owned if record is not None]
+
+    def update(self, table: str, ident: str, tenant: str, change: Callable[[dict[str, Any]], None], *,
+               ttl_s: float = IDLE_TTL_S) -> dict[str, Any] | None:
+        """Apply ``change`` to ``tenant``'s record atomically and store it (None: no such record of ``tenant``).
+        A write by anyone in between makes it read and apply again (WATCH), so concurrent updates of one record
+        (a session's heartbeat, finish and project) never undo each other. ``change`` may raise: nothing is
+        written then."""
+        client, key = self._redis(), keys.gateway_record(table, ident)
+
+        def run() -> dict[str, Any] | None:
+            while True:
+                with client.pipeline() as pipe:
+                    try:
+                        pipe.watch(key)
+                        record = _owned(pipe.get(key), tenant)
+                        if record is None:
+                            return None
+                        change(record)
+                        pipe.multi()
+                        pipe.set(key, _dumps(record), px=int(ttl_s * 1000))
+                        pipe.execute()
+                        return record
+                    except WatchError:
+                        continue
+
+        return retrying(run, deadline_s=0, what=f"updating a {table} record")
 
     def touch(self, table: str, ident: str, ttl_s: float = IDLE_TTL_S) -> None:
         self.store.expire(keys.gateway_record(table, ident), ttl_s)

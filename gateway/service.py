@@ -148,22 +148,27 @@ class Gateway:
         return record
 
     def heartbeat(self, tenant: str, session_id: str) -> dict[str, Any]:
-        record = self.session(tenant, session_id)
-        if record["finished"]:
-            raise HTTPError(410, f"session {session_id} is finished")  # the SDK stops heartbeating
-        record["heartbeat_at"] = time.time()  # (and its ttl renewed): stale_runs() reads it
-        self.records.put("session", session_id, record)
+        def beat(record: dict[str, Any]) -> None:
+            if record["finished"]:
+                raise HTTPError(410, f"session {session_id} is finished")  # the SDK stops heartbeating
+            record["heartbeat_at"] = time.time()  # (and its ttl renewed): stale_runs() reads it
+
+        # An atomic update: a heartbeat never undoes a finish or a project assignment made meanwhile.
+        if self.records.update("session", session_id, tenant, beat) is None:
+            raise not_found("session", session_id)
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, tenant: str, session_id: str, reason: Any = None,
                              detail: Any = None) -> dict[str, Any]:
         """End the session and free its models' memory on the workers (their checkpoints stay). The client's
         reason (success, errored, interrupted) is kept, first one wins, for get_session / search_sessions."""
-        record = self.session(tenant, session_id)
-        if not record["finished"] and isinstance(reason, dict) and reason.get("type") in FINISH_REASONS:
-            record.update(finish_reason=reason["type"], finish_detail=None if detail is None else str(detail))
-        record["finished"] = True
-        self.records.put("session", session_id, record)
+        def finish(record: dict[str, Any]) -> None:
+            if not record["finished"] and isinstance(reason, dict) and reason.get("type") in FINISH_REASONS:
+                record.update(finish_reason=reason["type"], finish_detail=None if detail is None else str(detail))
+            record["finished"] = True
+
+        if await asyncio.to_thread(self.records.update, "session", session_id, tenant, finish) is None:
+            raise not_found("session", session_id)
         for run_record in await asyncio.to_thread(self.records.scan, "run", tenant, f"{session_id}:train:"):
             run = await asyncio.to_thread(self.run, tenant, run_record["model_id"], closed_ok=True)
             if run is not None:

@@ -57,9 +57,8 @@ def assign_project(records: Records, tenant: str, session_id: str, project_id: A
     if not isinstance(project_id, str) or not project_id:
         raise ValueError("project_id is required: the project to move the session into (a session cannot be "
                          "moved out of a project)")
-    record = owned(records, tenant, session_id)
-    record["project_id"] = project_id
-    records.put("session", session_id, record)
+    if records.update("session", session_id, tenant, lambda record: record.update(project_id=project_id)) is None:
+        raise NotFound("session", session_id)
 
 
 def status(record: dict[str, Any]) -> dict[str, Any]:

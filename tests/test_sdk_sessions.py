@@ -238,3 +238,32 @@ def test_export_session_trace(fleet: Fleet, tmp_path: Path):
     done = fleet.cli("bob", "session", "export-trace", session_id, "--url-only")
     assert done.returncode != 0 and "not found" in (done.stdout + done.stderr).lower()
     sc.close("success").result()
+
+
+def test_session_updates_never_undo_each_other(redis_url: str):
+    """Heartbeats, finishes and project assignments rewrite one session record from many gateways at once: each is
+    an atomic update (Records.update), so none undoes another. Two threads bump two fields 300 times each."""
+    import threading
+
+    import redis as redis_lib
+
+    from tinkerq.gateway.records import Records
+    from tinkerq.store import RedisStore
+
+    records = Records(RedisStore(redis_lib.Redis.from_url(redis_url)))
+    ident = f"race-{uuid.uuid4().hex}"
+    records.put("session", ident, {"tenant": "t", "created": time.time(), "finished": False, "a": 0, "b": 0})
+
+    def bump(field: str) -> None:
+        for _ in range(300):
+            assert records.update("session", ident, "t", lambda r: r.update({field: r[field] + 1})) is not None
+
+    threads = [threading.Thread(target=bump, args=(field,)) for field in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = records.get("session", ident, "t")
+    assert (final["a"], final["b"]) == (300, 300)
+    assert records.update("session", ident, "another tenant", lambda r: r.update(a=0)) is None
+    assert records.get("session", ident, "t")["a"] == 300
