@@ -127,8 +127,10 @@ def test_whoami_reads_the_token(fleet):
     me = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["bob"]).whoami().result()
     name = fleet["names"]["bob"]
     assert (me.user_urn, me.org_urn, me.email) == (name, f"tml:organization:{name}", None)
-    claims = jwt.decode(_token(fleet["url"], fleet["keys"]["bob"]), options={"verify_signature": False})
+    token = _token(fleet["url"], fleet["keys"]["bob"])
+    claims = jwt.decode(token, options={"verify_signature": False})
     assert claims["sub"] == name and 0 < claims["exp"] - claims["iat"] <= 900  # short-lived
+    assert _get(fleet["plain_url"], token).status_code == 200  # any gateway of the fleet accepts it
 
 
 def test_tinker_auth_login_and_whoami(fleet, tmp_path):
