@@ -7,7 +7,8 @@ tokenizer files) into ``<checkpoint_dir>/<run's worker session>/external/<name>`
 ``tinker://<run>/external_weights/<name>``. ``get_external_weights_urls`` answers one URL per file. Each URL holds a
 token (gateway/signing.py) naming the tenant, the checkpoint and the file, valid for ``URL_LIFETIME_S``; it carries
 no API key, so the ``tinker`` CLI (or curl, or a serving engine) fetches it as it is. A download checks the token,
-then the checkpoint's record for that tenant again (a deleted or expired checkpoint is gone), then serves the file.
+then the checkpoint's record again (a deleted or expired checkpoint is gone, and a published one of another tenant is
+readable while it stays published: gateway/publishing.py), then serves the file.
 
 The gateway reads the checkpoint directory the workers write (TINKERQ_CHECKPOINT_DIR, which workers and users
 share already). Nothing from a request becomes a path: the directory is the record's (written by the gateway from
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import quote
 
+from tinkerq.gateway import publishing
 from tinkerq.gateway.lookups import NotFound, iso
 from tinkerq.gateway.records import PathError, Records, TinkerPath
 from tinkerq.gateway.signing import BadToken, Signer
@@ -178,7 +180,7 @@ class ExternalWeights:
         if path.segment != SEGMENT:
             raise PathError(f"{path} is not an external weights checkpoint: download URLs are signed for "
                             f"tinker://<run>/external_weights/<name> (TrainingClient.save_weights_external)")
-        record = self.records.get("checkpoint", str(path), tenant)
+        record = publishing.readable(self.records, tenant, path)  # the tenant's own, or a published one
         if record is None:
             raise NotFound("checkpoint", str(path))
         files = archive_files(self.checkpoint_dir, str(record["directory"]))
@@ -190,8 +192,9 @@ class ExternalWeights:
     def open(self, token: str, relpath: str) -> tuple[int, int]:
         """(descriptor, size) of the file a download URL names (BadToken, NotFound or Unavailable otherwise)."""
         claims = verify(self.signer, token, relpath)
-        record = self.records.get("checkpoint", claims["path"], str(claims["sub"]))
-        if record is None:  # deleted or expired since the URL was signed
+        path = TinkerPath.parse(claims["path"])
+        record = publishing.readable(self.records, str(claims["sub"]), path)
+        if record is None:  # deleted, expired or unpublished since the URL was signed
             raise NotFound("checkpoint", claims["path"])
         return open_file(self.checkpoint_dir, str(record["directory"]), relpath)
 

@@ -175,6 +175,25 @@ def test_another_tenant_gets_nothing(fleet, exported, tmp_path):
     assert not any((tmp_path / "bob").rglob("*.safetensors"))
 
 
+def test_a_published_export_is_downloadable_by_others_until_unpublished(fleet, exported):
+    tc = exported["tc"]
+    path = tc.save_weights_external("shared").result(timeout=120).path
+    directory = Path(json.loads(redis.Redis.from_url(fleet["redis"]).get(
+        keys.gateway_record("checkpoint", path)))["directory"])
+    alice = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["alice"])
+    bob = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.get_external_weights_urls(path).result()
+    alice.publish_checkpoint_from_tinker_path(path).result()
+    url = bob.get_external_weights_urls(path).result().urls["adapter_model.safetensors"]
+    got = requests.get(url, timeout=60)
+    assert got.status_code == 200 and got.content == (directory / "adapter_model.safetensors").read_bytes()
+    alice.unpublish_checkpoint_from_tinker_path(path).result()
+    assert requests.get(url, timeout=60).status_code == 404  # bob's URL ends with the publication
+    with pytest.raises(tinker.NotFoundError):
+        bob.get_external_weights_urls(path).result()
+
+
 def test_a_deleted_checkpoints_urls_stop_working(fleet, exported):
     tc = exported["tc"]
     path = tc.save_weights_external("short-lived").result(timeout=120).path
