@@ -138,9 +138,10 @@ def send_raw(tc, op: str, envelope, *, task_id: str | None = None, decode=None, 
 
 
 def run_tinker_cli(args: list[str], *, base_url: str, api_key: str, timeout: float = 120,
-                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                   env: dict[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     """The SDK's `tinker` command against a gateway (``tinker -f json checkpoint list ...``), recorded for the SDK
-    surface check (tests/sdk_coverage.py): the one way tests run it."""
+    surface check (tests/sdk_coverage.py): the one way tests run it. ``input``: its standard input (a prompt's
+    answer, e.g. the key `tinker auth login` asks for)."""
     import os
     import sys
 
@@ -150,6 +151,6 @@ def run_tinker_cli(args: list[str], *, base_url: str, api_key: str, timeout: flo
     if entry is not None:
         record(entry)
     tinker = Path(sys.executable).with_name("tinker")
-    return subprocess.run([str(tinker), *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([str(tinker), *args], capture_output=True, text=True, timeout=timeout, input=input,
                           env={**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": api_key,
                                "TINKER_TELEMETRY": "0", **(env or {})})

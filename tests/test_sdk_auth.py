@@ -10,7 +10,6 @@ fleet's Redis holds no API key and no token in the clear.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import uuid
@@ -25,7 +24,7 @@ import requests
 import torch
 
 from tests.conftest import start_named_worker
-from tests.helpers import load_reference, make_batch, reference_logprobs
+from tests.helpers import load_reference, make_batch, reference_logprobs, run_tinker_cli
 from tests.test_gateway import ADAM, NAME, sdk_batch
 from tinkerq import keys
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
@@ -36,7 +35,6 @@ tinker = pytest.importorskip("tinker")
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
-TINKER_CLI = ROOT / ".venv" / "bin" / "tinker"
 
 
 def _gateway(redis_url: str, log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -88,13 +86,9 @@ def _get(url: str, credential: str) -> requests.Response:
     return requests.get(f"{url}/api/v1/training_runs", headers={"X-API-Key": credential}, timeout=30)
 
 
-def _cli(fleet, home: Path, *args: str, key: str | None = None, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TINKER_BASE_URL": fleet["url"],
-           "TINKER_TELEMETRY": "0"}
-    if key is not None:
-        env["TINKER_API_KEY"] = key
-    return subprocess.run([str(TINKER_CLI), *args], cwd=home, env=env, input=stdin, capture_output=True, text=True,
-                          timeout=120)
+def _cli(fleet, home: Path, *args: str, key: str = "", stdin: str = "") -> subprocess.CompletedProcess:
+    # No key (""): the command uses the one `tinker auth login` stored under HOME, if any.
+    return run_tinker_cli(list(args), base_url=fleet["url"], api_key=key, env={"HOME": str(home)}, input=stdin)
 
 
 def test_the_sdk_trains_through_exchanged_tokens(fleet, model_dir, monkeypatch):
@@ -152,6 +146,15 @@ def test_tinker_auth_login_and_whoami(fleet, tmp_path):
     me = requests.get(f"{fleet['url']}/api/v1/auth/apikey/me", headers={"X-API-Key": fleet["keys"]["carol"]},
                       timeout=30).json()
     assert me["name"] == name and fleet["keys"]["carol"] not in json.dumps(me)
+    status = _cli(fleet, tmp_path, "auth", "status")
+    assert status.returncode == 0 and "Tinker accessible: yes" in status.stdout, status.stderr
+    # Logging out forgets the pasted key here (the key itself stays live, as with Tinker's pasted keys).
+    out = _cli(fleet, tmp_path, "auth", "logout")
+    assert out.returncode == 0 and "The API key is still active" in out.stdout, out.stderr
+    stored_file = tmp_path / ".tinker" / "credentials.json"
+    assert not stored_file.exists() or fleet["keys"]["carol"] not in stored_file.read_text()
+    assert _cli(fleet, tmp_path, "auth", "whoami").returncode != 0  # no credential left
+    assert _get(fleet["url"], fleet["keys"]["carol"]).status_code == 200
 
 
 def test_refused_credentials_get_401(fleet):

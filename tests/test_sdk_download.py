@@ -9,6 +9,7 @@ URL that expired, was altered, or was signed with another secret is refused; ano
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ import requests
 import torch
 
 from tests.conftest import start_named_worker
-from tests.helpers import load_reference, make_batch, reference_logprobs
+from tests.helpers import load_reference, make_batch, reference_logprobs, run_tinker_cli
 from tests.test_gateway import ADAM, NAME, sdk_batch
 from tinkerq import keys
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
@@ -38,7 +39,6 @@ peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
-TINKER_CLI = ROOT / ".venv" / "bin" / "tinker"
 COOKBOOK_PYTHON = ROOT / ".venv-cookbook-061" / "bin" / "python"
 
 
@@ -82,9 +82,7 @@ def exported(fleet, tmp_path_factory) -> dict:
 
 
 def _cli(fleet, key: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), "TINKER_BASE_URL": fleet["url"],
-           "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
-    return subprocess.run([str(TINKER_CLI), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run_tinker_cli(list(args), base_url=fleet["url"], api_key=key, timeout=300, env={"HOME": str(cwd)})
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -104,6 +102,26 @@ def test_save_weights_external_answers_tinkers_path_and_the_archive(exported):
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(files)
     config = json.loads(files["adapter_config.json"])
     assert config["r"] == 4 and config["lora_alpha"] == 32 and config["base_model_name_or_path"] == NAME
+
+
+def test_the_deprecated_async_spellings(fleet, exported):
+    tc = exported["tc"]
+    rest = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["alice"])
+
+    async def both():
+        with pytest.warns(FutureWarning, match="save_weights_external_async"):
+            future = await tc.save_weights_external_async("async-spelling")
+        path = (await future).path
+        with pytest.warns(FutureWarning, match="get_external_weights_urls_async"):
+            return path, await rest.get_external_weights_urls_async(path)
+
+    path, answer = asyncio.run(both())
+    assert path == f"tinker://{exported['model_id']}/external_weights/async-spelling"
+    directory = Path(json.loads(redis.Redis.from_url(fleet["redis"]).get(
+        keys.gateway_record("checkpoint", path)))["directory"])
+    assert set(answer.urls) == set(_files(directory))
+    assert requests.get(answer.urls["adapter_config.json"], timeout=60).content == \
+        (directory / "adapter_config.json").read_bytes()
 
 
 def test_a_refused_export_fills_its_position(fleet, exported):
