@@ -25,7 +25,7 @@ import torch
 
 from tests.conftest import start_named_worker
 from tests.helpers import load_reference, make_batch, reference_logprobs, run_tinker_cli
-from tests.test_gateway import ADAM, NAME, sdk_batch
+from tests.test_gateway import ADAM, NAME, fb_proto, post, result, sdk_batch
 from tinkerq import keys
 from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
@@ -181,6 +181,34 @@ def test_refused_credentials_get_401(fleet):
         assert method(f"{url}/api/v1/{path}", headers={"X-API-Key": token}, timeout=30).status_code == 401
         assert method(f"{url}/api/v1/{path}", headers={"X-API-Key": "tml-" + "z" * 43},
                       timeout=30).status_code == 401
+
+
+def test_a_numbered_request_refused_under_a_token_fills_its_position(fleet):
+    """The SequenceGuard (gateway/positions.py) knows the caller by its token too: a numbered request to a route the
+    gateway lacks, sent with a token, fills its position, and the run's next request is answered at once (the
+    worker's gap timeout is 300 s here)."""
+    url, token = fleet["url"], _token(fleet["url"], fleet["keys"]["alice"])
+    batch = make_batch(np.random.default_rng(2), 2, max_len=10)
+
+    def run_with_hole(credential: str) -> tuple[str, str]:
+        """A run whose request 1 went to a route the gateway lacks with ``credential``; its request 2 posted."""
+        session = post(url, "create_session", token, {"tags": [], "sdk_version": "test"}).json()["session_id"]
+        promise = post(url, "create_model", token, {"session_id": session, "model_seq_id": 0, "base_model": NAME,
+                                                     "lora_config": {"rank": 4, "seed": 1}}).json()
+        model_id = result(url, token, promise["request_id"]).json()["model_id"]
+        assert post(url, "no_such_route", credential, {"model_id": model_id, "seq_id": 1}).status_code == 404
+        accepted = post(url, "forward_backward", token, fb_proto(model_id, 2, batch, forward_only=True), proto=True)
+        assert accepted.status_code == 200, accepted.text
+        return model_id, accepted.json()["request_id"]
+
+    started = time.monotonic()
+    _, request_id = run_with_hole(token)
+    answer = result(url, token, request_id, timeout=60)
+    assert answer.status_code == 200 and time.monotonic() - started < 30
+    # The control: a forged token fills nothing, so there the next request waits for the hole (polls say try_again).
+    forged = jwt.encode(jwt.decode(token, options={"verify_signature": False}), b"forged" * 11, algorithm="HS256")
+    _, request_id = run_with_hole(forged)
+    assert result(url, token, request_id, timeout=6).status_code == 408
 
 
 def test_a_revoked_keys_tokens_end_with_it(fleet):
