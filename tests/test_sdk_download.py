@@ -212,6 +212,26 @@ def test_a_published_export_is_downloadable_by_others_until_unpublished(fleet, e
         bob.get_external_weights_urls(path).result()
 
 
+def test_links_in_an_archive_are_never_followed(fleet, exported, tmp_path):
+    """A symbolic link planted in an export (beside its files, or in place of one) is refused, never served."""
+    tc = exported["tc"]
+    path = tc.save_weights_external("planted").result(timeout=120).path
+    directory = Path(json.loads(redis.Redis.from_url(fleet["redis"]).get(
+        keys.gateway_record("checkpoint", path)))["directory"])
+    rest = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["alice"])
+    urls = rest.get_external_weights_urls(path).result().urls
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not a checkpoint file")
+    (directory / "extra.txt").symlink_to(outside)
+    with pytest.raises(tinker.NotFoundError, match="symbolic link"):
+        rest.get_external_weights_urls(path).result()
+    (directory / "extra.txt").unlink()
+    (directory / "adapter_config.json").unlink()
+    (directory / "adapter_config.json").symlink_to(outside)
+    refused = requests.get(urls["adapter_config.json"], timeout=60)  # a URL signed before the link was planted
+    assert refused.status_code == 404 and b"not a checkpoint file" not in refused.content
+
+
 def test_a_deleted_checkpoints_urls_stop_working(fleet, exported):
     tc = exported["tc"]
     path = tc.save_weights_external("short-lived").result(timeout=120).path
