@@ -48,16 +48,19 @@ def fleet(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_factor
     logs = tmp_path_factory.mktemp("download-logs")
     env = {"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)}
     worker = start_named_worker(model_dir, redis_url, NAME, logs / "worker.log", env=env)
-    port = free_port()
-    gateway = start_process(gateway_command(redis_url, port), logs / "gateway.log",
-                            {**env, "TINKERQ_GATEWAY_POLL_S": "2"})
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", gateway, logs / "gateway.log")
+    gateways, urls = [], []
+    for i in range(2):  # a second gateway of the same fleet serves the first one's URLs
+        port = free_port()
+        gateways.append(start_process(gateway_command(redis_url, port), logs / f"gateway-{i}.log",
+                                      {**env, "TINKERQ_GATEWAY_POLL_S": "2"}))
+        urls.append(f"http://127.0.0.1:{port}")
+        wait_for(lambda: gateway_up(urls[-1]), 60, "tinkerq gateway", gateways[-1], logs / f"gateway-{i}.log")
+    url = urls[0]
     api_keys = ApiKeys.open(Settings(broker_url=redis_url))
     made = {t: api_keys.create(f"{t}-{uuid.uuid4().hex[:6]}") for t in ("alice", "bob")}
     api_keys.close()
-    yield {"url": url, "keys": made, "redis": redis_url}
-    for proc in (gateway, worker):
+    yield {"url": url, "other_url": urls[1], "keys": made, "redis": redis_url}
+    for proc in (*gateways, worker):
         proc.terminate()
         proc.wait(30)
 
@@ -161,6 +164,8 @@ def test_urls_carry_no_key_and_expire(fleet, exported):
     assert fleet["keys"]["alice"] not in url
     fetched = requests.get(url, timeout=60)  # no X-API-Key
     assert fetched.status_code == 200 and fetched.content == (exported["directory"] / name).read_bytes()
+    elsewhere = requests.get(url.replace(fleet["url"], fleet["other_url"]), timeout=60)  # any gateway of the fleet
+    assert elsewhere.status_code == 200 and elsewhere.content == fetched.content
 
     token = urlsplit(url).path.split("/")[-2]
     base = url[:url.index(token)]
