@@ -204,6 +204,15 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         who = await asyncio.to_thread(credentials, creds.key_tenant, request.headers.get("x-api-key"))
         return await asyncio.to_thread(credentials, creds.describe, who)
 
+    @app.delete(f"{v1}/auth/apikey/me")
+    async def delete_api_key_me(request: Request) -> dict[str, Any]:
+        # `tinker auth logout` of a key the CLI was issued: the presented key revokes itself (only itself), and its
+        # tenant's runs and sessions end, as `tinkerq keys revoke` does (gateway/auth.py).
+        creds = state["credentials"]
+        who = await asyncio.to_thread(credentials, creds.key_tenant, request.headers.get("x-api-key"))
+        await asyncio.to_thread(creds.revoke, who, gateway())
+        return {}
+
     @app.post(f"{v1}/client/dynamic_config")
     async def dynamic_config(_t: str = Tenant) -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}

@@ -10,8 +10,9 @@ key itself (the same ``AUTH_CACHE_S``). A token that expired, was altered or for
 refused with 401 and ``WWW-Authenticate: Bearer error="invalid_token"``, on which the SDK exchanges its key again
 and replays the request once.
 
-``GET /api/v1/auth/apikey/me`` (``tinker auth login``) checks a pasted key and describes it; ``whoami`` is read by
-the SDK from the token's claims (``sub``: the tenant, ``org_id``: the tenant).
+``GET /api/v1/auth/apikey/me`` (``tinker auth login``) checks a pasted key and describes it; ``DELETE`` there revokes
+the presented key itself (``tinker auth logout`` of a key the CLI was issued); ``whoami`` is read by the SDK from the
+token's claims (``sub``: the tenant, ``org_id``: the tenant).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from tinkerq.gateway import lifecycle
 from tinkerq.gateway.signing import BadToken, Signer
 from tinkerq.tenants import ApiKeys
+
+if TYPE_CHECKING:
+    from tinkerq.gateway.service import Gateway
 
 PURPOSE = "tinker-api"  # the tokens' audience: a download URL's token is no credential, nor the reverse
 TOKEN_LIFETIME_S = 900.0
@@ -91,6 +96,14 @@ class Credentials:
         return {"key_id": int(key_id(tenant, created_at)[:12], 16), "name": tenant,
                 "note": f"tinkerq API key of tenant {tenant!r}, created {created}",
                 "details": {"org_details": {"name": tenant}, "user_details": {"email": tenant}}}
+
+    def revoke(self, tenant: str, gateway: Gateway) -> None:
+        """``DELETE auth/apikey/me``: the caller's key ends (its tokens with it), and the tenant's open runs and
+        sessions are ended on the workers (checkpoints stay), as ``tinkerq keys revoke`` does."""
+        self.keys.revoke(tenant)
+        with self._lock:
+            self._live.pop(tenant, None)
+        lifecycle.end_tenant(gateway.service, gateway.records, gateway.quotas, tenant)
 
     def _token_tenant(self, token: str) -> str:
         try:

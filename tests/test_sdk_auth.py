@@ -224,6 +224,37 @@ def test_a_revoked_keys_tokens_end_with_it(fleet):
     assert _get(fleet["url"], token).status_code == 401
 
 
+def test_logout_of_an_issued_key_revokes_it_and_ends_its_runs(fleet, tmp_path, monkeypatch):
+    """`tinker auth logout` of a key the CLI was issued (a GeneratedKey) calls DELETE auth/apikey/me: the key revokes
+    itself, its tokens end, its training runs are closed on the workers; a token cannot do it."""
+    from tinker.lib.credentials import (
+        ApiKeyDetails,
+        ApiKeyOrgDetails,
+        ApiKeyUserDetails,
+        GeneratedKey,
+        JsonCredentialStore,
+    )
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    name = f"erin-{uuid.uuid4().hex[:6]}"
+    key = fleet["api_keys"].create(name)
+    tc = tinker.ServiceClient(base_url=fleet["url"], api_key=key).create_lora_training_client(
+        NAME, rank=4, seed=2).result(timeout=120)
+    token = _token(fleet["url"], key)
+    assert requests.delete(f"{fleet['url']}/api/v1/auth/apikey/me", headers={"X-API-Key": token},
+                           timeout=30).status_code == 401
+    store = JsonCredentialStore(tmp_path / ".tinker" / "credentials.json")
+    store.add_key("7", GeneratedKey(key=key, name="issued", details=ApiKeyDetails(
+        org_details=ApiKeyOrgDetails(name=name), user_details=ApiKeyUserDetails(email=name))))
+    store.set_default("7")
+    out = _cli(fleet, tmp_path, "auth", "logout")
+    assert out.returncode == 0 and "deleted its API key on the server" in out.stdout, out.stderr
+    assert _get(fleet["url"], key).status_code == 401
+    assert _get(fleet["url"], token).status_code == 401
+    record = json.loads(redis.Redis.from_url(fleet["redis"]).get(keys.gateway_record("run", tc.model_id)))
+    assert record["closed"] is True  # its worker session was closed (tinkerq keys revoke does the same)
+
+
 def test_no_key_or_token_is_kept_in_the_clear(fleet):
     """After all of the above: no value in the fleet's Redis holds an API key or an exchanged token."""
     secrets_seen = [*fleet["keys"].values(), _token(fleet["url"], fleet["keys"]["alice"])]
