@@ -38,7 +38,9 @@ WORKER_GAP_TIMEOUT_S = 3
 SLOW_MODULES_FIRST = [
     "test_adoption.py", "test_cli.py", "test_outages.py", "test_fleet.py", "test_families_fleet.py",
     "test_cookbook.py", "test_sharding.py", "test_sharded_adoption.py", "test_multihost.py", "test_families_lora.py",
-    "test_auto_snapshot.py", "test_sharded_lora.py", "test_published_fleet.py",
+    "test_auto_snapshot.py", "test_sharded_lora.py", "test_published_fleet.py", "test_sdk_download.py",
+    "test_sdk_walk_training.py", "test_sdk_sampling_options.py", "test_console.py", "test_sdk_walk_rest.py",
+    "test_sdk_checkpoints.py", "test_sdk_sessions.py", "test_sdk_auth.py", "test_gateway_sequence.py",
     "test_families_benchmark.py", "test_sampling_families.py", "test_memory.py", "test_families_cookbook.py",
     "test_observability.py", "test_families_cli.py", "test_redis_modes.py", "test_keys.py", "test_security.py",
     "test_cli_errors.py", "test_fuzz.py", "test_gateway.py", "test_numerics.py", "test_fleet_cli.py",
