@@ -350,7 +350,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, t: str = Tenant) -> dict[str, Any]:
-        return gateway().delete_checkpoint(t, run_id, checkpoint_id)
+        return await asyncio.to_thread(gateway().delete_checkpoint, t, run_id, checkpoint_id)  # removes files
 
     # -- usage ---------------------------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""What the gateway does to a checkpoint's files: change its expiry (``set_checkpoint_ttl``) and copy it
-(``copy_weights``). Everything else about checkpoints on disk is the workers'.
+"""What the gateway does to a checkpoint's files: change its expiry (``set_checkpoint_ttl``), copy it
+(``copy_weights``) and delete it (``delete_checkpoint``). Everything else about checkpoints on disk is the workers'.
 
 The gateway reaches the fleet's checkpoint directory (``TINKERQ_CHECKPOINT_DIR``, the workers' shared one) for
-these two calls only; a gateway without it answers them 503 with what to set. It acts only on directories its
+these calls only; a gateway without it answers the first two 503 with what to set, and a deletion there removes the
+record only (its log says the files stay). It acts only on directories its
 own records name (written from a worker's reply, never from a request), and only below the checkpoint directory,
 never following a symbolic link (as the workers, worker/checkpoint_paths.py).
 
@@ -93,6 +94,23 @@ def set_expiry(checkpoint_dir: str, directory: str, expires_at: float | None) ->
     else:
         content["expires_at"] = expires_at
     _write_marker(marker, content)
+
+
+def remove(checkpoint_dir: str, directory: str) -> None:
+    """Delete the checkpoint at ``directory`` (``delete_checkpoint``). Its marker says it expired first, so a
+    worker refuses to load it while its files go; a copy's hard links to the same files keep the copy whole."""
+    if _root(checkpoint_dir).is_dir() and not os.path.lexists(directory):
+        return  # gone already (the workers' expiry sweep)
+    path = _below(checkpoint_dir, directory)
+    try:
+        marker = _marker(path)
+    except ServerError:  # none (an export's folder): nothing a worker would load from it
+        marker = None
+    if marker is not None:
+        content = json.loads(marker.read_text())
+        content["expires_at"] = 0.0
+        _write_marker(marker, content)
+    shutil.rmtree(path)  # never follows a link: removes the link itself
 
 
 def copy(checkpoint_dir: str, directory: str, expires_at: float | None) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 from tinkerq import keys, types, usage
 from tinkerq.audit import AuditLog
 from tinkerq.errors import TinkerqError, UnknownModelError
-from tinkerq.gateway import lifecycle, lookups, proto, publishing
+from tinkerq.gateway import checkpoint_files, lifecycle, lookups, proto, publishing
 from tinkerq.gateway.downloads import ExternalWeights
 from tinkerq.gateway.futures import Answer, Futures, Waiting
 from tinkerq.gateway.jobs import Jobs
@@ -654,8 +654,12 @@ class Gateway:
 
     def delete_checkpoint(self, tenant: str, run_id: str, checkpoint_id: str) -> dict[str, Any]:
         path = f"tinker://{run_id}/{checkpoint_id}"
-        self._checkpoint(tenant, path)
+        record = self._checkpoint(tenant, path)
         self.records.delete("checkpoint", path)
+        try:  # the files too (gateway/checkpoint_files.py), where this gateway reaches them
+            checkpoint_files.remove(self.settings.checkpoint_dir, str(record.get("directory") or ""))
+        except checkpoint_files.Unreachable as exc:
+            log.warning("checkpoint %s deleted from the records; its files stay: %s", path, exc)
         self.audit.record(tenant, "checkpoint_delete", model_id=run_id, tinker_path=path)
         return {}
 
