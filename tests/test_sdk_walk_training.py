@@ -325,6 +325,18 @@ def reference_rl(loss: str, config: dict | None, t, s, a, mask) -> torch.Tensor:
     return -torch.minimum(r_seq * a, torch.clamp(r_seq, lo, hi) * a)
 
 
+def test_loss_fn_custom_is_refused_with_the_client_side_way(fleet: Fleet):
+    """loss_fn="custom" names a loss uploaded to the server; this fleet runs custom losses on the client (its
+    client/config says custom_loss_server_side false): one user error naming forward_backward_custom."""
+    sc = service(fleet)
+    tc = sc.create_lora_training_client(NAME, rank=4, seed=23).result(timeout=120)
+    with pytest.raises(Exception, match="forward_backward_custom"):
+        tc.forward_backward(batch(2), "custom").result(timeout=120)
+    # The refused position was filled: a new client of the same key trains at once.
+    other = sc.create_lora_training_client(NAME, rank=4, seed=23).result(timeout=120)
+    assert other.forward_backward(batch(2), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+
+
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_rl_losses_match_plain_torch(fleet: Fleet, reference, loss: str):
     sc = service(fleet)

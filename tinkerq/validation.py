@@ -109,6 +109,10 @@ def validate_loss_request(
     spec = LOSS_SPECS.get(loss_fn) if isinstance(loss_fn, str) else None
     if spec is None and loss_fn in UNDEFINED_BY_SDK:
         raise ValidationError(UNDEFINED_BY_SDK[loss_fn])
+    if spec is None and loss_fn == "custom":  # the SDK sends it only to a server that runs uploaded losses
+        raise ValidationError("loss_fn 'custom' is a loss uploaded to the server (ServiceClient.create_custom_loss "
+                              "with custom_loss_server_side), which this fleet does not run: use "
+                              "TrainingClient.forward_backward_custom, which runs the loss on the client")
     if spec is None:
         raise ValidationError(f"unknown loss_fn {loss_fn!r}; this fleet serves {sorted(LOSS_SPECS)}")
     resolve_loss_config(loss_fn, loss_fn_config)
