@@ -10,8 +10,9 @@ before the position was read, a crash in a handler. Once the app has answered su
 the guard reads ``model_id`` and ``seq_id`` from its body (JSON, or the forward_backward protobuf) and fills the
 position for the caller's tenant (an error: before the answer is sent), so the run's next request is served at
 once. Filling is a claim: a position taken or refused before is left as it is, so a request another tenant sends
-with someone's model id fills nothing. Retryable answers (408, 409, 429, 5xx the app chose) leave the position
-open: the SDK resends the same request.
+with someone's model id fills nothing. On the routes that take positions, retryable answers (408, 409, 429, 5xx
+the app chose) leave the position open: the SDK resends the same request. A route that takes none has any
+numbered request's position filled, whatever it answered (a resend there would never fill it).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class SequenceGuard:
         self.ordered_paths = ordered_paths  # routes that take positions: their successes need no look
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http" or scope.get("method") in ("HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         body = _Body(receive)
@@ -94,7 +95,7 @@ class SequenceGuard:
                 if _final(status):
                     held.append(message)
                     return
-                if status < 400 and scope.get("path") not in self.ordered_paths:
+                if scope.get("path") not in self.ordered_paths:
                     await body.whole()  # a route that did not read it: once answered, the server drops the rest
             if not held:
                 await send(message)
@@ -111,7 +112,7 @@ class SequenceGuard:
         except Exception:
             await self._fill_from(scope, body, "the gateway failed on this request")
             raise
-        if 200 <= status < 400 and scope.get("path") not in self.ordered_paths:
+        if status and not _final(status) and scope.get("path") not in self.ordered_paths:
             # A numbered body sent to a route that takes no position (get_info, telemetry, ...): answered, and
             # its number would otherwise never be filled.
             await self._fill_from(scope, body, f"{status}: sent to {scope.get('path')}, which takes no position")

@@ -13,6 +13,7 @@ this run fills nothing: the run's own request with that number is applied.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -110,6 +111,23 @@ def _hostile(url: str, key: str, model_id: str) -> list[tuple[str, object]]:
             f"{url}/api/v1/forward_backward", data=fb_proto(model_id, n, bad_datum),
             headers={**proto_h, "Content-Type": "text/plain"}, timeout=60)),
     ]
+    # And every other route the gateway has, any method, a numbered body it was not made for (left out: a numbered
+    # unload_model of one's own run is still an unload, and DELETE auth/apikey/me revokes the key it is sent with).
+    from tinkerq.gateway.app import create_app
+
+    listed = {"/api/v1/" + path for path in ("save_weights_external", "optim_step", "forward_backward", "forward",
+                                             "save_weights", "save_weights_for_sampler", "load_weights", "get_info",
+                                             "telemetry", "unload_model")}
+    for route in create_app(lambda: None).routes:  # the factory runs only at start-up: never here
+        path = getattr(route, "path", "")
+        if not path.startswith("/api/v1/") or path in listed:
+            continue
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method in ("HEAD", "OPTIONS") or (method, path) == ("DELETE", "/api/v1/auth/apikey/me"):
+                continue
+            concrete = re.sub(r"\{[^}]+\}", "nothing", path).removeprefix("/api/v1/")
+            cases.append((f"route {method} {path}", post(concrete, {"type": "garbage", "path": "tinker://nothing"},
+                                                   method=method)))
     return cases
 
 
@@ -141,6 +159,9 @@ def test_no_answer_leaves_a_hole_in_a_run(gateway, keys, monkeypatch):
                 break
             for what, send in _hostile(gateway, keys["owner"], run.model_id):
                 seq_id, answer = _in_turn(run, send)
+                if what.startswith("route "):  # whatever it answers (a user error, a 404, a 503): no crash, no hole
+                    assert answer.status_code != 500, (what, answer.text)
+                    continue
                 if what.startswith(("a numbered", "telemetry")):
                     assert answer.status_code == 200, (what, answer.text)
                     continue
