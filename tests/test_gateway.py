@@ -57,9 +57,11 @@ def api_keys(redis_url: str) -> Iterator[dict[str, str]]:
     keys.close()
 
 
-def start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_gateway(redis_url: str, log: Path, python: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A gateway on a free port (``python``: another interpreter to run it on), answering when this returns."""
     port = free_port()
-    proc = start_process(gateway_command(redis_url, port), log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
+    cmd = gateway_command(redis_url, port)
+    proc = start_process([python or cmd[0], *cmd[1:]], log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", proc, log)
     return proc, url

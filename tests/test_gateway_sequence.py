@@ -25,9 +25,8 @@ import requests
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
-from tests.test_gateway import POLL_S, fb_proto, sdk_batch
+from tests.test_gateway import fb_proto, sdk_batch, start_gateway
 from tinkerq import types
-from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.settings import Settings
 from tinkerq.tenants import ApiKeys
 
@@ -49,11 +48,7 @@ def worker(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_facto
 
 @pytest.fixture(scope="module")
 def gateway(redis_url: str, worker, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "gateway.log"
-    proc = start_process(gateway_command(redis_url, port), log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", proc, log)
+    proc, url = start_gateway(redis_url, tmp_path_factory.mktemp("logs") / "gateway.log")
     yield url
     proc.terminate()
     proc.wait(30)

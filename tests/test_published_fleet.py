@@ -26,9 +26,8 @@ import torch
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch
-from tests.test_gateway import POLL_S, sdk_batch
+from tests.test_gateway import sdk_batch, start_gateway
 from tinkerq import types
-from tinkerq.launcher.processes import free_port, gateway_command, gateway_up, start_process, wait_for
 from tinkerq.recipes.published import LAYOUTS, build_published, reference_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,12 +48,7 @@ def api_key(redis_url):
 
 @pytest.fixture(scope="module")
 def gateway_url(redis_url, plain_install_python, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "gateway.log"
-    cmd = gateway_command(redis_url, port)
-    proc = start_process([plain_install_python, *cmd[1:]], log, {"TINKERQ_GATEWAY_POLL_S": str(POLL_S)})
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: gateway_up(url), 60, "tinkerq gateway", proc, log)
+    proc, url = start_gateway(redis_url, tmp_path_factory.mktemp("logs") / "gateway.log", python=plain_install_python)
     yield url
     proc.terminate()
     proc.wait(30)
