@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tinkerq import keys, types, usage
@@ -27,8 +26,8 @@ from tinkerq.errors import CapacityError, RequestTimeoutError, ServerError, Tink
 from tinkerq.gateway import proto
 from tinkerq.gateway.futures import Answer, Waiting
 from tinkerq.gateway.records import TinkerPath, checkpoint_record
-from tinkerq.gateway.run_metrics import PLOTTED_OPS
 from tinkerq.gateway.sample_options import target_layout
+from tinkerq.operations import OPERATIONS, PASS_OPS, PLOTTED
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
@@ -135,7 +134,7 @@ class Jobs:
         run = await asyncio.to_thread(gw.run, tenant, job["model_id"])
         assert run is not None
         op, finish = job["op"], job["finish"]
-        if op in ("forward", "forward_backward"):
+        if op in PASS_OPS:  # a loss request: its body is the SDK's protobuf, kept in Redis until answered
             call = self._decoded.get(request_id)
             if call is None:
                 raw = await asyncio.to_thread(gw.records.store.get, keys.gateway_body(request_id))
@@ -143,14 +142,14 @@ class Jobs:
                     raise ServerError("this request's body expired before it was posted; send it again")
                 call = proto.decode_forward_backward_request(raw)
             body = messages.encode_loss_request(call.data, call.loss_fn, call.loss_fn_config)
-            decode: Callable[[Any], Any] | None = messages.decode_forward_backward_output
         else:
             body = dict(job["body"])
-            decode = messages.decode_optim_step_response if op == "optim_step" else None
+        # The registry's decoder for the reply (None: the map as it came); an unknown op is refused by submit.
+        decode = OPERATIONS[op].decode_reply if op in OPERATIONS else None
         out = await run.client.submit(op, body, seq_id=int(job["worker_seq"]), decode=decode,
                                       argsrepr=str(job.get("argsrepr", "")))
         answer = await self._finish(finish, tenant, run, job, out)
-        if op in PLOTTED_OPS:  # the console's curves (gateway/run_metrics.py)
+        if op in PLOTTED:  # the console's curves (gateway/run_metrics.py)
             await asyncio.to_thread(gw.run_metrics.record, run.model_id, int(job["seq_id"]), op, out.metrics or {})
         # Usage (docs/operations.md): forward and forward_backward tokens are training tokens.
         counts = {usage.request_counter(op): 1, "training_tokens": int(job.get("tokens") or 0)}

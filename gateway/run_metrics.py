@@ -2,9 +2,10 @@
 
 Nothing else keeps them: a future's answer (with the metrics in it) lives only ``gateway_keep_s`` in Redis,
 and the usage counters sum tokens, not losses. So when a forward, forward_backward or optim_step of a run is
-answered, its metrics are written here, one field per SDK ``seq_id`` of a Redis hash per run
-(:func:`tinkerq.keys.gateway_run_metrics`). A field per seq_id makes a job run twice (an adopting gateway
-re-posts it; the worker answers from its kept reply) write the same field again, never a second point.
+answered (:data:`tinkerq.operations.PLOTTED`), its metrics are written here, one field per SDK ``seq_id`` of a
+Redis hash per run (:func:`tinkerq.keys.gateway_run_metrics`). A field per seq_id makes a job run twice (an
+adopting gateway re-posts it; the worker answers from its kept reply) write the same field again, never a second
+point.
 
 Kept as long as the run's record (``IDLE_TTL_S`` after its last request), and at most ``MAX_POINTS`` per run
 (about 100 bytes each): a longer run keeps its newest points.
@@ -27,7 +28,6 @@ from tinkerq.store import RedisStore
 log = logging.getLogger("tinkerq.gateway")
 
 MAX_POINTS = 20_000
-PLOTTED_OPS = ("forward", "forward_backward", "optim_step")
 
 
 class RunMetrics:

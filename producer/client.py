@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from tinkerq import keys, types
+from tinkerq import keys, operations, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, TinkerqError, UnknownModelError, UserError, ValidationError
 from tinkerq.producer.dispatch import Dispatcher
@@ -49,10 +49,6 @@ log = logging.getLogger("tinkerq.producer")
 
 C = TypeVar("C")
 LORA_FIELDS = ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
-# What TrainingClient.submit posts: a training session's ordered requests (not create_model, which opens the
-# session at seq_id 0, nor sample, which is no part of any session's order).
-ORDERED_OPS = ("forward_backward", "forward", "optim_step", "save_state", "load_state", "save_weights_for_sampler",
-               "create_sampler", "echo", "close_model")
 
 
 class TrainingClientFuture(ClientFuture["TrainingClient"]):
@@ -645,7 +641,7 @@ class TrainingClient:
         """Post one request of this session's ordered stream, as the methods above do, and return its future.
 
         For callers that number requests themselves (the HTTP gateway passes the SDK's ``seq_id`` through).
-        ``op`` is one of :data:`ORDERED_OPS`; ``body`` is its request map as the worker reads it (what
+        ``op`` is one of :data:`tinkerq.operations.ORDERED`; ``body`` is its request map as the worker reads it (what
         :mod:`tinkerq.wire.messages` encodes: ``encode_loss_request``, ``encode_adam``; ``{"path", "optimizer"}``
         for ``load_state``...). ``decode`` turns the answer's body into the future's result (None: the body as
         it came). ``argsrepr``: a short description for Flower and logs, never tensors.
@@ -665,9 +661,11 @@ class TrainingClient:
         if seq_id is not None and not _is_position(seq_id):
             return APIFuture.failed(UserError(f"seq_id must be an integer >= 1 (0 opens the session), got {seq_id!r}"))
         try:
-            if op not in ORDERED_OPS:
+            # A training session's ordered requests: not create_model, which opens the session at seq_id 0, nor
+            # sample, which is no part of any session's order.
+            if op not in operations.ORDERED:
                 raise UserError(f"{op!r} is not a request of a training session's ordered stream; one of "
-                                f"{', '.join(ORDERED_OPS)}")
+                                f"{', '.join(operations.ORDERED)}")
             encoded = self._encode(body)
         except TinkerqError as exc:
             if seq_id is not None:

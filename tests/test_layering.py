@@ -18,8 +18,9 @@ UPWARD = {"tinkerq": ("tinkerq.producer", "tinkerq.worker", "tinkerq.gateway", "
           "gateway": ("tinkerq.worker", "tinkerq.recipes", "tinkerq.launcher")}
 
 
+# tinkerq.operations: the operations registry, read by producer, gateway and worker alike.
 @pytest.mark.parametrize("module", ["tinkerq.producer", "tinkerq", "tinkerq.connection", "tinkerq.validation",
-                                    "tinkerq.gateway"])
+                                    "tinkerq.operations", "tinkerq.gateway"])
 def test_light_packages_do_not_import_heavy_ones(module):
     code = (
         f"import sys, {module}\n"

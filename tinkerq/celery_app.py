@@ -7,24 +7,14 @@ from typing import Any
 from celery import Celery
 from celery.app.control import Control
 
+from tinkerq import operations
 from tinkerq.redis_client import celery_redis_options
 from tinkerq.settings import Settings
 from tinkerq.wire.codec import CONTENT_TYPE, SERIALIZER_NAME, register_kombu_serializer
 
-# Every operation a training client can ask of a worker. The task name reads as what it does (Flower).
-OPS = (
-    "create_model",
-    "close_model",
-    "forward_backward",
-    "forward",
-    "optim_step",
-    "save_weights_for_sampler",
-    "save_state",
-    "load_state",
-    "create_sampler",
-    "echo",
-)  # sample requests do not travel as Celery tasks: each worker reads its own sampling queue
-TASK_NAMES: dict[str, str] = {op: f"tinkerq.{op}" for op in OPS}
+# The Celery task name of every operation that travels as one (not sample: each worker reads sample requests from
+# its own sampling queue). The registry (tinkerq/operations.py) owns them; this name stays for its importers.
+TASK_NAMES = operations.TASK_NAMES
 
 # Remote control (`celery inspect`, `celery status`, Flower's worker pages) carries commands and worker
 # metadata, never tensors: it speaks JSON, the only content the stock `celery` command sends and accepts.

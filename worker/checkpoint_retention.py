@@ -1,7 +1,8 @@
 """Checkpoint retention per session: a save with ``keep_newest: N`` keeps the training session's N newest
-checkpoints of that kind (``save_state``: states, ``save_weights_for_sampler``: sampler weights), the one just
-written always among them, and deletes the older ones; their names go back in the reply (``pruned``) so whoever
-keeps records of them (the gateway) drops those. A save's reply also says how large it is (``bytes``).
+checkpoints of that kind (``save_state``: states, ``save_weights_for_sampler``: sampler weights; the registry's
+:data:`tinkerq.operations.CHECKPOINT_KINDS`), the one just written always among them, and deletes the older ones;
+their names go back in the reply (``pruned``) so whoever keeps records of them (the gateway) drops those. A save's
+reply also says how large it is (``bytes``).
 
 Newest means latest written (the marker's ``created``; its file time for checkpoints written before it was
 recorded). Expired checkpoints are left to the expiry sweep and not counted (they go anyway). Nothing is followed
@@ -20,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from tinkerq.errors import ValidationError
+from tinkerq.operations import CHECKPOINT_KINDS
 from tinkerq.worker import checkpoints
 
 log = logging.getLogger("tinkerq.worker")
-
-KINDS = {"save_state": "state", "save_weights_for_sampler": "sampler"}
 
 
 def keep_newest_of(body: Any, op: str) -> int | None:
@@ -34,15 +34,15 @@ def keep_newest_of(body: Any, op: str) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValidationError(f"{op} keep_newest= must be an integer >= 1 (how many of this training session's "
-                              f"{KINDS[op]} checkpoints to keep, this one included), got {value!r:.80}; nothing "
-                              f"was saved or deleted")
+                              f"{CHECKPOINT_KINDS[op]} checkpoints to keep, this one included), got {value!r:.80}; "
+                              f"nothing was saved or deleted")
     return value
 
 
 def prune(checkpoint_dir: str, model_id: str, op: str, keep_newest: int, written: Path) -> list[str]:
     """Delete the session's checkpoints of ``op``'s kind beyond the ``keep_newest`` newest, never ``written``;
     returns the names deleted. Best effort: a failure is logged, and what was deleted until then returned."""
-    kind = KINDS[op]
+    kind = CHECKPOINT_KINDS[op]
     pruned: list[str] = []
     try:
         found = _checkpoints(checkpoint_dir, model_id, kind)

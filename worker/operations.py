@@ -39,7 +39,6 @@ from tinkerq.worker.snapshots import Snapshots
 log = logging.getLogger("tinkerq.worker")
 
 Op = Callable[[Session, Any], tuple[bytes, int]]
-STATELESS_OPS = frozenset({"forward", "echo"})  # requests that change no session state
 
 
 class Operations:
@@ -61,6 +60,7 @@ class Operations:
         self._on_metrics = on_metrics
         self._tokenizer: Any = None
         self._sweeping = threading.Lock()  # held while expired checkpoints are being deleted
+        # One handler per operation of a session's order (tinkerq.operations.ORDERED; tests check they match).
         self.ops: dict[str, Op] = {
             "forward_backward": lambda s, body: self.loss(s, body, backward=True),
             "forward": lambda s, body: self.loss(s, body, backward=False),

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerError
+from tinkerq.operations import STATELESS as STATELESS_OPS
 from tinkerq.records import JournalEntry, SessionHome, SnapshotRecord
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
 from tinkerq.worker.group_outage import GroupHold
-from tinkerq.worker.operations import STATELESS_OPS
 from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
 from tinkerq.worker.scheduler import PASS_OPS
 from tinkerq.worker.session import Session

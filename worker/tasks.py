@@ -20,7 +20,7 @@ from celery import Celery
 from celery.exceptions import Ignore
 from celery.worker.request import Request
 
-from tinkerq.celery_app import OPS, TASK_NAMES
+from tinkerq.operations import OPERATIONS
 from tinkerq.wire.messages import REPLY_HEADER
 from tinkerq.worker.events import SUMMARY_CHARS, describe, reply_summary
 
@@ -31,8 +31,10 @@ __all__ = ["SUMMARY_CHARS", "SummarisedRequest", "describe", "register_tasks", "
 
 
 def register_tasks(app: Celery, service: WorkerService) -> None:
-    for op in OPS:
-        _register(app, service, op)
+    """A task for every operation of the registry (tinkerq/operations.py) that travels as one."""
+    for op in OPERATIONS.values():
+        if op.celery_task:
+            _register(app, service, op.name)
 
 
 def _register(app: Celery, service: WorkerService, op: str) -> None:
@@ -50,7 +52,8 @@ def _register(app: Celery, service: WorkerService, op: str) -> None:
 
     run.__name__ = op
     run.__qualname__ = op
-    app.task(name=TASK_NAMES[op], bind=True, acks_late=True, ignore_result=True, Request=SummarisedRequest)(run)
+    app.task(name=OPERATIONS[op].task_name, bind=True, acks_late=True, ignore_result=True,
+             Request=SummarisedRequest)(run)
 
 
 class SummarisedRequest(Request):
