@@ -14,7 +14,8 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -22,6 +23,27 @@ import redis
 from tinkerq.retry import retrying
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Push:
+    """A write for :meth:`KeyValueStore.write_many`: what :meth:`KeyValueStore.push` does."""
+
+    key: str
+    value: bytes
+    ttl_s: float | None = None
+    max_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A write for :meth:`KeyValueStore.write_many`: what :meth:`KeyValueStore.put_reply` does."""
+
+    key: str
+    value: bytes
+    inbox: str | None
+    item: bytes
+    ttl_s: float
 
 
 class KeyValueStore(Protocol):
@@ -42,6 +64,9 @@ class KeyValueStore(Protocol):
     def count(self, key: str, ttl_s: float) -> int: ...
     # A reply: kept under its own key (read back after an outage) and pushed to the producer's inbox.
     def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None: ...
+    # Several pushes and replies in one round trip, applied in order and all at once (a worker's journal entries
+    # and answers: worker/outbox.py).
+    def write_many(self, writes: Sequence[Push | Reply]) -> None: ...
     # Heartbeats, timed by the store's own clock (hosts' clocks may disagree).
     def beat(self, zset: str, member: str) -> None: ...
     def ages(self, zset: str) -> dict[str, float]: ...
@@ -208,6 +233,26 @@ class RedisStore:
             pipe.execute()
 
         self._do(f"storing reply {key}", run)
+
+    def write_many(self, writes: Sequence[Push | Reply]) -> None:
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            for w in writes:
+                if isinstance(w, Push):
+                    pipe.lpush(w.key, w.value)
+                    if w.max_len is not None:
+                        pipe.ltrim(w.key, 0, w.max_len - 1)
+                    if w.ttl_s is not None:
+                        pipe.pexpire(w.key, _ms(w.ttl_s))
+                else:
+                    pipe.set(w.key, w.value, px=_ms(w.ttl_s))
+                    if w.inbox is not None:
+                        pipe.lpush(w.inbox, w.item)
+                        pipe.pexpire(w.inbox, _ms(w.ttl_s))
+            pipe.execute()
+
+        if writes:
+            self._do(f"writing {len(writes)} journal entries and replies", run)
 
     def beat(self, zset: str, member: str) -> None:
         self._do("sending a heartbeat", lambda: self._beat(keys=[zset], args=[member]))
@@ -451,6 +496,13 @@ class MemoryStore:
         self.set(key, value, ttl_s)
         if inbox is not None:
             self.push(inbox, item)
+
+    def write_many(self, writes: Sequence[Push | Reply]) -> None:
+        for w in writes:
+            if isinstance(w, Push):
+                self.push(w.key, w.value, w.ttl_s, w.max_len)
+            else:
+                self.put_reply(w.key, w.value, w.inbox, w.item, w.ttl_s)
 
     def beat(self, zset: str, member: str) -> None:
         with self._lock:

@@ -3,9 +3,11 @@
 It asks the scheduler (worker/scheduler.py) for the next unit of work and runs it: building a session, one
 request of one session, a LoRA pass over the loss requests of several sessions, or a turn of the sampling
 engine (admitting the sample requests that arrived, then one prefill or decode step). Then it records each
-request as applied in its session's order, journals it (worker/recovery.py), answers its callers and tells
-Celery's event stream how it ended (worker/events.py). Nothing else touches the model, so no locks or turns
-are needed around it; the service's lock guards only the scheduler's bookkeeping, never the compute.
+request as applied in its session's order and hands the rest to the outbox (worker/outbox.py), which journals
+it (worker/recovery.py), answers its callers and tells Celery's event stream how it ended (worker/events.py).
+It never waits on the network: request bodies arrive fetched and decoded (``WorkerService.take_body``).
+Nothing else touches the model, so no locks or turns are needed around it; the service's lock guards only the
+scheduler's bookkeeping, never the compute.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class ComputeLoop:
         service = self.service
         model_id = request.model_id
         assert model_id is not None
-        body = service.decode(request.envelope.get("payload"))
+        _, body = service.take_body(request)
         requested = body.get("base_model") if isinstance(body, dict) else None
         if requested != service.base_model:
             raise UnknownModelError(f"this worker serves {service.base_model!r}, not {requested!r}")
@@ -183,6 +185,7 @@ class ComputeLoop:
         started = time.time()
         timing = queue_wait(request.envelope, started)
         raw: bytes | None = None  # the request's body, claim check unwrapped (for the journal)
+        discard = None  # its claim-checked body, dropped once it was applied
         outcome: Outcome
         if slot.broken is not None:
             outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
@@ -190,14 +193,14 @@ class ComputeLoop:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
             try:
-                raw = service.claim_check.unwrap(ref)
-                body, tokens = service.operations.ops[op](slot.session, service.unpack(raw))
+                raw, decoded = service.take_body(request)
+                body, tokens = service.operations.ops[op](slot.session, decoded)
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens))
                 if tokens:
                     timing["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
                 outcome = ("ok", body, timing)
-                service.claim_check.discard(ref)
+                discard = ref
                 if op == "optim_step":
                     service.recovery.step_taken(slot)
             except TinkerqError as exc:
@@ -211,12 +214,13 @@ class ComputeLoop:
                 slot.broken = (f"session {slot.session.model_id} is unusable since {op} seq {seq_id} failed in the "
                                f"worker ({type(exc).__name__}: {exc}); create a new training client")
                 outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
-        service.applied(slot, request, raw, outcome)
-        if op == "close_model" and outcome[0] == "ok":
+        runtime, large = time.time() - started, memory.is_large(ref, outcome)  # large: give freed buffers back
+        if op == "close_model" and outcome[0] == "ok":  # its records go before the answer does (the outbox's order)
             service.close_session(slot.session.model_id)
-        service.finish(request, outcome, runtime=time.time() - started)
-        if memory.is_large(ref, outcome):  # give the request's freed buffers back to the OS (RSS)
-            memory.release_memory()
+            service.metrics.observe(op, outcome[0], outcome[2])
+            service.finish(request, outcome, runtime=runtime)
+            return
+        service.applied(slot, request, raw, outcome, runtime=runtime, discard=discard, release=large)
 
     def _pass(self, requests: list[Request]) -> None:
         """Loss requests of several LoRA sessions (one each, next in their orders) as one pass."""
@@ -234,8 +238,8 @@ class ComputeLoop:
             try:
                 if slot.broken is not None:
                     raise slot.broken_error(slot.broken, session_broken=True)
-                raw = service.claim_check.unwrap(request.envelope.get("payload"))
-                item = service.operations.checked_loss(service.unpack(raw), backward=backward, lora=True)
+                raw, decoded = service.take_body(request)
+                item = service.operations.checked_loss(decoded, backward=backward, lora=True)
                 item.target = slot.session  # type: ignore[assignment]
                 slot.session.last_used = time.monotonic()
                 items.append((request, slot, item, raw))
@@ -259,14 +263,15 @@ class ComputeLoop:
                 continue  # the shard group failed under the pass: it runs again on the re-made session
             timing = queue_wait(request.envelope, started)
             compute = time.time() - started
+            discard = None
             if item.output is not None:
                 tokens = tokens_of(item)
                 timing.update(compute_s=compute, tokens=float(tokens), tokens_per_s=tokens / max(compute, 1e-9))
                 outcome: Outcome = ("ok", codec.packb(messages.encode_forward_backward_output(item.output)), timing)
-                service.claim_check.discard(request.envelope.get("payload"))
+                discard = request.envelope.get("payload")
             else:
                 outcome = ("error", (item.error or WorkerError("the LoRA pass gave no answer")).to_wire(), timing)
-            self._settle(request, slot, raw, outcome, started, shared)
+            self._settle(request, slot, raw, outcome, started, shared, discard)
 
     def _run_pass(self, items: list[LossItem], backward: bool) -> None:
         base = items[0].target.pass_group  # the frozen base they share (a shard group's runs it on every rank)
@@ -294,11 +299,9 @@ class ComputeLoop:
         return codec.packb(messages.encode_forward_backward_output(item.output))
 
     def _settle(self, request: Request, slot: Slot, raw: bytes | None, outcome: Outcome, started: float,
-                shared: str = "") -> None:
-        self.service.applied(slot, request, raw, outcome)
-        self.service.finish(request, outcome, runtime=time.time() - started, shared=shared)
-        if memory.is_large(request.envelope.get("payload"), outcome):
-            memory.release_memory()
+                shared: str = "", discard: Any = None) -> None:
+        self.service.applied(slot, request, raw, outcome, runtime=time.time() - started, shared=shared,
+                             discard=discard, release=memory.is_large(request.envelope.get("payload"), outcome))
 
     # -- sampling ----------------------------------------------------------------------------------------------
 
@@ -333,12 +336,11 @@ class ComputeLoop:
                                                 f"{error}").to_wire(), timing)
             service.metrics.observe("sample", outcome[0], timing)
             service.finish(request, outcome, runtime=time.time() - started,
-                           shared=f"decode batch of up to {service.engine.load()} row(s)")
-            service.claim_check.discard(ref)
+                           shared=f"decode batch of up to {service.engine.load()} row(s)", discard=ref)
 
         try:
-            job, _ = service.operations.sample_job(service.decode(ref), done, prompt_logprobs,
-                                                         prompt_scores)
+            job, _ = service.operations.sample_job(service.take_body(request)[1], done, prompt_logprobs,
+                                                   prompt_scores)
             service.engine.submit(job)
         except TinkerqError as exc:
             if isinstance(exc, MalformedMessageError):

@@ -7,14 +7,18 @@ batch it shared. Sample requests do not travel as Celery tasks (they come from t
 queue): they are reported as ``tinkerq.sample`` tasks, received, started and succeeded.
 
 Events go out on a dispatcher of our own (its own connection, one lock), with the worker's hostname, so
-they can be sent from the compute loop's thread without touching the consumer's connection.
+they can be sent from the outbox's thread (worker/outbox.py) without touching the consumer's connection.
+Inside :meth:`TaskEvents.batch` they are buffered and leave as one message (Celery's receivers, Flower's
+included, take a list of events), so a batch of answers costs one publish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -31,15 +35,17 @@ class TaskEvents:
     """Sends task events for requests Celery does not see end; does nothing until :meth:`start`."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._dispatcher: Any = None
+        self._batching = 0  # depth of batch() contexts open (held by one thread: the lock is held throughout)
 
     def start(self, app: Any, hostname: str) -> None:
         """Called by the worker's consumer bootstep (worker/runtime.py) once Celery's own events are on."""
         with self._lock:
             if self._dispatcher is None:
                 self._dispatcher = app.events.Dispatcher(app.connection_for_write(), hostname=hostname,
-                                                         enabled=True, groups=["task"])
+                                                         enabled=True, groups=["task"], buffer_group=["task"],
+                                                         buffer_limit=1 << 30)
 
     def stop(self) -> None:
         with self._lock:
@@ -55,9 +61,26 @@ class TaskEvents:
             if self._dispatcher is None:
                 return
             try:
-                self._dispatcher.send(kind, **fields)
+                self._dispatcher.send(kind, **fields)  # buffered ("task" group): flushed now, or by batch()
+                if not self._batching:
+                    self._dispatcher.flush()
             except Exception as exc:  # monitoring must never fail a request
                 log.debug("could not send %s: %s", kind, exc)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Events sent inside leave together, as one message, at its end."""
+        with self._lock:
+            self._batching += 1
+            try:
+                yield
+            finally:
+                self._batching -= 1
+                if not self._batching and self._dispatcher is not None:
+                    try:
+                        self._dispatcher.flush()
+                    except Exception as exc:
+                        log.debug("could not send task events: %s", exc)
 
     def taken(self, request: Any) -> None:
         """A request was queued: a sample request is announced (Celery announced the others itself)."""

@@ -35,7 +35,7 @@ from tinkerq.errors import MalformedMessageError, TinkerqError
 from tinkerq.redis_client import SentinelMasterConnection
 from tinkerq.retry import is_transient
 from tinkerq.settings import Settings
-from tinkerq.store import KeyValueStore
+from tinkerq.store import KeyValueStore, Reply
 from tinkerq.wire import codec, messages
 from tinkerq.wire.codec import CONTENT_TYPE
 from tinkerq.wire.messages import REPLY_HEADER
@@ -202,8 +202,13 @@ class DeadLetters:
 def store_reply(store: KeyValueStore, settings: Settings, task_id: str, inbox: str | None,
                 reply: dict[str, Any]) -> None:
     """Keep ``reply`` under the task's reply key and push it to the sender's inbox (retried through outages)."""
-    store.put_reply(keys.reply(task_id), codec.packb(reply), inbox, messages.make_reply_item(task_id, reply),
-                    ttl_s=settings.result_ttl_s)
+    store.write_many([reply_write(settings, task_id, inbox, reply)])
+
+
+def reply_write(settings: Settings, task_id: str, inbox: str | None, reply: dict[str, Any]) -> Reply:
+    """The store write that answers ``task_id``: its reply key, and the sender's inbox."""
+    return Reply(keys.reply(task_id), codec.packb(reply), inbox, messages.make_reply_item(task_id, reply),
+                 ttl_s=settings.result_ttl_s)
 
 
 class GuardedChannel(kombu_redis.Channel):

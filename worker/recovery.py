@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerError
+from tinkerq.operations import CHECKPOINT_KINDS, PASS_OPS
 from tinkerq.operations import STATELESS as STATELESS_OPS
 from tinkerq.records import JournalEntry, SessionHome, SnapshotRecord
+from tinkerq.store import Push
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
 from tinkerq.worker.group_outage import GroupHold
 from tinkerq.worker.registry import LOST_AFTER_BEATS, reap_dead_workers
-from tinkerq.worker.scheduler import PASS_OPS
 from tinkerq.worker.session import Session
 from tinkerq.worker.sessions import Slot
 
@@ -84,39 +85,51 @@ class Recovery:
             self.store.delete(keys.journal(model_id))
         checkpoints.remove_auto_snapshot(self.settings.checkpoint_dir, model_id)
 
-    def applied(self, slot: Slot, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> None:
-        """A request was applied (its answer is not sent yet): journal it, then take the automatic snapshot if
-        one is due, so every answered request is in the snapshot or the journal. A request whose answer is an
-        error changed nothing: its body is not kept, only the answer; nor is the body of a request that changes no
-        state (an adopter only answers a repeat of it, it never applies it again)."""
-        if op == "close_model":
-            return
-        entry = None
-        if self.journaling:
-            keep_body = outcome[0] == "ok" and op not in STATELESS_OPS
-            entry = JournalEntry(seq_id, op, raw if keep_body else None, outcome).dumps()
-            try:
-                self.store.push(keys.journal(slot.session.model_id), entry, ttl_s=self.settings.auto_snapshot_ttl_s)
-                slot.journal_len += 1
-            except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
-                log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
-                return
-        # Due after auto_snapshot_steps optimizer steps, or when the journal is too long (any request boundary).
-        if slot.broken is None and (slot.snapshot_due or slot.journal_len > self.settings.journal_max_entries > 0):
-            self.snapshot(slot, seq_id, entry)
+    def entry(self, seq_id: int, op: str, raw: bytes | None, outcome: Outcome) -> bytes | None:
+        """The journal entry of a request just applied (None when nothing is journaled). A request whose answer
+        is an error changed nothing: its body is not kept, only the answer; nor is the body of a request that
+        changes no state (an adopter only answers a repeat of it, it never applies it again)."""
+        if op == "close_model" or not self.journaling:
+            return None
+        keep_body = outcome[0] == "ok" and op not in STATELESS_OPS
+        return JournalEntry(seq_id, op, raw if keep_body else None, outcome).dumps()
+
+    def journal_write(self, slot: Slot, entry: bytes) -> Push:
+        """The store write of ``entry`` to the session's journal (worker/service.py writes it on the outbox, in
+        the same round trip as, and before, its answer: every answered request is in the snapshot or the
+        journal); once written, ``slot.journal_len`` counts it."""
+        return Push(keys.journal(slot.session.model_id), entry, ttl_s=self.settings.auto_snapshot_ttl_s)
+
+    def journal(self, slot: Slot, seq_id: int, op: str, entry: bytes) -> None:
+        """Write ``entry`` now (the compute loop, before an automatic snapshot: a kill during the snapshot's write
+        leaves the previous snapshot and a journal that reaches this request)."""
+        try:
+            self.store.push(keys.journal(slot.session.model_id), entry, ttl_s=self.settings.auto_snapshot_ttl_s)
+            slot.journal_len += 1
+        except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
+            log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
+
+    def snapshot_due(self, slot: Slot, unjournaled: int = 0) -> bool:
+        """Whether the automatic snapshot is due after the request just applied: ``auto_snapshot_steps`` optimizer
+        steps were taken, or the journal (with ``unjournaled`` entries still on their way) is too long."""
+        if slot.broken is not None:
+            return False
+        return slot.snapshot_due or slot.journal_len + unjournaled > self.settings.journal_max_entries > 0
 
     def step_taken(self, slot: Slot) -> None:
         """An optimizer step was applied: every ``auto_snapshot_steps`` of them, a snapshot is due (taken once
-        the step is journaled, by :meth:`applied`). A lost worker then costs at most that many steps (or nothing,
-        when another worker adopts the session), and the producer's WorkerLostError names the snapshot."""
+        the step is journaled: worker/service.py ``applied``). A lost worker then costs at most that many steps
+        (or nothing, when another worker adopts the session), and the producer's WorkerLostError names the
+        snapshot."""
         slot.steps_since_snapshot += 1
         if 0 < self.settings.auto_snapshot_steps <= slot.steps_since_snapshot:
             slot.snapshot_due = True
 
-    def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> None:
+    def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> bool:
         """Write the session's automatic snapshot as the state after its request ``seq_id``, record it, and then
         cut its journal down to that request's own ``entry`` (everything older is covered now; the answer to
-        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it)."""
+        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it). Returns
+        whether the journal holds ``entry`` now (else its writer must still write it)."""
         s, session, metrics = self.settings, slot.session, self.service.metrics
         started = time.perf_counter()
         try:
@@ -127,12 +140,13 @@ class Recovery:
             slot.snapshot_at, slot.snapshot_seq = record.time, seq_id
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
-            return
+            return entry is None
+        written = entry is None
         if entry is not None:
             try:  # after the record: a kill in between leaves entries the adopter does not apply (seq <= S)
                 # One atomic LPUSH + LTRIM: the journal is this entry alone, never empty in between.
                 self.store.push(keys.journal(session.model_id), entry, ttl_s=s.auto_snapshot_ttl_s, max_len=1)
-                slot.journal_len = 1
+                slot.journal_len, written = 1, True
             except TinkerqError as exc:
                 log.warning("could not cut the journal of %s: %s", session.model_id, exc)
         try:  # the sampler weights the session still serves go with it: published (once each), so any worker can
@@ -143,6 +157,7 @@ class Recovery:
         slot.steps_since_snapshot, slot.snapshot_due = 0, False
         metrics.auto_snapshots.inc()
         metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
+        return written
 
     # -- adoption ----------------------------------------------------------------------------------------------
 
@@ -304,7 +319,7 @@ class Recovery:
         if entry.op in STATELESS_OPS:  # no state change (and no body journaled)
             return
         answer = codec.unpackb(value)
-        if entry.op in ("save_state", "save_weights_for_sampler") and os.path.exists(str(answer.get("path"))):
+        if entry.op in CHECKPOINT_KINDS and os.path.exists(str(answer.get("path"))):
             return  # written before the loss: not rewritten (a user may already read it)
         if entry.op == "create_sampler":  # the same id: sampling clients made from it keep working
             if resume:  # made here before the group failed, and still held

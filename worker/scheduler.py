@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinkerq.operations import PASS_OPS
 from tinkerq.worker.ordering import Ordering
 
 KINDS = ("train", "sample")
-PASS_OPS = frozenset({"forward_backward", "forward"})
 
 
 @dataclass
@@ -54,6 +54,10 @@ class Request:
     received: float = field(default_factory=time.monotonic)
     label: str = ""  # what the producer wrote for people (the task's argsrepr): `fleet status`, Flower
     done: bool = False  # answered (set by the owner; a create_model's transport thread waits for it)
+    # Its body, fetched (claim check) and decoded ahead by the intake (worker/service.py): (raw, decoded), or the
+    # error fetching or decoding raised (raised when the request runs, in its order); None: not fetched yet.
+    body: Any = None
+    prefetched: int = 0  # claim-checked bytes it holds against the worker's prefetch bound
 
 
 @dataclass

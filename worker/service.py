@@ -5,7 +5,12 @@ compute loop runs, recovery journals and adopts.
         -> WorkerService.submit: checks the envelope; answers repeats and refusals at once, queues the rest
         -> Scheduler (worker/scheduler.py): per-session order, passes, fairness          [no torch, no Redis]
         -> ComputeLoop (worker/compute.py): the one thread that owns the model            [runs Operations]
-        -> WorkerService.applied / finish: journal (worker/recovery.py), answer, Celery task event
+        -> WorkerService.applied / finish: recorded in the session's order (memory), then on the outbox thread
+           (worker/outbox.py): journal (worker/recovery.py), answer, Celery task event            [no compute]
+
+The compute loop never waits on the network: the transport thread fetches (claim check) and decodes a request's
+body before queueing it (:meth:`WorkerService._prefetch`, bounded by ``PREFETCH_BYTES``), and every write after
+compute is the outbox's.
 
 Nothing here raises to Celery; every failure becomes an error reply in our own wire format, and the worker
 keeps serving. The lock guards the scheduler's bookkeeping and the session table, never the compute.
@@ -21,7 +26,6 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from tinkerq import keys, types
-from tinkerq.celery_app import TASK_NAMES
 from tinkerq.connection import Connection
 from tinkerq.errors import (
     MalformedMessageError,
@@ -31,15 +35,19 @@ from tinkerq.errors import (
     UnknownModelError,
     WorkerError,
 )
+from tinkerq.operations import TASK_NAMES, UNORDERED, task_name
+from tinkerq.store import Push, Reply
 from tinkerq.wire import codec, messages
+from tinkerq.worker import memory
 from tinkerq.worker.compute import ComputeLoop
 from tinkerq.worker.events import TaskEvents
 from tinkerq.worker.idle_release import IdleRelease
-from tinkerq.worker.intake import DeadLetters, store_reply
+from tinkerq.worker.intake import DeadLetters, reply_write, store_reply
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.metrics import WorkerMetrics
 from tinkerq.worker.model_loading import max_seq_len, vocab_size
 from tinkerq.worker.operations import Operations
+from tinkerq.worker.outbox import Outbox, Parcel
 from tinkerq.worker.quantized_base import parameter_count
 from tinkerq.worker.recovery import Recovery
 from tinkerq.worker.sampling.torch_engine import TorchEngine
@@ -54,6 +62,10 @@ log = logging.getLogger("tinkerq.worker")
 # An answer as kept by the worker: ("ok", msgpack body bytes, timing) or ("error", wire error map, timing).
 # It is wrapped into a reply (claim check) each time it is sent, so a repeated request gets a fresh copy.
 Outcome = tuple[str, Any, dict[str, float]]
+
+# Claim-checked bodies the transport fetches ahead of the compute loop, at most this many bytes at a time (beyond
+# it, the compute loop fetches a body when it runs the request). Inline bodies are bounded by the lanes.
+PREFETCH_BYTES = 256 * 1024 * 1024
 
 
 class WorkerService:
@@ -94,11 +106,14 @@ class WorkerService:
         self.recovery = Recovery(self)
         self.idle = IdleRelease(self)
         self.compute = ComputeLoop(self)
+        self.outbox = Outbox(self._deliver)
+        self._prefetched = 0  # claim-checked bytes fetched ahead and not yet taken by the compute loop
         self.metrics.watch_sampling(self.engine.load, lambda: dict(self.scheduler.seconds))
         self.metrics.watch_lora(lambda: (self.compute.passes, self.compute.pass_requests))
         self.metrics.journal_entries.set_function(lambda: sum(s.journal_len for s in list(self.slots.values())))
         self.metrics.watch_sessions(self.session_stats)
         self.operations.sweep_checkpoints()
+        self.outbox.start()
         self.compute.start()
 
     # -- intake (transport threads) --------------------------------------------------------------------------
@@ -122,9 +137,10 @@ class WorkerService:
         return None if outcome is None else self.reply(outcome)
 
     def _take(self, op: str, envelope: Any, caller: Caller, label: str, tries: int = 3) -> Outcome | None:
-        if op in ("sample", "create_model"):  # in no session's order
+        if op in UNORDERED:  # in no session's order
             model_id, _, _ = messages.check_envelope(envelope, op)
             request = Request(op, envelope, [caller], model_id=model_id, label=label)
+            self._prefetch(request)
             with self.cond:
                 (self.scheduler.samples if op == "sample" else self.scheduler.creates).append(request)
                 self.cond.notify_all()
@@ -137,6 +153,18 @@ class WorkerService:
             return None
         model_id, seq_id, _ = messages.check_envelope(envelope, op)
         request = Request(op, envelope, [caller], model_id=model_id, seq_id=seq_id, label=label)
+        self._prefetch(request)
+        queued: list[Request] = []
+        try:
+            return self._queue(request, tries, queued)
+        finally:
+            if not queued:  # answered, refused, or joined a copy already waiting: its fetched body goes
+                self.unreserve(request)
+
+    def _queue(self, request: Request, tries: int, queued: list[Request]) -> Outcome | None:
+        op, model_id, seq_id, caller, envelope, label = (request.op, request.model_id, request.seq_id,
+                                                         request.callers[0], request.envelope, request.label)
+        assert model_id is not None and seq_id is not None
         with self.cond:
             while True:
                 if model_id in self.recovery.moved:  # its producer sent it to the adopter too: that one answers
@@ -148,6 +176,10 @@ class WorkerService:
                     break
                 ordering = slot.lane.ordering
                 if ordering.classify(seq_id) == "repeat":
+                    unsent = slot.unsent.get(seq_id)
+                    if unsent is not None:  # applied; its journal entry and answer are on their way: it joins them
+                        unsent.callers.extend(request.callers)
+                        return None
                     kept = ordering.reply_for(seq_id)
                     if kept is None:
                         raise MalformedMessageError(
@@ -160,6 +192,8 @@ class WorkerService:
                         return ("ok", codec.packb({}), {})
                     raise slot.broken_error(slot.broken, session_broken=True)
                 status = self.scheduler.add(slot.lane, request)
+                if status == "queued":
+                    queued.append(request)
                 if status != "full":
                     self.cond.notify_all()
                     break
@@ -183,26 +217,124 @@ class WorkerService:
 
     # -- the compute loop's side ---------------------------------------------------------------------------------
 
-    def applied(self, slot: Slot, request: Request, raw: bytes | None, outcome: Outcome) -> None:
-        """A request of ``slot`` ran: journal it (and snapshot if due), then record it in its order."""
-        assert request.seq_id is not None
-        self.recovery.applied(slot, request.seq_id, request.op, raw, outcome)
+    def _prefetch(self, request: Request) -> None:
+        """Fetch (claim check) and decode ``request``'s body now, on the transport thread, so that the compute loop
+        finds it ready (:meth:`take_body`). What fetching or decoding raises is kept and raised when the request
+        runs, in its order, as it would have been there. Claim-checked bodies beyond ``PREFETCH_BYTES`` in all are
+        left for the compute loop to fetch."""
+        ref = request.envelope.get("payload")
+        claimed = ref.get("size") if isinstance(ref, dict) and "inline" not in ref else 0
+        size = claimed if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > 0 else 0
+        if size:
+            with self.cond:
+                if self._prefetched and self._prefetched + size > PREFETCH_BYTES:
+                    return
+                self._prefetched += size
+            request.prefetched = size
+        try:
+            raw = self.claim_check.unwrap(ref)
+            request.body = (raw, self.unpack(raw))
+        except Exception as exc:  # raised again where the compute loop takes the body
+            request.body = exc
+
+    def unreserve(self, request: Request) -> None:
+        """``request``'s prefetched body no longer counts against the prefetch bound (taken, or never queued)."""
         with self.cond:
-            slot.lane.ordering.applied(request.seq_id, outcome)
+            self._prefetched -= request.prefetched
+            request.prefetched = 0
+
+    def take_body(self, request: Request) -> tuple[bytes, Any]:
+        """``request``'s body as (raw bytes, decoded): the one prefetched by the intake, else fetched now (the
+        compute loop; a request beyond the prefetch bound). Raises what fetching or decoding raised."""
+        body, request.body = request.body, None
+        if request.prefetched:
+            self.unreserve(request)
+        if body is None:
+            raw = self.claim_check.unwrap(request.envelope.get("payload"))
+            return raw, self.unpack(raw)
+        if isinstance(body, BaseException):
+            raise body
+        return body
+
+    def applied(self, slot: Slot, request: Request, raw: bytes | None, outcome: Outcome, *, runtime: float = 0.0,
+                shared: str = "", discard: Any = None, release: bool = False) -> None:
+        """A request of ``slot`` ran (the compute loop): record it in its session's order now, so the next one can
+        run; its journal entry and answer go out on the outbox, in order (``discard``: a claim-checked body to
+        drop then; ``release``: give freed memory back to the OS after it). When the automatic snapshot is due,
+        the outbox is drained first, then the snapshot is taken here, before this request is answered (its answer
+        names the snapshot a lost worker's client resumes from)."""
+        seq = request.seq_id
+        assert seq is not None
+        entry = self.recovery.entry(seq, request.op, raw, outcome)
+        with self.cond:
+            slot.lane.ordering.applied(seq, outcome)
+            slot.unsent[seq] = request
             self.cond.notify_all()  # a transport thread may wait for room in this lane
         self.metrics.observe(request.op, outcome[0], outcome[2])
         self.metrics.sessions.set(len(self.slots))
+        if self.recovery.snapshot_due(slot, unjournaled=slot.unjournaled + (entry is not None)):
+            # As without an outbox: every entry up to this one is written, then the snapshot, which cuts the journal
+            # down to this entry (a kill during its write leaves the previous snapshot and the whole journal).
+            self.outbox.flush()
+            if entry is not None:
+                self.recovery.journal(slot, seq, request.op, entry)
+            self.recovery.snapshot(slot, seq, entry)
+            entry = None
+        if entry is not None:
+            with self.cond:
+                slot.unjournaled += 1
+        self.outbox.put(Parcel(request, outcome, runtime, shared, slot, entry, discard, release))
 
-    def finish(self, request: Request, outcome: Outcome, *, runtime: float = 0.0, shared: str = "") -> None:
-        """Answer every caller of ``request`` and report its end to Celery's event stream."""
-        reply = self.reply(outcome)
-        for caller in request.callers:
-            self.answer(caller.task_id, caller.inbox, reply)
-        self.events.finished(request, reply, runtime, shared)
+    def finish(self, request: Request, outcome: Outcome, *, runtime: float = 0.0, shared: str = "",
+               discard: Any = None) -> None:
+        """Answer every caller of ``request`` and report its end to Celery's event stream (on the outbox)."""
+        self.outbox.put(Parcel(request, outcome, runtime, shared, discard=discard))
+
+    def _deliver(self, parcels: list[Parcel]) -> None:
+        """The outbox thread: the journal entries and answers of ``parcels`` in one transaction (entries first),
+        their task events in one message, then what is left to clean up."""
+        writes: list[Push | Reply] = []
+        answered: list[tuple[Parcel, dict[str, Any], int]] = []
+        with self.cond:  # the callers known now; one that joins before the write below is answered after it
+            callers = [list(p.request.callers) for p in parcels]
+        for parcel in parcels:
+            if parcel.slot is not None and parcel.entry is not None:
+                writes.append(self.recovery.journal_write(parcel.slot, parcel.entry))
+        for parcel, known in zip(parcels, callers, strict=True):
+            reply = self.reply(parcel.outcome)
+            writes += [reply_write(self.settings, c.task_id, c.inbox, reply) for c in known]
+            answered.append((parcel, reply, len(known)))
+        written = True
+        try:
+            self.connection.store.write_many(writes)
+        except TinkerqError as exc:  # Redis stayed away for the whole retry window: the requests are sent again
+            log.error("could not journal and answer %d request(s): %s", len(parcels), exc.message)
+            written = False
+        late: list[list[Caller]] = []
+        with self.cond:  # from here a repeat is answered from the kept replies: its journal entry is written
+            for parcel, _, known_count in answered:
+                request = parcel.request
+                if parcel.slot is not None and parcel.entry is not None:
+                    parcel.slot.unjournaled -= 1
+                    parcel.slot.journal_len += written
+                if parcel.slot is not None and request.seq_id is not None:
+                    parcel.slot.unsent.pop(request.seq_id, None)
+                late.append(request.callers[known_count:])
+        with self.events.batch():
+            for (parcel, reply, _), joined in zip(answered, late, strict=True):
+                for caller in joined:
+                    self.answer(caller.task_id, caller.inbox, reply)
+                self.events.finished(parcel.request, reply, parcel.runtime, parcel.shared)
+                log.info("%s %s in %.1f ms", parcel.request.op, parcel.outcome[0], 1000 * parcel.runtime)
         with self.cond:
-            request.done = True
+            for parcel in parcels:
+                parcel.request.done = True
             self.cond.notify_all()
-        log.info("%s %s in %.1f ms", request.op, outcome[0], 1000 * runtime)
+        for parcel in parcels:
+            if parcel.discard is not None:
+                self.claim_check.discard(parcel.discard)
+        if any(parcel.release for parcel in parcels):
+            memory.release_memory()
 
     def run_control(self, fn: Any) -> Any:
         """Run ``fn`` on the compute loop before any other work and wait for it (adoption, dropping a session)."""
@@ -254,7 +386,8 @@ class WorkerService:
             return
         slot.session.close()
         self.snapshots.forget_session(model_id)
-        self.recovery.forget(model_id)
+        # After its last journal entries, which the outbox may still hold: forgotten with the rest of its records.
+        self.outbox.put(lambda: self.recovery.forget(model_id))
         gone: Outcome = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), {})
         for request in waiting:
             self.finish(request, gone)
@@ -331,6 +464,7 @@ class WorkerService:
         error = WorkerError("the worker stopped before this request ran; send it again").to_wire()
         for request in left:
             self.finish(request, ("error", error, {}))
+        self.outbox.stop(drain_s)
 
     # -- stats -----------------------------------------------------------------------------------------------------
 
@@ -346,7 +480,7 @@ class WorkerService:
     def stats(self) -> dict[str, Any]:
         """The ``tinkerq`` block of the Celery worker's ``inspect stats`` (Flower's worker page, Stats)."""
         work = self.compute.current
-        running = [{"name": f"tinkerq.{r.op}", "args": r.label} for r in (work.requests if work else [])]
+        running = [{"name": task_name(r.op), "args": r.label} for r in (work.requests if work else [])]
         return {"worker": self.worker_id, "adoptions": self.metrics.adoptions_count(),
                 "restored": self.recovery.group.restores, "released": self.metrics.count("tinkerq_idle_releases"),
                 "resumed": self.metrics.count("tinkerq_idle_resumes"), "sessions": self.session_stats(),
@@ -357,9 +491,6 @@ class WorkerService:
             self.metrics.shard_state_bytes.set(metrics["shard_state_bytes:max"])
 
     # -- wire --------------------------------------------------------------------------------------------------------
-
-    def decode(self, ref: Any) -> Any:
-        return self.unpack(self.claim_check.unwrap(ref))
 
     def unpack(self, raw: bytes) -> Any:
         return codec.unpackb(raw, max_bytes=self.settings.max_message_bytes)

@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -47,6 +47,10 @@ class Slot:
     snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
     snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
     adopted_from: str | None = None  # the lost worker this session was adopted from
+    # Requests applied whose journal entry and answer are still in the outbox (worker/outbox.py), by seq: a
+    # repeat of one joins it, so no answer goes out before its journal entry.
+    unsent: dict[int, Any] = field(default_factory=dict)
+    unjournaled: int = 0  # of those, the journal entries not written yet (counted towards journal_max_entries)
 
 
 class SessionFactory:

@@ -1,0 +1,91 @@
+"""Run in a fresh process by tests/test_outbox.py (one embedded fleet per process: Celery shares task registrations).
+
+An embedded worker (the worker's own assembly, in this process, on the in-memory store) serves the model given as
+argv[1]. Every store call is recorded with the thread that made it. A LoRA and a full session each run
+forward_backward / optim_step / forward with claim-checked bodies (TINKERQ_CLAIM_CHECK_BYTES is set small by the
+test); then the store's writes are held (an outage) while more requests are sent, and the script records how far
+the sessions' orders moved during it. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tests.helpers import make_batch
+from tinkerq import types
+from tinkerq.settings import Settings
+from tinkerq.store import MemoryStore
+
+
+def main() -> None:
+    from tinkerq.producer import ServiceClient
+    from tinkerq.worker.embedded import EmbeddedFleet
+
+    calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    recording = threading.Event()
+    writes_open = threading.Event()
+    writes_open.set()
+
+    def wrap(name: str) -> None:
+        original = getattr(MemoryStore, name)
+
+        def recorded(self: MemoryStore, *args: object, **kwargs: object) -> object:
+            if recording.is_set():
+                calls[threading.current_thread().name][name] += 1
+            if name == "write_many":
+                writes_open.wait()
+            return original(self, *args, **kwargs)
+
+        setattr(MemoryStore, name, recorded)
+
+    for name in ("set", "set_if_absent", "get", "get_many", "delete", "expire", "push", "pop", "pop_tail",
+                 "list_range", "length", "count", "put_reply", "write_many"):
+        wrap(name)
+
+    settings = Settings(device="cpu", dtype="float32", auto_snapshot_steps=0, claim_check_bytes=512)
+    rng = np.random.default_rng(3)
+    data = make_batch(rng, 6, min_len=20, max_len=40)
+    adam = types.AdamParams(learning_rate=1e-3)
+    with EmbeddedFleet(sys.argv[1], settings) as fleet, ServiceClient(settings=fleet.settings) as sc:
+        service = fleet.worker.service
+        clients = [sc.create_lora_training_client(sys.argv[1], rank=4, seed=1).result(timeout=120),
+                   sc.create_training_client(sys.argv[1]).result(timeout=120)]
+        recording.set()
+        losses = []
+        for tc in clients:
+            for _ in range(2):
+                out = tc.forward_backward(data).result(timeout=120)
+                losses.append(float(out.metrics["loss:sum"]))
+                tc.optim_step(adam).result(timeout=120)
+            tc.forward(data).result(timeout=120)
+        recording.clear()
+
+        # An outage of the store's writes: requests already taken still compute.
+        writes_open.clear()
+        before = {tc.model_id: service.slots[tc.model_id].lane.ordering.next_seq for tc in clients}
+        futures = [f for tc in clients for f in (tc.forward_backward(data), tc.optim_step(adam))]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            moved = {m: service.slots[m].lane.ordering.next_seq - before[m] for m in before}
+            if all(n >= 2 for n in moved.values()):
+                break
+            time.sleep(0.05)
+        answered_during = sum(f.done() for f in futures)
+        writes_open.set()
+        after = [float(f.result(timeout=120).metrics.get("loss:sum", 0.0)) if i % 2 == 0 else 0.0
+                 for i, f in enumerate(futures)]
+        for tc in clients:
+            tc.close()
+    print(json.dumps({"calls": {k: dict(v) for k, v in calls.items()}, "losses": losses,
+                      "moved_during_outage": moved, "answered_during_outage": answered_during,
+                      "after": after}))
+
+
+if __name__ == "__main__":
+    main()

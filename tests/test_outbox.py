@@ -1,0 +1,104 @@
+"""The compute loop never waits on the network: bodies are fetched ahead by the transport, writes after compute
+leave on the outbox (worker/outbox.py), in order, batched, and a store outage does not stop the compute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tinkerq.worker.outbox import MAX_BATCH, Outbox, Parcel
+from tinkerq.worker.scheduler import Caller, Request
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _parcel(n: int) -> Parcel:
+    return Parcel(Request("forward", {}, [Caller(f"t{n}", None)], model_id="m", seq_id=n), ("ok", b"", {}))
+
+
+@pytest.mark.timeout(30)
+def test_outbox_delivers_in_order_and_batches_what_queued_behind_a_slow_write():
+    delivered: list[list[int] | str] = []
+    first_started, release = threading.Event(), threading.Event()
+
+    def deliver(batch: list[Parcel]) -> None:
+        first_started.set()
+        release.wait(10)  # a slow write (a far Redis): everything put meanwhile waits behind it
+        delivered.append([p.request.seq_id for p in batch])
+
+    outbox = Outbox(deliver)
+    outbox.start()
+    first = _parcel(1)
+    outbox.put(first)
+    assert first_started.wait(5)
+    for n in range(2, 5):
+        outbox.put(_parcel(n))
+    outbox.put(lambda: delivered.append("call"))  # a write that must follow those before it
+    outbox.put(_parcel(5))
+    assert outbox.pending() == 6  # the one being delivered and the five queued
+    assert not outbox.flush(0.2)  # still held
+    release.set()
+    assert outbox.flush(5)
+    assert delivered == [[1], [2, 3, 4], "call", [5]]
+    assert first.sent.is_set()
+    outbox.stop()
+
+
+@pytest.mark.timeout(30)
+def test_outbox_batches_are_bounded_and_a_failed_delivery_does_not_stop_it():
+    batches: list[int] = []
+    gate = threading.Event()
+
+    def deliver(batch: list[Parcel]) -> None:
+        gate.wait(10)
+        batches.append(len(batch))
+        if len(batches) == 1:
+            raise RuntimeError("a bug in delivery")
+
+    outbox = Outbox(deliver)
+    outbox.start()
+    parcels = [_parcel(n) for n in range(2 * MAX_BATCH + 2)]
+    for p in parcels:
+        outbox.put(p)
+    gate.set()
+    assert outbox.flush(10)
+    assert sum(batches) == len(parcels) and max(batches) <= MAX_BATCH
+    assert all(p.sent.is_set() for p in parcels)  # the failed batch's too: nobody waits on it forever
+    outbox.stop()
+
+
+def test_a_stopped_outbox_delivers_on_the_callers_thread():
+    seen: list[str] = []
+    outbox = Outbox(lambda batch: seen.append(threading.current_thread().name))
+    outbox.put(_parcel(1))  # never started: delivered here and now
+    outbox.start()
+    outbox.stop()
+    outbox.put(_parcel(2))
+    assert seen == [threading.current_thread().name] * 2
+
+
+@pytest.mark.timeout(300)
+def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outage(model_dir):
+    """A real embedded worker (the worker's own assembly) with claim-checked bodies: every store call is recorded
+    with its thread. Training (LoRA and full sessions) makes none on the compute loop; the transport fetched the
+    bodies, the outbox wrote journal entries and answers. While the store's writes hang, requests already taken
+    still run (their sessions' orders move on) and none is answered; once writes come back, all are."""
+    proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    calls = result["calls"]
+    assert "tinkerq-compute" not in calls, calls
+    assert calls["tinkerq-outbox"]["write_many"] >= 1  # journal entries and answers, batched
+    fetchers = [name for name, made in calls.items() if made.get("get") and name not in ("MainThread",
+                                                                                          "tinkerq-outbox")]
+    assert fetchers, calls  # claim-checked bodies were fetched by the transport's thread
+    assert all(loss > 0 for loss in result["losses"])
+    assert all(n >= 2 for n in result["moved_during_outage"].values()), result
+    assert result["answered_during_outage"] == 0
+    assert all(loss > 0 for loss in result["after"][::2])
