@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,11 @@ TINY_LLAMA: dict[str, Any] = dict(
 class Fleet:
     """A private redis-server plus one ``tinkerq worker`` process serving ``model_dir``."""
 
-    def __init__(self, model_dir: Path, *, threads: int = 1, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, *, threads: int = 1, env: dict[str, str] | None = None,
+                 worker_url: Callable[[int], str] | None = None) -> None:
         self.model_dir = Path(model_dir).resolve()
+        # The worker's own Redis URL from Redis's port (default: the producers' URL), e.g. through a slow link.
+        self.worker_url = worker_url
         self.threads = threads
         self.env = env or {}
         self.workdir = Path(tempfile.mkdtemp(prefix="tinkerq-bench-"))
@@ -79,7 +82,8 @@ class Fleet:
         from tinkerq.settings import Settings
 
         env = {"TINKERQ_CHECKPOINT_DIR": str(self.workdir / "ckpt"), **self.env}
-        cmd = worker_command(str(self.model_dir), self.url, threads=self.threads)
+        url = self.worker_url(self.port) if self.worker_url is not None else self.url
+        cmd = worker_command(str(self.model_dir), url, threads=self.threads)
         self._worker_proc = start_process(cmd, self.worker_log, env)
         conn = Connection.open(Settings(broker_url=self.url))
 
