@@ -4,7 +4,7 @@
 to ``127.0.0.1:target_port``; whatever one side sends reaches the other ``delay_s`` later (so a round trip through
 it costs ``2 * delay_s`` more), in order, without limiting bandwidth. It runs an asyncio loop on its own thread.
 
-Used by benchmarks/slow_link.py (a worker whose Redis sits behind such a link) and tests/test_slow_link.py.
+Used by benchmarks/slow_link.py (a worker whose Redis sits behind such a link).
 """
 
 from __future__ import annotations
@@ -41,14 +41,6 @@ class DelayProxy:
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
-
-    def cut(self) -> None:
-        """Drop every open connection and refuse new ones until :meth:`restore` (a network partition)."""
-        asyncio.run_coroutine_threadsafe(self._cut(), self._loop).result(10)
-
-    def restore(self) -> None:
-        self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._accept, self.host, self.port), self._loop).result(10)
 
     async def _cut(self) -> None:
         if self._server is not None:
