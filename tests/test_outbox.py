@@ -102,3 +102,47 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
     assert all(n >= 2 for n in result["moved_during_outage"].values()), result
     assert result["answered_during_outage"] == 0
     assert all(loss > 0 for loss in result["after"][::2])
+
+
+class _Message:
+    def __init__(self, n: int) -> None:
+        self._raw = {"body": f"m{n}", "headers": {"id": f"t{n}"}}
+        self.delivery_info = {"exchange": "", "routing_key": "tinkerq.w.x"}
+
+
+@pytest.mark.timeout(60)
+def test_kombus_unacked_records_are_written_off_the_consumers_thread(redis_url):
+    """kombu's ack emulation (worker/intake.DeferredQoS): the consumer's bookkeeping is immediate, the Redis
+    records follow on a writer thread; a record acknowledged before it was written is never written; what
+    reads the records (a requeue, the restore at shutdown) sees them all."""
+    import redis
+    from kombu import Connection
+
+    from tinkerq import keys
+    from tinkerq.worker.intake import DeferredQoS, GuardedTransport
+
+    r = redis.Redis.from_url(redis_url)
+    r.delete(keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX)
+    with Connection(redis_url, transport=GuardedTransport) as conn:
+        channel = conn.channel()
+        qos = channel.qos
+        assert isinstance(qos, DeferredQoS)
+        with qos._cond:  # hold the writer: these wait together
+            for n in range(3):
+                qos.append(_Message(n), f"tag-{n}")
+            qos.ack("tag-1")  # acknowledged before its record was written: never written
+            assert len(qos._delivered) - len(qos._dirty) == 2  # the prefetch window already counts it
+        assert qos.flush(10)
+        assert set(r.hkeys(keys.KOMBU_UNACKED)) == {b"tag-0", b"tag-2"}
+        assert set(r.zrange(keys.KOMBU_UNACKED_INDEX, 0, -1)) == {b"tag-0", b"tag-2"}
+        assert json.loads(r.hget(keys.KOMBU_UNACKED, "tag-0"))[0] == {"body": "m0", "headers": {"id": "t0"}}
+        qos.ack("tag-0")
+        assert qos.flush(10)
+        assert r.hkeys(keys.KOMBU_UNACKED) == [b"tag-2"]
+        qos.append(_Message(3), "tag-3")
+        qos.reject("tag-3", requeue=True)  # read back from Redis: written first, then put back on its queue
+        assert r.llen("tinkerq.w.x") == 1 and r.hkeys(keys.KOMBU_UNACKED) == [b"tag-2"]
+        qos.ack("tag-2")
+        assert qos.flush(10) and not r.hkeys(keys.KOMBU_UNACKED)
+        channel.close()
+    r.delete("tinkerq.w.x")

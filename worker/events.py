@@ -10,6 +10,10 @@ Events go out on a dispatcher of our own (its own connection, one lock), with th
 they can be sent from the outbox's thread (worker/outbox.py) without touching the consumer's connection.
 Inside :meth:`TaskEvents.batch` they are buffered and leave as one message (Celery's receivers, Flower's
 included, take a list of events), so a batch of answers costs one publish.
+
+Celery's own ``task-received``, which its consumer would publish before it reads the next message (a round trip
+per request on a far Redis), is deferred too (:meth:`TaskEvents.defer`): buffered, and published by a flusher
+thread of ours, always before our own events, so a request's ``task-received`` still precedes its end.
 """
 
 from __future__ import annotations
@@ -38,6 +42,38 @@ class TaskEvents:
         self._lock = threading.RLock()
         self._dispatcher: Any = None
         self._batching = 0  # depth of batch() contexts open (held by one thread: the lock is held throughout)
+        self._celery: Any = None  # the consumer's own dispatcher, its task events deferred (defer())
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    def defer(self, dispatcher: Any) -> None:
+        """Buffer the task events of Celery's consumer ``dispatcher`` and publish them from a thread of ours, so
+        its consumer goes on to the next message at once (called at every consumer start: a reconnect makes a
+        new dispatcher)."""
+        dispatcher.buffer_group = frozenset({"task", *dispatcher.buffer_group})
+        dispatcher.buffer_limit = 1 << 30
+        dispatcher.on_send_buffered = self._wake.set
+        self._celery = dispatcher
+        if self._flusher is None:
+            self._stopped.clear()
+            self._flusher = threading.Thread(target=self._flush_loop, name="tinkerq-events", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while not self._stopped.is_set():
+            if self._wake.wait(1.0):
+                self._wake.clear()
+                self._flush_celery()
+
+    def _flush_celery(self) -> None:
+        dispatcher = self._celery
+        if dispatcher is None:
+            return
+        try:
+            dispatcher.flush(errors=False, groups=True)  # thread-safe: it publishes under its own lock
+        except Exception as exc:  # monitoring must never fail a request
+            log.debug("could not send Celery's task events: %s", exc)
 
     def start(self, app: Any, hostname: str) -> None:
         """Called by the worker's consumer bootstep (worker/runtime.py) once Celery's own events are on."""
@@ -48,6 +84,12 @@ class TaskEvents:
                                                          buffer_limit=1 << 30)
 
     def stop(self) -> None:
+        self._stopped.set()
+        if self._flusher is not None:
+            self._flusher.join(5.0)
+            self._flusher = None
+        self._flush_celery()
+        self._celery = None
         with self._lock:
             dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
@@ -63,6 +105,7 @@ class TaskEvents:
             try:
                 self._dispatcher.send(kind, **fields)  # buffered ("task" group): flushed now, or by batch()
                 if not self._batching:
+                    self._flush_celery()  # Celery's task-received of the same request goes first
                     self._dispatcher.flush()
             except Exception as exc:  # monitoring must never fail a request
                 log.debug("could not send %s: %s", kind, exc)
@@ -77,6 +120,7 @@ class TaskEvents:
             finally:
                 self._batching -= 1
                 if not self._batching and self._dispatcher is not None:
+                    self._flush_celery()
                     try:
                         self._dispatcher.flush()
                     except Exception as exc:
@@ -183,6 +227,7 @@ def events_step(events: TaskEvents) -> type:
         def start(self, c: Any) -> None:
             dispatcher = getattr(c, "event_dispatcher", None)
             if dispatcher is not None and dispatcher.enabled and c.app.conf.worker_send_task_events:
+                events.defer(dispatcher)
                 events.start(c.app, c.hostname)
 
         def shutdown(self, c: Any) -> None:

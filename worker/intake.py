@@ -22,11 +22,13 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps as kombu_dumps
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tinkerq import keys
@@ -211,8 +213,112 @@ def reply_write(settings: Settings, task_id: str, inbox: str | None, reply: dict
                  ttl_s=settings.result_ttl_s)
 
 
+class DeferredQoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation, with its Redis writes taken off the consumer's thread.
+
+    kombu records every message it delivers in its ``unacked`` hash (a transaction) and removes it when Celery
+    acknowledges it (another), each a round trip the consumer waits for before it reads the next message: on a
+    Redis 10 ms away, most of a small request's cost (docs/benchmarks.md section 20). Here the bookkeeping kombu
+    keeps in memory (what counts against the prefetch window) is done at once, and the Redis writes go to a
+    writer thread that sends whatever queued up in one pipeline; a record whose acknowledgement comes before
+    it was written is never written. A tinkerq task only hands its request over (worker/tasks.py), and a
+    request is acknowledged at that hand-off; the producer sends again what a lost worker owed, so a record
+    that a kill keeps from being written loses nothing. Everything that reads the records (requeueing a
+    rejected message, restoring at shutdown) first waits for the writer.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writes: dict[str, tuple[str, str | None]] = {}  # tag -> ("add", record) or ("remove", None)
+        self._cond = threading.Condition()
+        self._writing = False
+        self._writer: threading.Thread | None = None
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        delivery = message.delivery_info
+        record = kombu_dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self._cond:
+            self._writes[delivery_tag] = ("add", record)
+            self._wake()
+        virtual_qos_append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        with self._cond:
+            if self._writes.get(delivery_tag, ("",))[0] == "add":
+                del self._writes[delivery_tag]  # never written: nothing to remove
+            else:
+                self._writes[delivery_tag] = ("remove", None)
+                self._wake()
+        virtual_qos_ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not requeue:
+            self.ack(delivery_tag)
+            return
+        self.flush()
+        super().reject(delivery_tag, requeue=True)
+
+    def restore_unacked(self, client: Any = None) -> None:
+        self.flush()
+        super().restore_unacked(client)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write reached Redis (False after ``timeout_s``)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._writes and not self._writing, timeout_s)
+
+    def _wake(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_loop, name="tinkerq-unacked", daemon=True)
+            self._writer.start()
+        self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: bool(self._writes), 60.0):
+                    self._writer = None  # idle: a new one starts with the next write
+                    return
+                writes, self._writes = self._writes, {}
+                self._writing = True
+            try:
+                self._write(writes)
+            except Exception as exc:  # Redis away: put them back (newer ones win) and try again shortly
+                log.warning("could not write kombu's unacked records (%d): %s", len(writes), exc)
+                with self._cond:
+                    self._writes = {**writes, **self._writes}
+                time.sleep(0.5)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write(self, writes: dict[str, tuple[str, str | None]]) -> None:
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline()
+            now = time.time()
+            for tag, (kind, record) in writes.items():
+                if kind == "add":
+                    pipe.zadd(self.unacked_index_key, {tag: now}).hset(self.unacked_key, tag, record)
+                else:
+                    pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag)
+            pipe.execute()
+
+
+def virtual_qos_append(qos: Any, message: Any, delivery_tag: str) -> None:
+    """kombu's in-memory bookkeeping of a delivered message (what the Redis QoS adds to it is deferred)."""
+    super(kombu_redis.QoS, qos).append(message, delivery_tag)
+
+
+def virtual_qos_ack(qos: Any, delivery_tag: str) -> None:
+    super(kombu_redis.QoS, qos).ack(delivery_tag)
+
+
 class GuardedChannel(kombu_redis.Channel):
-    """kombu's Redis channel, with every message from a tinkerq queue checked before it is delivered."""
+    """kombu's Redis channel, with every message from a tinkerq queue checked before it is delivered, and its
+    ack emulation's writes off the consumer's thread (:class:`DeferredQoS`)."""
+
+    QoS = DeferredQoS
 
     def _dead_letters(self) -> DeadLetters | None:
         return self.connection.client.transport_options.get("tinkerq_dead_letters")
