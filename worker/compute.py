@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from tinkerq.errors import (
     MalformedMessageError,
-    RequestTimeoutError,
     ShardGroupError,
     TinkerqError,
     UnknownModelError,
@@ -119,55 +118,27 @@ class ComputeLoop:
             log.exception("create_model failed")
             outcome = ("error", WorkerError(f"create_model failed in the worker: {type(exc).__name__}: "
                                             f"{exc}").to_wire(), {})
-        if isinstance(outcome, str) or outcome is None:  # not answered here (see _create_model)
-            why = ("a duplicate delivery: another worker built the session" if outcome is None
-                   else f"forwarded to worker {outcome}, which holds the session")
-            service.events.dropped(request, why)
-            with service.cond:
-                request.done = True
-                service.cond.notify_all()
-            return
         service.finish(request, outcome, runtime=time.time() - started)
 
-    def _create_model(self, request: Request) -> Outcome | str | None:
-        """The answer; or, for a copy whose session another worker built (its claim), that worker's id once the
-        copy is forwarded to it (it answers: the answer may have been lost, say in a Redis outage); or None when
-        this is a forwarded copy already answered."""
+    def _create_model(self, request: Request) -> Outcome:
+        """Build the session the transport claimed for this worker (worker/creation.py ``admit``), or answer from
+        the one already open. Its records (or the release of its claim) go out on the outbox before its answer."""
         service = self.service
         model_id = request.model_id
-        assert model_id is not None
-        _, body = service.take_body(request)
-        requested = body.get("base_model") if isinstance(body, dict) else None
-        if requested != service.base_model:
-            raise UnknownModelError(f"this worker serves {service.base_model!r}, not {requested!r}")
-        if service.settings.role == "sampler":
-            raise UnknownModelError(f"worker {service.worker_id} only samples (--role sampler); training sessions "
-                                    f"open on workers started without it")
-        deadline = body.get("deadline")
-        if isinstance(deadline, (int, float)) and time.time() > deadline:
-            # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
-            # a session nobody will use would only take a slot.
-            raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
-        lora = messages.decode_lora(body.get("lora"))
-        forwarded = isinstance(request.envelope.get("forwarded_by"), str)
-        if model_id not in service.slots:
-            holder = creation.claim_creation(service, model_id)
-            if holder != service.worker_id:
-                log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
-                if forwarded:  # never forwarded twice
-                    return None
-                creation.forward_create(service, request, holder)
-                return holder
+        assert model_id is not None and request.plan is not None
+        lora, claimed = request.plan
+        if claimed:
             try:
                 slot = service.open_session(model_id, lora)
             except BaseException:
-                creation.release_creation(service, model_id)
+                service.outbox.put(lambda: creation.release_creation(service, model_id))
                 raise
-            service.recovery.write_home(slot.session)
+            service.outbox.put(lambda: service.recovery.write_home(slot.session))
             log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
-        elif forwarded and creation.answered(service, request):  # the holder's own copy was answered: once is enough
-            return None
-        return ("ok", codec.packb(service.model_info(service.slots[model_id].session)), {})
+        slot = service.slots.get(model_id)
+        if slot is None:
+            raise UnknownModelError(f"training session {model_id} was closed")
+        return ("ok", codec.packb(service.model_info(slot.session)), {})
 
     # -- training ----------------------------------------------------------------------------------------------
 

@@ -1,19 +1,65 @@
 """Exactly one session per create_model (docs/reliability.md, "Exactly once"): a ``create_model`` can reach two
 workers of the model; the first to claim the session builds it, and a copy reaching another worker is forwarded to
-the holder, which answers it (worker/compute.py)."""
+the holder, which answers it. All of it (:func:`admit`) runs on the transport's thread before the request is
+queued, so the compute loop (worker/compute.py) only builds the session."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from tinkerq import keys
 from tinkerq.celery_app import TASK_NAMES
-from tinkerq.errors import UnknownModelError
+from tinkerq.errors import RequestTimeoutError, UnknownModelError
 from tinkerq.wire import messages
 from tinkerq.worker.scheduler import Request
 
+log = logging.getLogger("tinkerq.worker")
+
 if TYPE_CHECKING:
     from tinkerq.worker.service import WorkerService
+
+
+def admit(service: WorkerService, request: Request) -> str | None:
+    """Check a create_model and decide what becomes of it, on the transport's thread; raises its refusal.
+
+    None: queue it for the compute loop (``request.plan`` = (LoRA config, claimed): build the session claimed
+    here, or answer from the one already open). Otherwise why it is not answered here: a copy whose session
+    another worker claimed is forwarded to that worker, which answers it (the answer may have been lost, say
+    in a Redis outage); a forwarded copy whose answer is stored already is dropped."""
+    model_id = request.model_id
+    assert model_id is not None
+    _, body = service.take_body(request)
+    requested = body.get("base_model") if isinstance(body, dict) else None
+    if requested != service.base_model:
+        raise UnknownModelError(f"this worker serves {service.base_model!r}, not {requested!r}")
+    if service.settings.role == "sampler":
+        raise UnknownModelError(f"worker {service.worker_id} only samples (--role sampler); training sessions "
+                                f"open on workers started without it")
+    deadline = body.get("deadline")
+    if isinstance(deadline, (int, float)) and time.time() > deadline:
+        # The producer stopped waiting long ago (a message that sat in a queue without workers): opening
+        # a session nobody will use would only take a slot.
+        raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
+    lora = messages.decode_lora(body.get("lora"))
+    forwarded = isinstance(request.envelope.get("forwarded_by"), str)
+    if model_id in service.slots:
+        if forwarded and answered(service, request):  # the holder's own copy was answered: once is enough
+            return "a duplicate delivery: another worker built the session"
+        request.plan = (lora, False)
+        return None
+    holder = claim_creation(service, model_id)
+    if holder != service.worker_id:
+        log.warning("create_model of %s not applied here: worker %s built it", model_id, holder)
+        if forwarded:  # never forwarded twice
+            return "a duplicate delivery: another worker built the session"
+        # Sent from the outbox: from this task's own thread, Celery would make the copy a child of this task
+        # (a parent_id header, which the holder's intake refuses).
+        service.outbox.put(lambda: forward_create(service, request, holder))
+        return f"forwarded to worker {holder}, which holds the session"
+    request.plan = (lora, True)
+    return None
 
 
 def claim_creation(service: WorkerService, model_id: str) -> str:

@@ -58,6 +58,7 @@ class Request:
     # error fetching or decoding raised (raised when the request runs, in its order); None: not fetched yet.
     body: Any = None
     prefetched: int = 0  # claim-checked bytes it holds against the worker's prefetch bound
+    plan: Any = None  # what the transport decided for it (create_model: worker/creation.py ``admit``)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from tinkerq.errors import (
 from tinkerq.operations import TASK_NAMES, UNORDERED, task_name
 from tinkerq.store import Push, Reply
 from tinkerq.wire import codec, messages
-from tinkerq.worker import memory
+from tinkerq.worker import creation, memory
 from tinkerq.worker.compute import ComputeLoop
 from tinkerq.worker.events import TaskEvents
 from tinkerq.worker.idle_release import IdleRelease
@@ -141,6 +141,9 @@ class WorkerService:
             model_id, _, _ = messages.check_envelope(envelope, op)
             request = Request(op, envelope, [caller], model_id=model_id, label=label)
             self._prefetch(request)
+            if op == "create_model" and (why := creation.admit(self, request)) is not None:
+                self.events.dropped(request, why)  # not answered here
+                return None
             with self.cond:
                 (self.scheduler.samples if op == "sample" else self.scheduler.creates).append(request)
                 self.cond.notify_all()
