@@ -54,9 +54,9 @@ def main() -> None:
     adam = types.AdamParams(learning_rate=1e-3)
     with EmbeddedFleet(sys.argv[1], settings) as fleet, ServiceClient(settings=fleet.settings) as sc:
         service = fleet.worker.service
+        recording.set()  # creating the sessions too: claims and session records are not the compute loop's
         clients = [sc.create_lora_training_client(sys.argv[1], rank=4, seed=1).result(timeout=120),
                    sc.create_training_client(sys.argv[1]).result(timeout=120)]
-        recording.set()
         losses = []
         for tc in clients:
             for _ in range(2):

@@ -85,9 +85,10 @@ def test_a_stopped_outbox_delivers_on_the_callers_thread():
 @pytest.mark.timeout(300)
 def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outage(model_dir):
     """A real embedded worker (the worker's own assembly) with claim-checked bodies: every store call is recorded
-    with its thread. Training (LoRA and full sessions) makes none on the compute loop; the transport fetched the
-    bodies, the outbox wrote journal entries and answers. While the store's writes hang, requests already taken
-    still run (their sessions' orders move on) and none is answered; once writes come back, all are."""
+    with its thread. Opening and training LoRA and full sessions makes none on the compute loop; the transport
+    fetched the bodies and claimed the sessions, the outbox wrote journal entries and answers. While the store's
+    writes hang, requests already taken still run (their sessions' orders move on) and none is answered; once
+    writes come back, all are."""
     proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -95,6 +96,7 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
     calls = result["calls"]
     assert "tinkerq-compute" not in calls, calls
     assert calls["tinkerq-outbox"]["write_many"] >= 1  # journal entries and answers, batched
+    assert any(made.get("set_if_absent") for made in calls.values())  # the creation claims, elsewhere
     fetchers = [name for name, made in calls.items() if made.get("get") and name not in ("MainThread",
                                                                                           "tinkerq-outbox")]
     assert fetchers, calls  # claim-checked bodies were fetched by the transport's thread
