@@ -47,6 +47,37 @@ SLOW_MODULES_FIRST = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def close_sdk_clients() -> Iterator[None]:
+    """Close every official SDK client a test module left open. An open one keeps its session heartbeat going
+    after the module's gateway is gone, and its "Session heartbeat failed" warnings landed in a later module's
+    captured output in the same process (test_cli_errors counts the lines a CLI error prints)."""
+    try:
+        import tinker
+    except ImportError:  # the plain install has no SDK
+        yield
+        return
+    import weakref
+
+    opened: weakref.WeakSet = weakref.WeakSet()
+    original = tinker.ServiceClient.__init__
+
+    def init(self: object, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)
+        opened.add(self)
+
+    tinker.ServiceClient.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        tinker.ServiceClient.__init__ = original  # type: ignore[method-assign]
+        for client in list(opened):  # the holders, not close(status): that posts to a gateway already gone
+            for holder in (getattr(client, "_session_holder", None), getattr(client, "_rest_holder", None)):
+                if holder is not None:
+                    with contextlib.suppress(Exception):
+                        holder.close()  # cancels the heartbeat (tinker 0.38: InternalClientHolder.close)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The installed SDK's methods record which tests use them (tests/sdk_coverage.py); without the SDK, the tests
     # that need it skip.

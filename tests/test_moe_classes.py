@@ -122,9 +122,13 @@ def test_lora_fb_equals_the_merged_weights_reference(name: str) -> None:
         # indexer's projections) gets no gradient in the reference, zeros in the session.
         want = leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(p)
         # float32 sums in another order, through up to 6 layers (Llama-4's tiny model): 2.5e-4 of max|g| measured
-        # (Llama-4 layer-5 k_proj A), against 2e-4 over 2-3 layers in tests/test_families_lora.py
+        # (Llama-4 layer-5 k_proj A), against 2e-4 over 2-3 layers in tests/test_families_lora.py. On a fresh
+        # install of 2026-12-03 (transformers 5.24.0, numpy 2.4.6) Llama-4 measured 5.1e-4 (layer-4 o_proj B) and
+        # 1.04e-3 (layer-5 k_proj A), one entry of 64 each, with the code of the day before too; with the model in
+        # float64 (its rotary tables stay float32) the largest deviation was 2.8e-6 of max|g|: rounding, not logic.
         scale = max(1e-6, float(want.abs().max()))
-        torch.testing.assert_close(p.grad, want, atol=5e-4 * scale, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+        bound = 2e-3 if name == "Llama4ForCausalLM" else 5e-4
+        torch.testing.assert_close(p.grad, want, atol=bound * scale, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("name", _cases("sampling", LORA))

@@ -108,11 +108,13 @@ class Outbox:
                     self._cond.wait()
                 if not self._queue:
                     return
-                batch: list[Parcel] | Callable[[], None] = self._queue.popleft()
-                if isinstance(batch, Parcel):  # and the parcels queued right behind it
-                    batch = [batch]
-                    while self._queue and isinstance(self._queue[0], Parcel) and len(batch) < MAX_BATCH:
-                        batch.append(self._queue.popleft())  # type: ignore[arg-type]
+                head = self._queue.popleft()
+                batch: list[Parcel] | Callable[[], None] = head
+                if isinstance(head, Parcel):  # and the parcels queued right behind it
+                    parcels = [head]
+                    while self._queue and isinstance(self._queue[0], Parcel) and len(parcels) < MAX_BATCH:
+                        parcels.append(self._queue.popleft())  # type: ignore[arg-type]
+                    batch = parcels
                 self._busy = True
             self._deliver_one(batch)
             with self._cond:
