@@ -82,7 +82,20 @@ def main() -> None:
                  for i, f in enumerate(futures)]
         for tc in clients:
             tc.close()
-    print(json.dumps({"calls": {k: dict(v) for k, v in calls.items()}, "losses": losses,
+
+        # A shard group's idle ping (worker/sharding/host.py) runs on the compute loop, and only when it is idle.
+        ran: list[str] = []
+        idle = service.run_when_idle(lambda: ran.append(threading.current_thread().name))
+        hold = threading.Event()
+        busy_thread = threading.Thread(target=service.run_control, args=(hold.wait,))
+        busy_thread.start()
+        while service.compute.current is None:
+            time.sleep(0.01)
+        busy = service.run_when_idle(lambda: ran.append("while busy"))
+        hold.set()
+        busy_thread.join(10)
+    print(json.dumps({"idle_ping": [idle, ran], "busy_ping": busy,
+                      "calls": {k: dict(v) for k, v in calls.items()}, "losses": losses,
                       "moved_during_outage": moved, "answered_during_outage": answered_during,
                       "after": after}))
 

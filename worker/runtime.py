@@ -182,7 +182,7 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     signals.worker_ready.connect(lambda **_: w.sampling.start(), weak=False)
     w.service.start_watchdog()
     if w.service.shards is not None:
-        w.service.shards.start_pings()
+        w.service.shards.start_pings(w.service.run_when_idle)
         signals.worker_shutdown.connect(lambda **_: w.service.shards.shutdown(), weak=False)
     if settings.metrics_port:
         w.service.metrics.serve(settings.metrics_port)

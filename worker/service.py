@@ -361,6 +361,15 @@ class WorkerService:
             raise result["error"]
         return result.get("value")
 
+    def run_when_idle(self, fn: Any) -> bool:
+        """Run ``fn`` on the compute loop and wait for it, but only when the loop has nothing else to run (a shard
+        group's idle ping); False, and nothing run, when it is busy."""
+        with self.cond:
+            if self.scheduler.has_work() or self.compute.current is not None or not self.compute.alive:
+                return False
+        self.run_control(fn)
+        return True
+
     # -- sessions ------------------------------------------------------------------------------------------------
 
     def open_session(self, model_id: str, lora: Any) -> Slot:

@@ -183,28 +183,39 @@ class ShardHost:
             self.on_formed()
             return
 
-    def start_pings(self) -> threading.Event:
+    def start_pings(self, on_loop: Callable[[Callable[[], None]], bool] | None = None) -> threading.Event:
         """Rank 0: ping the followers whenever the group is idle, so they know rank 0 lives (and rank 0
-        learns of a dead follower before the next request needs it)."""
+        learns of a dead follower before the next request needs it).
+
+        ``on_loop(fn)`` runs ``fn`` on the worker's compute loop when it has nothing else to run and says
+        whether it did (worker/service.py ``run_when_idle``): the ping's collectives then never run beside the
+        loop's, nor hold its next request back. Without it (a test driving the host alone) the ping runs on
+        its own thread whenever the group's lock is free."""
         stop = threading.Event()
         period = max(0.5, self.group.spec.collective_timeout_s / 4)
 
+        def ping() -> None:
+            if not self.group.healthy or not self.group.lock.acquire(blocking=False):
+                return
+            reason = None
+            try:
+                if self.group.healthy:
+                    self.group.send_command("ping", {})
+                    self.execute("ping", {})
+            except Exception as exc:
+                reason = self._failure("while idle", exc)
+                self._leave(reason)
+            finally:
+                self.group.lock.release()
+            if reason is not None:
+                self._after_failure(reason)
+
         def loop() -> None:
             while not stop.wait(period):
-                if not self.group.healthy or not self.group.lock.acquire(blocking=False):
-                    continue
-                reason = None
-                try:
-                    if self.group.healthy:
-                        self.group.send_command("ping", {})
-                        self.execute("ping", {})
-                except Exception as exc:
-                    reason = self._failure("while idle", exc)
-                    self._leave(reason)
-                finally:
-                    self.group.lock.release()
-                if reason is not None:
-                    self._after_failure(reason)
+                if on_loop is None:
+                    ping()
+                elif self.group.healthy:
+                    on_loop(ping)  # busy: the loop's own collectives tell rank 0 and the followers enough
 
         threading.Thread(target=loop, name="tinkerq-shard-ping", daemon=True).start()
         return stop
