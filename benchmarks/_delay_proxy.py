@@ -100,5 +100,7 @@ class DelayProxy:
                 queue.put_nowait((time.monotonic() + self.delay_s, data))
             queue.put_nowait((0.0, b""))
             await sender
+        except OSError:  # a side went away (a worker stopped): the connection ends
+            pass
         finally:
             sender.cancel()
