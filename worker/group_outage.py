@@ -154,9 +154,7 @@ class GroupHold:
             waiting = service.scheduler.drop_waiting(slot.lane)
             if service.slots.get(model_id) is slot:
                 service.scheduler.lanes[model_id] = slot.lane
-        error = ShardGroupError(message, session_broken=True).to_wire()
-        for request in waiting:
-            service.finish(request, ("error", error, {}))
+        service.fail_all(waiting, ShardGroupError(message, session_broken=True))
 
     def expire_outage(self) -> None:
         """The group has not re-formed within ``adopt_timeout_s`` (watchdog): give the held sessions up. When

@@ -293,6 +293,12 @@ class WorkerService:
         """Answer every caller of ``request`` and report its end to Celery's event stream (on the outbox)."""
         self.outbox.put(Parcel(request, outcome, runtime, shared, discard=discard))
 
+    def fail_all(self, requests: list[Request], error: TinkerqError) -> None:
+        """Answer every one of ``requests`` (taken out of the scheduler) with ``error``."""
+        wire = error.to_wire()
+        for request in requests:
+            self.finish(request, ("error", wire, {}))
+
     def _deliver(self, parcels: list[Parcel]) -> None:
         """The outbox thread: the journal entries and answers of ``parcels`` in one transaction (entries first),
         their task events in one message, then what is left to clean up."""
@@ -400,9 +406,7 @@ class WorkerService:
         self.snapshots.forget_session(model_id)
         # After its last journal entries, which the outbox may still hold: forgotten with the rest of its records.
         self.outbox.put(lambda: self.recovery.forget(model_id))
-        gone: Outcome = ("error", UnknownModelError(f"training session {model_id} was closed").to_wire(), {})
-        for request in waiting:
-            self.finish(request, gone)
+        self.fail_all(waiting, UnknownModelError(f"training session {model_id} was closed"))
 
     def model_info(self, session: Session) -> dict[str, Any]:
         extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
@@ -417,9 +421,10 @@ class WorkerService:
 
         Called periodically (the watchdog). The session is marked unusable: applying later requests without the
         missing one would silently change what the client asked for."""
-        now, failed = time.monotonic(), []
+        now, failed = time.monotonic(), 0
         if now - self.redis_back_at <= self.settings.gap_timeout_s:
             return 0
+        expired: list[tuple[list[Request], TinkerqError]] = []
         with self.cond:
             for lane in self.scheduler.stalled(now, self.settings.gap_timeout_s):
                 slot = self.slots[lane.model_id]
@@ -428,11 +433,11 @@ class WorkerService:
                     f"{self.worker_id} within {self.settings.gap_timeout_s:g} s (TINKERQ_GAP_TIMEOUT_S), so the "
                     f"requests after it were not applied; create a new training client (or resume from a checkpoint)")
                 log.error(slot.broken)
-                error = ServerError(slot.broken, session_broken=True).to_wire()
-                failed += [(r, error) for r in self.scheduler.drop_waiting(lane)]
-        for request, error in failed:
-            self.finish(request, ("error", error, {}))
-        return len(failed)
+                expired.append((self.scheduler.drop_waiting(lane), ServerError(slot.broken, session_broken=True)))
+        for waiting, error in expired:
+            self.fail_all(waiting, error)
+            failed += len(waiting)
+        return failed
 
     def shard_group_failed(self, reason: str) -> None:
         """The shard group broke and dropped its sessions' shards (any thread). Journaled sessions are held: their
@@ -449,9 +454,7 @@ class WorkerService:
                     continue
                 slot.broken, slot.broken_error = lost, ShardGroupError
                 waiting += self.scheduler.drop_waiting(slot.lane)
-        error = ShardGroupError(lost, session_broken=True).to_wire()
-        for request in waiting:
-            self.finish(request, ("error", error, {}))
+        self.fail_all(waiting, ShardGroupError(lost, session_broken=True))
 
     def shard_group_formed(self) -> None:
         """The shard group re-formed (its re-forming thread): re-make the sessions held through the outage from
@@ -473,9 +476,7 @@ class WorkerService:
             lanes.update((id(slot.lane), slot.lane) for slot in self.slots.values())  # held ones too (recovery.py)
             for lane in lanes.values():
                 left += self.scheduler.drop_waiting(lane)
-        error = WorkerError("the worker stopped before this request ran; send it again").to_wire()
-        for request in left:
-            self.finish(request, ("error", error, {}))
+        self.fail_all(left, WorkerError("the worker stopped before this request ran; send it again"))
         self.outbox.stop(drain_s)
 
     # -- stats -----------------------------------------------------------------------------------------------------
