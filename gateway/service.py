@@ -620,12 +620,8 @@ class Gateway:
 
     async def capabilities(self) -> dict[str, Any]:
         workers = await asyncio.to_thread(self.service.connection.workers_serving)
-        models: dict[str, dict[str, Any]] = {}
-        for w in workers:
-            entry = models.setdefault(w["base_model"], {"model_name": w["base_model"], "trainable": False,
-                                                        "sampleable": True, "max_context_length": w.get("max_seq_len")})
-            entry["trainable"] = entry["trainable"] or w.get("role", "trainer") != "sampler"
-        return {"supported_models": [models[name] for name in sorted(models)]}
+        found = types.GetServerCapabilitiesResponse.from_workers(workers)
+        return {"supported_models": [dataclasses.asdict(m) for m in found.supported_models]}
 
     async def _check_served(self, base_model: str) -> None:
         if not await asyncio.to_thread(self.service.connection.workers_serving, base_model):

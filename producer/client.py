@@ -82,15 +82,7 @@ class ServiceClient:
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The base models some live worker serves now: trainable where a trainer worker serves it,
         sampleable always (trainers sample too)."""
-        models: dict[str, types.SupportedModel] = {}
-        for record in self.connection.workers_serving():
-            name = str(record["base_model"])
-            model = models.setdefault(name, types.SupportedModel(model_name=name, trainable=False, sampleable=True))
-            if record.get("role", "trainer") == "trainer":
-                model.trainable = True
-            if isinstance(record.get("max_seq_len"), int):
-                model.max_context_length = max(model.max_context_length or 0, record["max_seq_len"])
-        return types.GetServerCapabilitiesResponse(supported_models=[models[name] for name in sorted(models)])
+        return types.GetServerCapabilitiesResponse.from_workers(self.connection.workers_serving())
 
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         return await _off_loop(self.get_server_capabilities)

@@ -197,3 +197,18 @@ def test_a_registration_withdrawn_while_a_beat_waits_out_an_outage_is_not_left_a
     registration.resume()
     registration.beat()
     assert store.get(registration.key) is not None
+
+
+def test_server_capabilities_are_computed_once_from_the_workers_registrations():
+    """The producer and the gateway answer get_server_capabilities with the same computation."""
+    from tinkerq.types import GetServerCapabilitiesResponse
+
+    found = GetServerCapabilitiesResponse.from_workers([
+        {"base_model": "b", "role": "sampler", "max_seq_len": 512},
+        {"base_model": "a", "max_seq_len": 128},  # no role recorded: a trainer
+        {"base_model": "b", "role": "sampler", "max_seq_len": 2048},
+        {"base_model": "c", "role": "trainer"},
+        {"base_model": "c", "role": "sampler", "max_seq_len": "many"},  # not a number: ignored
+    ])
+    assert [(m.model_name, m.trainable, m.sampleable, m.max_context_length) for m in found.supported_models] == [
+        ("a", True, True, 128), ("b", False, True, 2048), ("c", True, True, None)]

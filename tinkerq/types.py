@@ -239,6 +239,22 @@ class SupportedModel:
 class GetServerCapabilitiesResponse:
     supported_models: list[SupportedModel] = field(default_factory=list)
 
+    @classmethod
+    def from_workers(cls, records: list[dict[str, Any]]) -> GetServerCapabilitiesResponse:
+        """What the fleet serves, from the live workers' registrations (the producer and the gateway both answer
+        with this): each base model some worker serves, trainable where a worker that is not a sampler
+        (``--role sampler``) serves it, sampleable always (trainers sample too), with the longest context any of
+        its workers takes."""
+        models: dict[str, SupportedModel] = {}
+        for record in records:
+            name = str(record["base_model"])
+            model = models.setdefault(name, SupportedModel(model_name=name, trainable=False, sampleable=True))
+            if record.get("role", "trainer") != "sampler":
+                model.trainable = True
+            if isinstance(record.get("max_seq_len"), int):
+                model.max_context_length = max(model.max_context_length or 0, record["max_seq_len"])
+        return cls(supported_models=[models[name] for name in sorted(models)])
+
 
 @dataclass
 class SamplingParams:
