@@ -129,12 +129,12 @@ class ComputeLoop:
         lora, claimed = request.plan
         if claimed:
             try:
-                slot = service.open_session(model_id, lora)
+                opened = service.open_session(model_id, lora)
             except BaseException:
                 service.outbox.put(lambda: creation.release_creation(service, model_id))
                 raise
-            service.outbox.put(lambda: service.recovery.write_home(slot.session))
-            log.info("opened %s session %s (%d open)", slot.session.kind, model_id, len(service.slots))
+            service.outbox.put(lambda: service.recovery.write_home(opened.session))
+            log.info("opened %s session %s (%d open)", opened.session.kind, model_id, len(service.slots))
         slot = service.slots.get(model_id)
         if slot is None:
             raise UnknownModelError(f"training session {model_id} was closed")

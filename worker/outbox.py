@@ -109,12 +109,14 @@ class Outbox:
                 if not self._queue:
                     return
                 head = self._queue.popleft()
-                batch: list[Parcel] | Callable[[], None] = head
+                batch: list[Parcel] | Callable[[], None]
                 if isinstance(head, Parcel):  # and the parcels queued right behind it
                     parcels = [head]
                     while self._queue and isinstance(self._queue[0], Parcel) and len(parcels) < MAX_BATCH:
                         parcels.append(self._queue.popleft())  # type: ignore[arg-type]
                     batch = parcels
+                else:
+                    batch = head
                 self._busy = True
             self._deliver_one(batch)
             with self._cond:
