@@ -35,6 +35,9 @@ def _run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     root = logging.getLogger()
     handler = logging.StreamHandler(err)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # Not the official SDK's own loggers ("tinker.*"): a client another module of this process left open logs its
+    # failing heartbeats from its own thread, which is not what this command printed.
+    handler.addFilter(lambda record: record.name != "tinker" and not record.name.startswith("tinker."))
     level, umask = root.level, os.umask(0o022)
     os.umask(umask)
     root.addHandler(handler)
