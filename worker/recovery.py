@@ -125,11 +125,10 @@ class Recovery:
         if 0 < self.settings.auto_snapshot_steps <= slot.steps_since_snapshot:
             slot.snapshot_due = True
 
-    def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> bool:
+    def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> None:
         """Write the session's automatic snapshot as the state after its request ``seq_id``, record it, and then
         cut its journal down to that request's own ``entry`` (everything older is covered now; the answer to
-        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it). Returns
-        whether the journal holds ``entry`` now (else its writer must still write it)."""
+        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it)."""
         s, session, metrics = self.settings, slot.session, self.service.metrics
         started = time.perf_counter()
         try:
@@ -140,13 +139,12 @@ class Recovery:
             slot.snapshot_at, slot.snapshot_seq = record.time, seq_id
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
-            return entry is None
-        written = entry is None
+            return
         if entry is not None:
             try:  # after the record: a kill in between leaves entries the adopter does not apply (seq <= S)
                 # One atomic LPUSH + LTRIM: the journal is this entry alone, never empty in between.
                 self.store.push(keys.journal(session.model_id), entry, ttl_s=s.auto_snapshot_ttl_s, max_len=1)
-                slot.journal_len, written = 1, True
+                slot.journal_len = 1
             except TinkerqError as exc:
                 log.warning("could not cut the journal of %s: %s", session.model_id, exc)
         try:  # the sampler weights the session still serves go with it: published (once each), so any worker can
@@ -157,7 +155,6 @@ class Recovery:
         slot.steps_since_snapshot, slot.snapshot_due = 0, False
         metrics.auto_snapshots.inc()
         metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
-        return written
 
     # -- adoption ----------------------------------------------------------------------------------------------
 
