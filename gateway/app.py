@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import prometheus_client
-import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +29,7 @@ from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.positions import SequenceGuard
 from tinkerq.gateway.rest_routes import add_routes as add_rest_routes
 from tinkerq.gateway.service import Gateway, HTTPError
+from tinkerq.store import UNREACHABLE
 from tinkerq.tenants import ApiKeys
 
 log = logging.getLogger("tinkerq.gateway")
@@ -156,14 +156,15 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         return JSONResponse({"detail": exc.message}, status_code=status,
                             headers={} if exc.is_user_error else {"retry-after": "2"})
 
-    @app.exception_handler(redis.exceptions.ConnectionError)
-    @app.exception_handler(redis.exceptions.TimeoutError)
     async def _redis_away(request: Request, exc: Exception) -> JSONResponse:
         # A Redis call outside the store seam (a library's own) while Redis restarts: retryable, as the SDK does
         # 5xx. (The gateway's records and API keys raise BrokerUnavailableError instead: _fleet_error.)
         log.warning("%s %s -> 503: Redis unreachable (%s)", request.method, request.url.path, exc)
         return JSONResponse({"detail": "the fleet's Redis is unreachable; retry shortly"}, status_code=503,
                             headers={"retry-after": "2"})
+
+    for unreachable in UNREACHABLE:
+        app.add_exception_handler(unreachable, _redis_away)
 
     @app.exception_handler(KeyError)
     async def _missing_field(_request: Request, exc: KeyError) -> JSONResponse:

@@ -121,10 +121,7 @@ def queue(gw: Gateway, tenant: str) -> dict[str, Any]:
     """The key's requests not answered yet (by state, as the SDK's polls report them) and the fleet's workers per
     model (counts only: hosts and pids are the operator's)."""
     futures = gw.records.scan_items("future", tenant)
-    with gw.store.client.pipeline(transaction=False) as pipe:
-        for request_id, _ in futures:
-            pipe.exists(keys.gateway_answer(request_id))
-        answered = pipe.execute()
+    answered = gw.store.exists_many([keys.gateway_answer(request_id) for request_id, _ in futures])
     now = time.time()
     waiting = sorted((_waiting_view(rid, f, now) for (rid, f), done in zip(futures, answered, strict=True) if not done),
                      key=lambda w: -float(w["age_s"]))

@@ -34,7 +34,7 @@ from typing import Any
 from tinkerq import keys
 from tinkerq.errors import ServerError, TinkerqError
 from tinkerq.gateway.records import Records
-from tinkerq.store import RedisStore
+from tinkerq.store import KeyValueStore
 from tinkerq.wire import codec
 
 log = logging.getLogger("tinkerq.gateway")
@@ -83,7 +83,7 @@ Account = Callable[[str, Answer], None]  # (request id, its stored answer): coun
 
 
 class Futures:
-    def __init__(self, store: RedisStore, records: Records, run_job: RunJob, account: Account, *,
+    def __init__(self, store: KeyValueStore, records: Records, run_job: RunJob, account: Account, *,
                  poll_s: float = 25.0, keep_s: float = 600.0) -> None:
         self.store = store.with_retry(0)
         self.records = records
@@ -131,13 +131,14 @@ class Futures:
         """Wake the polls waiting for an announced answer (a dropped connection: reconnect; polls re-read Redis)."""
         while not self._stop.is_set():
             try:
-                pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(keys.GATEWAY_ANSWERS)
-                while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=1.0)
-                    if message is not None and self._loop is not None:
-                        request_id = message["data"].decode() if isinstance(message["data"], bytes) else ""
-                        self._loop.call_soon_threadsafe(self._wake, request_id)
+                subscription = self.store.subscribe(keys.GATEWAY_ANSWERS)
+                try:
+                    while not self._stop.is_set():
+                        message = subscription.get(timeout_s=1.0)
+                        if message is not None and self._loop is not None:
+                            self._loop.call_soon_threadsafe(self._wake, message.decode(errors="replace"))
+                finally:
+                    subscription.close()
             except Exception as exc:  # Redis away: try again shortly
                 log.debug("answers channel: %s", exc)
                 self._stop.wait(1.0)
@@ -204,7 +205,7 @@ class Futures:
             self.on_stored(request_id, answer)
         self.store.expire(keys.gateway_record("future", request_id), self.keep_s)
         self.store.delete(keys.gateway_body(request_id))
-        self.store.client.publish(keys.GATEWAY_ANSWERS, request_id)
+        self.store.publish(keys.GATEWAY_ANSWERS, request_id)
         self.account(request_id, answer)  # once per request id: a gateway dying here leaves it to the next poll
         return answer
 

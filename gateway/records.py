@@ -20,11 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import WatchError
-
 from tinkerq import keys
-from tinkerq.retry import retrying
-from tinkerq.store import KeyValueStore, RedisStore
+from tinkerq.store import KeyValueStore, Put, Transaction, ZAdd, ZRemove
 
 # Sessions and training runs are kept a week after their last use; checkpoints until their ttl (or forever).
 IDLE_TTL_S = 7 * 24 * 3600
@@ -117,25 +114,17 @@ class Records:
         A write by anyone in between makes it read and apply again (WATCH), so concurrent updates of one record
         (a session's heartbeat, finish and project) never undo each other. ``change`` may raise: nothing is
         written then."""
-        client, key = self._redis(), keys.gateway_record(table, ident)
+        key = keys.gateway_record(table, ident)
 
-        def run() -> dict[str, Any] | None:
-            while True:
-                with client.pipeline() as pipe:
-                    try:
-                        pipe.watch(key)
-                        record = _owned(pipe.get(key), tenant)
-                        if record is None:
-                            return None
-                        change(record)
-                        pipe.multi()
-                        pipe.set(key, _dumps(record), px=int(ttl_s * 1000))
-                        pipe.execute()
-                        return record
-                    except WatchError:
-                        continue
+        def run(t: Transaction) -> dict[str, Any] | None:
+            record = _owned(t.get(key), tenant)
+            if record is None:
+                return None
+            change(record)
+            t.write(Put(key, _dumps(record), ttl_s))
+            return record
 
-        return retrying(run, deadline_s=0, what=f"updating a {table} record")
+        return self.store.transaction(run, [key], what=f"updating a {table} record")
 
     def touch(self, table: str, ident: str, ttl_s: float = IDLE_TTL_S) -> None:
         self.store.expire(keys.gateway_record(table, ident), ttl_s)
@@ -161,43 +150,19 @@ class Records:
 
     def raise_top(self, model_id: str, seq_id: int) -> None:
         """Remember that ``seq_id`` of ``model_id`` is taken (the run's top only grows) and when it came."""
-        redis = self._redis()
-
-        def run() -> None:
-            with redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(keys.GATEWAY_RUN_TOPS, {model_id: seq_id}, gt=True)
-                pipe.zadd(keys.GATEWAY_LAST_REQUEST, {model_id: time.time()})
-                pipe.execute()
-
-        retrying(run, deadline_s=0, what="recording a training request")
+        self.store.write_many([ZAdd(keys.GATEWAY_RUN_TOPS, model_id, seq_id, only_greater=True),
+                               ZAdd(keys.GATEWAY_LAST_REQUEST, model_id, time.time())])
 
     def top(self, model_id: str) -> int:
         """The run's highest sequence id taken so far (0: none)."""
-        redis = self._redis()
-        score = retrying(lambda: redis.zscore(keys.GATEWAY_RUN_TOPS, model_id), deadline_s=0,
-                         what="reading a run's requests")
-        return int(score or 0)
+        return int(self.store.zset_score(keys.GATEWAY_RUN_TOPS, model_id) or 0)
 
     def last_request(self, model_id: str) -> float | None:
-        redis = self._redis()
-        return retrying(lambda: redis.zscore(keys.GATEWAY_LAST_REQUEST, model_id), deadline_s=0,
-                        what="reading a run's requests")
+        return self.store.zset_score(keys.GATEWAY_LAST_REQUEST, model_id)
 
     def forget_run(self, model_id: str) -> None:
-        redis = self._redis()
-
-        def run() -> None:
-            with redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(keys.GATEWAY_RUN_TOPS, model_id)
-                pipe.zrem(keys.GATEWAY_LAST_REQUEST, model_id)
-                pipe.execute()
-
-        retrying(run, deadline_s=0, what="forgetting a run")
-
-    def _redis(self) -> Any:
-        assert isinstance(self.store, RedisStore), "the gateway needs a Redis store"
-        return self.store.client
-
+        self.store.write_many([ZRemove(keys.GATEWAY_RUN_TOPS, [model_id]),
+                               ZRemove(keys.GATEWAY_LAST_REQUEST, [model_id])])
 
 
 def _dumps(record: dict[str, Any]) -> bytes:

@@ -22,8 +22,7 @@ from typing import Any
 from tinkerq import keys
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway.records import IDLE_TTL_S
-from tinkerq.retry import retrying
-from tinkerq.store import RedisStore
+from tinkerq.store import Expire, HashDelete, HashPut, KeyValueStore, Transaction
 
 log = logging.getLogger("tinkerq.gateway")
 
@@ -31,8 +30,8 @@ MAX_POINTS = 20_000
 
 
 class RunMetrics:
-    def __init__(self, store: RedisStore) -> None:
-        self.redis = store.client
+    def __init__(self, store: KeyValueStore) -> None:
+        self.store = store.with_retry(0)  # inline on the gateway's answers: never wait out an outage
 
     def record(self, model_id: str, seq_id: int, op: str, metrics: Mapping[str, float]) -> None:
         """Keep step ``seq_id``'s metrics. Best effort: a Redis error loses the point, never the answer."""
@@ -40,27 +39,22 @@ class RunMetrics:
                            separators=(",", ":"))
         key = keys.gateway_run_metrics(model_id)
 
-        def run() -> None:
-            with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(key, str(seq_id), point)
-                pipe.expire(key, IDLE_TTL_S)
-                pipe.hlen(key)
-                size = pipe.execute()[-1]
-            if size > MAX_POINTS:  # rare: drop the oldest steps in one go
-                fields = sorted(int(f) for f in self.redis.hkeys(key))
-                self.redis.hdel(key, *[str(f) for f in fields[:len(fields) - MAX_POINTS]])
+        def add(t: Transaction) -> int:
+            t.write(HashPut(key, {str(seq_id): point}), Expire(key, IDLE_TTL_S))
+            return t.hash_size(key) + 1  # (read before the write: at most one more)
 
         try:
-            retrying(run, deadline_s=0, what="recording a run's metrics")
+            if self.store.transaction(add, what="recording a run's metrics") > MAX_POINTS:
+                # Rare: drop the oldest steps in one go.
+                fields = sorted(int(f) for f in self.store.hash_items(key))
+                self.store.write_many([HashDelete(key, [str(f) for f in fields[:len(fields) - MAX_POINTS]])])
         except TinkerqError as exc:
             log.warning("run %s step %d: metrics not kept for the console (%s)", model_id, seq_id, exc.message)
 
     def points(self, model_id: str) -> list[dict[str, Any]]:
         """Every kept step of the run, by seq_id: {seq_id, op, t, metrics}."""
-        raw = retrying(lambda: self.redis.hgetall(keys.gateway_run_metrics(model_id)), deadline_s=0,
-                       what="reading a run's metrics")
         found = []
-        for field, value in raw.items():
+        for field, value in self.store.hash_items(keys.gateway_run_metrics(model_id)).items():
             point = json.loads(value)
             point["seq_id"] = int(field)
             found.append(point)

@@ -45,7 +45,7 @@ def main() -> None:
         setattr(MemoryStore, name, recorded)
 
     for name in ("set", "set_if_absent", "get", "get_many", "delete", "expire", "push", "pop", "pop_tail",
-                 "list_range", "length", "count", "put_reply", "write_many"):
+                 "list_range", "length", "count", "write_many"):
         wrap(name)
 
     settings = Settings(device="cpu", dtype="float32", auto_snapshot_steps=0, claim_check_bytes=512)

@@ -3,8 +3,9 @@
 An operator sets a tenant's :class:`Limits` with ``tinkerq keys create|update NAME --max-...``; they are fields
 of the tenant's API key record (:mod:`tinkerq.tenants`), so they go when the key is revoked. Unset: no limit.
 
-Several gateway processes serve one fleet, so the counts live in Redis, and each check-and-count is one atomic
-store call (a Lua script on Redis; key names in :mod:`tinkerq.keys`):
+Several gateway processes serve one fleet, so the counts live in Redis, and each check-and-count is one store
+transaction (:meth:`~tinkerq.store.KeyValueStore.transaction`, written here on the store's primitives; key names
+in :mod:`tinkerq.keys`):
 
 * training clients: a set of the tenant's open training runs, capped at ``max_training_clients``;
 * samples in flight: a set of request ids, capped at ``max_sampling_inflight``; each entry is a lease (Redis
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from tinkerq import keys
 from tinkerq.errors import ValidationError
+from tinkerq.store import Put, Transaction, ZAdd, ZRemoveBelow
 
 if TYPE_CHECKING:
     from tinkerq.store import KeyValueStore
@@ -151,7 +154,7 @@ class Quotas:
                 hit = self._cache.get(tenant)
             if hit is not None and hit[1] > time.monotonic():
                 return hit[0]
-        fields = self.store.api_key_fields(keys.TENANTS, tenant, keys.api_key(""), list(LIMIT_NAMES))
+        fields = tenant_key_fields(self.store, tenant, list(LIMIT_NAMES))
         limits = Limits() if fields is None else Limits.from_fields(fields)
         if self.cache_s > 0:
             with self._lock:
@@ -169,14 +172,14 @@ class Quotas:
         Counted until :meth:`close_training_client` (no lease: a training run outlives any one gateway).
         """
         cap = self.limits(tenant).max_training_clients
-        return self.store.join_capped(keys.training_clients(tenant), model_id, cap, None)
+        return _join_capped(self.store, keys.training_clients(tenant), model_id, cap, None)
 
     def close_training_client(self, tenant: str, model_id: str) -> None:
         self.store.forget(keys.training_clients(tenant), model_id)
 
     def training_clients(self, tenant: str) -> list[str]:
         """The model ids counted as ``tenant``'s open training clients."""
-        return self.store.live_members(keys.training_clients(tenant))
+        return _live_members(self.store, keys.training_clients(tenant))
 
     # -- samples in flight --------------------------------------------------------------------------------------
 
@@ -188,13 +191,13 @@ class Quotas:
         if not lease_s > 0:
             raise ValidationError(f"lease_s must be > 0 seconds, got {lease_s!r}")
         cap = self.limits(tenant).max_sampling_inflight
-        return self.store.join_capped(keys.samples_inflight(tenant), request_id, cap, lease_s)
+        return _join_capped(self.store, keys.samples_inflight(tenant), request_id, cap, lease_s)
 
     def end_sample(self, tenant: str, request_id: str) -> None:
         self.store.forget(keys.samples_inflight(tenant), request_id)
 
     def samples_inflight(self, tenant: str) -> int:
-        return len(self.store.live_members(keys.samples_inflight(tenant)))
+        return len(_live_members(self.store, keys.samples_inflight(tenant)))
 
     # -- tokens per minute --------------------------------------------------------------------------------------
 
@@ -219,5 +222,71 @@ class Quotas:
         at = time.time() if now is None else float(now)
         limit = self.limits(tenant).max_tokens_per_minute
         per_token_s = 60.0 / limit if limit else 0.0
-        return self.store.reserve_rate(keys.token_bucket(tenant), keys.run_schedule(tenant, run_id), at, tokens,
-                                       per_token_s, limit or 0)
+        return _reserve_rate(self.store, keys.token_bucket(tenant), keys.run_schedule(tenant, run_id), at, tokens,
+                             per_token_s, limit or 0)
+
+
+def tenant_key_fields(store: KeyValueStore, tenant: str, fields: list[str]) -> list[bytes | None] | None:
+    """``fields`` of ``tenant``'s API key record (:mod:`tinkerq.tenants`: limits are fields of it); None if the
+    tenant has no key. Two reads: a record removed in between has no ``tenant`` field, and reads as no key."""
+    digest = store.hash_fields([keys.TENANTS], [tenant])[0][0]
+    if digest is None:
+        return None
+    found = store.hash_fields([keys.api_key(digest.decode())], ["tenant", *fields])[0]
+    return None if found[0] != tenant.encode() else found[1:]
+
+
+# -- the counts, written once on the store's primitives ---------------------------------------------------------
+
+def _join_capped(store: KeyValueStore, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool:
+    """Holders are a sorted set scored by when their lease ends (store time; no lease: never). Drop ended leases,
+    then admit ``member`` if it is already in or fewer than ``cap`` are (None: no cap)."""
+
+    def join(t: Transaction) -> bool:
+        now = t.now()
+        t.watch(zset)
+        live = [m for m, until in store.zset_range(zset, now, math.inf)] if cap is not None else []
+        if cap is not None and member not in live and len(live) >= cap:
+            return False
+        t.write(ZRemoveBelow(zset, now), ZAdd(zset, member, math.inf if lease_s is None else now + lease_s))
+        return True
+
+    return store.transaction(join, what=f"counting {zset}")
+
+
+def _live_members(store: KeyValueStore, zset: str) -> list[str]:
+    """The holders whose lease has not ended, soonest-ending first."""
+    return [member for member, _ in store.zset_range(zset, store.now(), math.inf)]
+
+
+# Past a token bucket's full time (or a run's scheduled time) its key is worth nothing; it is kept this much longer
+# (clocks of gateways may differ a little).
+_RATE_KEEP_S = 600.0
+
+
+def _reserve_rate(store: KeyValueStore, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
+                  capacity: int) -> float:
+    """A token bucket as a GCRA theoretical arrival time, and a run's latest scheduled time: the epoch second at
+    which ``tokens`` may go (Quotas.schedule explains). A request needs min(tokens, capacity) tokens in the bucket
+    to go and takes all of its tokens (debt); one of 0 tokens takes nothing and waits for nothing but its run.
+    capacity 0: no rate limit, the run's order only."""
+
+    def reserve(t: Transaction) -> float:
+        start = now
+        if capacity > 0 and tokens > 0:
+            tat = _float(t.get(bucket))
+            start = max(now, tat + min(tokens, capacity) * per_token_s - capacity * per_token_s)
+            new_tat = max(tat, start) + tokens * per_token_s
+            t.write(Put(bucket, repr(new_tat).encode(), new_tat - now + _RATE_KEEP_S))
+        start = max(start, _float(t.get(run)))
+        t.write(Put(run, repr(start).encode(), max(0.0, start - now) + _RATE_KEEP_S))
+        return start
+
+    return store.transaction(reserve, [bucket, run], what=f"scheduling {run}")
+
+
+def _float(raw: bytes | None) -> float:
+    try:
+        return float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0

@@ -1,33 +1,44 @@
-"""A small key-value store seam: Redis in a fleet, a dict in the embedded (one-process) fleet.
+"""The key-value store seam: Redis in a fleet, a dict in the embedded (one-process) fleet.
 
-Used for claim-checked payloads, replies, worker registrations and heartbeats, dead letters, recovery
-records, the gateway's records and the tenants' API keys (key names: :mod:`tinkerq.keys`). Every
-Redis call is retried through an outage (:mod:`tinkerq.retry`) for ``retry_s`` seconds, so a Redis
-restart or failover delays requests instead of failing them.
+Generic primitives only (strings, lists, hashes, sorted sets, a counter, pub/sub, an atomic batch of writes and
+an optimistic transaction); each domain writes its records once on top of them, beside its owner: API keys in
+:mod:`tinkerq.tenants`, limits and quotas in :mod:`tinkerq.quotas`, usage in :mod:`tinkerq.usage`, the gateway's
+records in ``gateway/records.py``, the worker's journal and replies in ``worker/``. Key names:
+:mod:`tinkerq.keys`. Nothing outside this module (and :mod:`tinkerq.redis_client`, which makes the client)
+speaks redis-py.
+
+Every Redis call is retried through an outage (:mod:`tinkerq.retry`) for ``retry_s`` seconds, so a Redis restart
+or failover delays requests instead of failing them.
 """
 
 from __future__ import annotations
 
 import collections
 import fnmatch
-import functools
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import redis
+from redis.exceptions import WatchError
 
 from tinkerq.retry import retrying
 
 T = TypeVar("T")
 
+# What a Redis call that bypassed the retries raises while Redis is away (the gateway answers them 503).
+UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+# -- writes: applied in order and all at once by write_many, or at the end of a transaction -------------------
 
 @dataclass(frozen=True)
 class Push:
-    """A write for :meth:`KeyValueStore.write_many`: what :meth:`KeyValueStore.push` does."""
+    """LPUSH ``value`` (the list is a FIFO read by pop), then keep the newest ``max_len`` and renew ``ttl_s``."""
 
     key: str
     value: bytes
@@ -37,7 +48,8 @@ class Push:
 
 @dataclass(frozen=True)
 class Reply:
-    """A write for :meth:`KeyValueStore.write_many`: what :meth:`KeyValueStore.put_reply` does."""
+    """A reply: kept under its own key (read back after an outage) and ``item`` pushed to the producer's inbox
+    (None: no inbox), both for ``ttl_s``."""
 
     key: str
     value: bytes
@@ -46,119 +58,168 @@ class Reply:
     ttl_s: float
 
 
+@dataclass(frozen=True)
+class Put:
+    """SET ``key`` (``ttl_s`` None: kept until deleted)."""
+
+    key: str
+    value: bytes
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+@dataclass(frozen=True)
+class Expire:
+    """A key's time to live, from now (a key that does not exist: nothing)."""
+
+    key: str
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class HashPut:
+    key: str
+    fields: Mapping[str, bytes | str]
+
+
+@dataclass(frozen=True)
+class HashDelete:
+    key: str
+    fields: Sequence[str]
+
+
+@dataclass(frozen=True)
+class HashIncr:
+    key: str
+    field: str
+    by: int
+
+
+@dataclass(frozen=True)
+class ZAdd:
+    """Score ``member`` of a sorted set; ``only_greater``: only if that raises its score (or adds it)."""
+
+    key: str
+    member: str
+    score: float
+    only_greater: bool = False
+
+
+@dataclass(frozen=True)
+class ZRemove:
+    key: str
+    members: Sequence[str]
+
+
+@dataclass(frozen=True)
+class ZRemoveBelow:
+    """Drop the members scored strictly below ``score``."""
+
+    key: str
+    score: float
+
+
+Write = Push | Reply | Put | Delete | Expire | HashPut | HashDelete | HashIncr | ZAdd | ZRemove | ZRemoveBelow
+
+
+class Transaction(Protocol):
+    """What a transaction's function sees: reads of watched keys (a write to one by anyone before the transaction
+    commits runs the function again), the store's clock, and the writes it queues (applied at the end, all at
+    once; a read never sees the transaction's own writes)."""
+
+    def watch(self, *keys: str) -> None: ...  # more keys to watch (ones found by reading), before reading them
+    def now(self) -> float: ...  # the store's clock, in seconds (Redis: its TIME; hosts' clocks may disagree)
+    def get(self, key: str) -> bytes | None: ...
+    def exists(self, key: str) -> bool: ...
+    def hash_get(self, key: str, fields: Sequence[str]) -> list[bytes | None]: ...
+    def hash_size(self, key: str) -> int: ...
+    def zset_size(self, key: str) -> int: ...
+    def write(self, *writes: Write) -> None: ...
+
+
+class Subscription(Protocol):
+    def get(self, timeout_s: float) -> bytes | None: ...  # the next message on the channel (None: none in time)
+    def close(self) -> None: ...
+
+
 class KeyValueStore(Protocol):
     def with_retry(self, retry_s: float) -> KeyValueStore: ...
+    # Strings.
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...  # ttl_s None: kept until deleted
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool: ...
     def get(self, key: str) -> bytes | None: ...
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
+    def exists_many(self, keys: list[str]) -> list[bool]: ...
     def delete(self, key: str) -> None: ...
     def expire(self, key: str, ttl_s: float) -> None: ...  # a key's time to live, from now (none: nothing)
     def scan(self, pattern: str) -> list[str]: ...
-    # Lists: producers' reply inboxes, the dead-letter queue, Celery's queues (read by the reaper).
+    def count(self, key: str, ttl_s: float) -> int: ...  # +1, and the count after; the key lives ttl_s
+    # Lists: producers' reply inboxes, the dead-letter queue, journals, Celery's queues (read by the reaper).
     def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None: ...
     def pop(self, key: str, timeout_s: float) -> bytes | None: ...
     def pop_tail(self, key: str) -> bytes | None: ...
     def list_range(self, key: str, start: int, stop: int) -> list[bytes]: ...
     def length(self, key: str) -> int: ...
-    def count(self, key: str, ttl_s: float) -> int: ...
-    # A reply: kept under its own key (read back after an outage) and pushed to the producer's inbox.
-    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None: ...
-    # Several pushes and replies in one round trip, applied in order and all at once (a worker's journal entries
-    # and answers: worker/outbox.py).
-    def write_many(self, writes: Sequence[Push | Reply]) -> None: ...
-    # Heartbeats, timed by the store's own clock (hosts' clocks may disagree).
+    # Hashes.
+    def hash_items(self, key: str) -> dict[str, bytes]: ...
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]: ...
+    def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]: ...
+    # Sorted sets.
+    def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]: ...
+    def zset_score(self, zset: str, member: str) -> float | None: ...
+    # Members scored by the store's clock (heartbeats: hosts' clocks may disagree), and their ages.
     def beat(self, zset: str, member: str) -> None: ...
     def ages(self, zset: str) -> dict[str, float]: ...
     def forget(self, zset: str, member: str) -> None: ...
-    # kombu's record of delivered, unacknowledged messages (a hash + its time index), for the cleanup pass.
-    def hash_items(self, key: str) -> dict[str, bytes]: ...
-    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None: ...
-    # The gateway's API keys (tinkerq/tenants.py): an index hash (tenant -> key digest) and one hash per key
-    # ({tenant, created_at, last_used_at}), changed atomically.
-    def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]: ...
-    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int: ...
-    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool: ...
-    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None: ...
-    # -- tenants' limits, quotas and usage (tinkerq/quotas.py, tinkerq/usage.py) --
-    # A tenant's limits are fields of its key's record, found through the index (None/False: no such tenant).
-    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
-                       clear_fields: list[str]) -> bool: ...
-    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
-                       fields: list[str]) -> list[bytes | None] | None: ...
-    # Capacity: a sorted set of holders scored by when their lease ends (store time; no lease: never). Joining
-    # drops ended leases, then admits ``member`` if it is already in or fewer than ``cap`` are (None: no cap).
-    # Leaving is forget().
-    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool: ...
-    def live_members(self, zset: str) -> list[str]: ...
-    # A token bucket as a GCRA theoretical arrival time, and a run's latest scheduled time: the epoch second at
-    # which ``tokens`` may go (tinkerq/quotas.py explains). capacity 0: no rate limit, the run's order only.
-    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
-                     capacity: int) -> float: ...
-    # Usage: counters added to an hour's hash, that hour noted in the tenant's index, the tenant in the index of
-    # tenants, all at once and, with ``once_key``, only if that marker was not set yet (False: skipped).
-    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
-                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
-                  increments: Mapping[str, int]) -> bool: ...
-    def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]: ...
-    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]: ...
+    def now(self) -> float: ...
+    # Several writes in one round trip, applied in order and all at once (a worker's journal entries and answers:
+    # worker/outbox.py).
+    def write_many(self, writes: Sequence[Write]) -> None: ...
+    # ``fn`` run against the keys it watches, its writes applied at once if none of them changed meanwhile (else
+    # it runs again); its result.
+    def transaction(self, fn: Callable[[Transaction], T], watch: Sequence[str] = (), *, what: str) -> T: ...
+    # Pub/sub: fire and forget (a subscriber that is not listening misses the message).
+    def publish(self, channel: str, message: bytes | str) -> None: ...
+    def subscribe(self, channel: str) -> Subscription: ...
 
 
-_BEAT = """
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
-return 1
-"""
-_AGES = """
-local t = redis.call('TIME')
-return {t[1], t[2], redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')}
-"""
-# API keys. KEYS[1] = the index hash, KEYS[2] = the new key's record; ARGV = tenant, digest, created_at.
-# 1: made; 0: the tenant has a key; -1: a record with this digest exists.
-_ADD_API_KEY = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], 'tenant', ARGV[1], 'created_at', ARGV[3])
-return 1
-"""
-# KEYS[1] = the index hash; ARGV = tenant, the records' key prefix. The record's key comes from the index, so
-# it cannot be declared in KEYS: fine on one Redis (with Sentinel or not); tinkerq does not run on Cluster.
-_REMOVE_API_KEY = """
-local digest = redis.call('HGET', KEYS[1], ARGV[1])
-if not digest then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('DEL', ARGV[2] .. digest)
-return 1
-"""
-# KEYS[1] = the key's record; ARGV = now, resolution_s. A removed key has no record: nil, and nothing written
-# (so a check racing a removal cannot leave half a record behind).
-_USE_API_KEY = """
-local tenant = redis.call('HGET', KEYS[1], 'tenant')
-if not tenant then return false end
-local last = tonumber(redis.call('HGET', KEYS[1], 'last_used_at') or '0') or 0
-if tonumber(ARGV[1]) - last >= tonumber(ARGV[2]) then
-  redis.call('HSET', KEYS[1], 'last_used_at', ARGV[1])
-end
-return tenant
-"""
+class _Derived:
+    """The store's calls written once on top of the primitives both stores implement."""
+
+    def beat(self: Any, zset: str, member: str) -> None:
+        self.transaction(lambda t: t.write(ZAdd(zset, member, t.now())), what="sending a heartbeat")
+
+    def ages(self: Any, zset: str) -> dict[str, float]:
+        now = self.now()
+        return {member: now - at for member, at in self.zset_range(zset, -math.inf, math.inf)}
+
+    def forget(self: Any, zset: str, member: str) -> None:
+        self._write([ZRemove(zset, [member])])
+
+    def push(self: Any, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
+        self._write([Push(key, value, ttl_s, max_len)])
 
 
-class RedisStore:
+# -- Redis ------------------------------------------------------------------------------------------------------
+
+
+class RedisStore(_Derived):
     def __init__(self, client: redis.Redis, retry_s: float = 600.0) -> None:
         self.client = client
         self.retry_s = retry_s
-        self._beat = client.register_script(_BEAT)
-        self._ages = client.register_script(_AGES)
-        self._add_api_key = client.register_script(_ADD_API_KEY)
-        self._remove_api_key = client.register_script(_REMOVE_API_KEY)
-        self._use_api_key = client.register_script(_USE_API_KEY)
 
     def with_retry(self, retry_s: float) -> RedisStore:
         """The same store, retrying for ``retry_s`` instead (heartbeats must not wait out a long outage)."""
         other = RedisStore.__new__(RedisStore)
         other.__dict__.update(self.__dict__, retry_s=retry_s)
         return other
+
+    def close(self) -> None:
+        self.client.close()
 
     def _do(self, what: str, fn: Callable[[], T]) -> T:
         return retrying(fn, deadline_s=self.retry_s, what=what)
@@ -177,6 +238,15 @@ class RedisStore:
             return []
         return [_bytes(v) for v in self._do("reading replies", lambda: self.client.mget(keys))]
 
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        def run() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._do("reading keys", run) if keys else []
+
     def delete(self, key: str) -> None:
         self._do(f"deleting {key}", lambda: self.client.delete(key))
 
@@ -185,19 +255,16 @@ class RedisStore:
 
     def scan(self, pattern: str) -> list[str]:
         return self._do(f"scanning {pattern}", lambda: [
-            k.decode() if isinstance(k, bytes) else k for k in self.client.scan_iter(match=pattern, count=1000)])
+            _text(k) for k in self.client.scan_iter(match=pattern, count=1000)])
 
-    def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
-        def run() -> None:
+    def count(self, key: str, ttl_s: float) -> int:
+        def run() -> int:
             pipe = self.client.pipeline(transaction=True)
-            pipe.lpush(key, value)
-            if max_len is not None:
-                pipe.ltrim(key, 0, max_len - 1)
-            if ttl_s is not None:
-                pipe.pexpire(key, _ms(ttl_s))
-            pipe.execute()
+            pipe.incr(key)
+            pipe.pexpire(key, _ms(ttl_s))
+            return int(pipe.execute()[0])
 
-        self._do(f"pushing to {key}", run)
+        return self._do(f"counting {key}", run)
 
     def pop(self, key: str, timeout_s: float) -> bytes | None:
         # BRPOP: the oldest first (LPUSH + BRPOP is FIFO). Not retried here: a listener loops anyway.
@@ -214,72 +281,18 @@ class RedisStore:
     def length(self, key: str) -> int:
         return int(self._do(f"reading {key}", lambda: self.client.llen(key)))
 
-    def count(self, key: str, ttl_s: float) -> int:
-        def run() -> int:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.incr(key)
-            pipe.pexpire(key, _ms(ttl_s))
-            return int(pipe.execute()[0])
-
-        return self._do(f"counting {key}", run)
-
-    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None:
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(key, value, px=_ms(ttl_s))
-            if inbox is not None:
-                pipe.lpush(inbox, item)
-                pipe.pexpire(inbox, _ms(ttl_s))
-            pipe.execute()
-
-        self._do(f"storing reply {key}", run)
-
-    def write_many(self, writes: Sequence[Push | Reply]) -> None:
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            for w in writes:
-                if isinstance(w, Push):
-                    pipe.lpush(w.key, w.value)
-                    if w.max_len is not None:
-                        pipe.ltrim(w.key, 0, w.max_len - 1)
-                    if w.ttl_s is not None:
-                        pipe.pexpire(w.key, _ms(w.ttl_s))
-                else:
-                    pipe.set(w.key, w.value, px=_ms(w.ttl_s))
-                    if w.inbox is not None:
-                        pipe.lpush(w.inbox, w.item)
-                        pipe.pexpire(w.inbox, _ms(w.ttl_s))
-            pipe.execute()
-
-        if writes:
-            self._do(f"writing {len(writes)} journal entries and replies", run)
-
-    def beat(self, zset: str, member: str) -> None:
-        self._do("sending a heartbeat", lambda: self._beat(keys=[zset], args=[member]))
-
-    def ages(self, zset: str) -> dict[str, float]:
-        sec, usec, flat = self._ages(keys=[zset])
-        now = int(sec) + int(usec) / 1e6
-        return {_text(flat[i]): now - float(flat[i + 1]) for i in range(0, len(flat), 2)}
-
-    def forget(self, zset: str, member: str) -> None:
-        self._do("removing a heartbeat", lambda: self.client.zrem(zset, member))
-
     def hash_items(self, key: str) -> dict[str, bytes]:
         items = self._do(f"reading {key}", lambda: self.client.hgetall(key))
         return {_text(k): v if isinstance(v, bytes) else str(v).encode() for k, v in items.items()}
 
-    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None:
-        if not fields:
-            return
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
+        def run() -> list[dict[str, bytes]]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+            return [{_text(k): _bytes(v) or b"" for k, v in items.items()} for items in pipe.execute()]
 
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hdel(hash_key, *fields)
-            pipe.zrem(index_key, *fields)
-            pipe.execute()
-
-        self._do(f"cleaning {hash_key}", run)
+        return self._do("reading hashes", run) if keys else []
 
     def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]:
         def run() -> list[list[bytes | None]]:
@@ -290,79 +303,149 @@ class RedisStore:
 
         return self._do("reading hashes", run) if keys else []
 
-    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int:
-        return int(self._do(f"creating an API key for {tenant}",
-                            lambda: self._add_api_key(keys=[index, record], args=[tenant, digest, created_at])))
-
-    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool:
-        return bool(self._do(f"revoking the API key of {tenant}",
-                             lambda: self._remove_api_key(keys=[index], args=[tenant, record_prefix])))
-
-    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None:
-        raw = self._do("checking an API key", lambda: self._use_api_key(keys=[record], args=[now, resolution_s]))
-        return None if raw is None else _text(raw)
-
-    # -- tenants' limits, quotas and usage (tinkerq/quotas.py, tinkerq/usage.py) --
-
-    @functools.cached_property
-    def _tenant_scripts(self) -> dict[str, Any]:
-        # Registered on first use (a gateway's store needs them; a worker's never does).
-        return {name: self.client.register_script(source) for name, source in _TENANT_SCRIPTS.items()}
-
-    def _run_script(self, name: str, what: str, keys: list[str], args: list[Any]) -> Any:
-        script = self._tenant_scripts[name]
-        return self._do(what, lambda: script(keys=keys, args=args))
-
-    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
-                       clear_fields: list[str]) -> bool:
-        args = [tenant, record_prefix, str(len(set_fields))]
-        for name, value in set_fields.items():
-            args += [name, value]
-        return bool(self._run_script("update_api_key", f"updating the API key of {tenant}", [index],
-                                     args + list(clear_fields)))
-
-    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
-                       fields: list[str]) -> list[bytes | None] | None:
-        found = self._run_script("api_key_fields", f"reading the limits of {tenant}", [index],
-                                 [tenant, record_prefix, *fields])
-        if not found:
-            return None
-        return [_bytes(v) if v else None for v in found[1:]]
-
-    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool:
-        args = [member, -1 if cap is None else cap, "" if lease_s is None else repr(float(lease_s))]
-        return bool(self._run_script("join_capped", f"counting {zset}", [zset], args))
-
-    def live_members(self, zset: str) -> list[str]:
-        return [_text(m) for m in self._run_script("live_members", f"reading {zset}", [zset], [])]
-
-    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
-                     capacity: int) -> float:
-        args = [repr(float(now)), int(tokens), repr(float(per_token_s)), int(capacity)]
-        return float(_text(self._run_script("reserve_rate", f"scheduling {run}", [bucket, run], args)))
-
-    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
-                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
-                  increments: Mapping[str, int]) -> bool:
-        keys = [hour_key, hours_key, tenants_key] + ([] if once_key is None else [once_key])
-        args: list[Any] = [tenant, int(hour), int(oldest_hour), _ms(ttl_s), _ms(once_ttl_s)]
-        for name, value in increments.items():
-            args += [name, int(value)]
-        return bool(self._run_script("add_usage", f"recording the usage of {tenant}", keys, args))
-
     def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
         found: Any = self._do(f"reading {zset}", lambda: self.client.zrangebyscore(
             zset, _score(min_score), _score(max_score), withscores=True))
         return [(_text(member), float(score)) for member, score in found]
 
-    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
-        def run() -> list[dict[str, bytes]]:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(key)
-            return [{_text(k): _bytes(v) or b"" for k, v in items.items()} for items in pipe.execute()]
+    def zset_score(self, zset: str, member: str) -> float | None:
+        score: Any = self._do(f"reading {zset}", lambda: self.client.zscore(zset, member))
+        return None if score is None else float(score)
 
-        return self._do("reading hashes", run) if keys else []
+    def now(self) -> float:
+        sec, usec = self._do("reading the store's clock", lambda: self.client.time())
+        return int(sec) + int(usec) / 1e6
+
+    def write_many(self, writes: Sequence[Write]) -> None:
+        self._write(writes)
+
+    def _write(self, writes: Sequence[Write]) -> None:
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            for w in writes:
+                _queue(pipe, w)
+            pipe.execute()
+
+        if writes:
+            what = f"writing {writes[0].key}" if len(writes) == 1 else f"writing {len(writes)} entries"
+            self._do(what, run)
+
+    def transaction(self, fn: Callable[[Transaction], T], watch: Sequence[str] = (), *, what: str) -> T:
+        def run() -> T:
+            with self.client.pipeline(transaction=True) as pipe:
+                while True:
+                    txn = _RedisTransaction(self.client, pipe)
+                    try:
+                        txn.watch(*watch)
+                        result = fn(txn)
+                        if txn.writes:
+                            pipe.multi()
+                            for w in txn.writes:
+                                _queue(pipe, w)
+                            pipe.execute()
+                        return result
+                    except WatchError:
+                        continue
+                    finally:
+                        pipe.reset()
+
+        return self._do(what, run)
+
+    def publish(self, channel: str, message: bytes | str) -> None:
+        self._do(f"publishing on {channel}", lambda: self.client.publish(channel, message))
+
+    def subscribe(self, channel: str) -> Subscription:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(channel)
+        return _RedisSubscription(pubsub)
+
+
+class _RedisTransaction:
+    """Reads on the watching pipeline (redis-py runs them at once, on the connection holding the WATCH); before
+    any WATCH, on the client."""
+
+    def __init__(self, client: redis.Redis, pipe: Any) -> None:
+        self._client = client
+        self._pipe = pipe
+        self.writes: list[Write] = []
+
+    @property
+    def _reader(self) -> Any:
+        return self._pipe if self._pipe.watching else self._client
+
+    def watch(self, *keys: str) -> None:
+        if keys:
+            self._pipe.watch(*keys)
+
+    def now(self) -> float:
+        sec, usec = self._reader.time()
+        return int(sec) + int(usec) / 1e6
+
+    def get(self, key: str) -> bytes | None:
+        return _bytes(self._reader.get(key))
+
+    def exists(self, key: str) -> bool:
+        return bool(self._reader.exists(key))
+
+    def hash_get(self, key: str, fields: Sequence[str]) -> list[bytes | None]:
+        return [_bytes(v) for v in self._reader.hmget(key, list(fields))]
+
+    def hash_size(self, key: str) -> int:
+        return int(self._reader.hlen(key))
+
+    def zset_size(self, key: str) -> int:
+        return int(self._reader.zcard(key))
+
+    def write(self, *writes: Write) -> None:
+        self.writes += writes
+
+
+class _RedisSubscription:
+    def __init__(self, pubsub: Any) -> None:
+        self._pubsub = pubsub
+
+    def get(self, timeout_s: float) -> bytes | None:
+        message = self._pubsub.get_message(timeout=timeout_s)
+        return None if message is None else _bytes(message["data"])
+
+    def close(self) -> None:
+        self._pubsub.close()
+
+
+def _queue(pipe: Any, w: Write) -> None:
+    """Queue ``w`` on a redis-py pipeline."""
+    if isinstance(w, Push):
+        pipe.lpush(w.key, w.value)
+        if w.max_len is not None:
+            pipe.ltrim(w.key, 0, w.max_len - 1)
+        if w.ttl_s is not None:
+            pipe.pexpire(w.key, _ms(w.ttl_s))
+    elif isinstance(w, Reply):
+        pipe.set(w.key, w.value, px=_ms(w.ttl_s))
+        if w.inbox is not None:
+            pipe.lpush(w.inbox, w.item)
+            pipe.pexpire(w.inbox, _ms(w.ttl_s))
+    elif isinstance(w, Put):
+        pipe.set(w.key, w.value, px=None if w.ttl_s is None else _ms(w.ttl_s))
+    elif isinstance(w, Delete):
+        pipe.delete(w.key)
+    elif isinstance(w, Expire):
+        pipe.pexpire(w.key, _ms(w.ttl_s))
+    elif isinstance(w, HashPut):
+        if w.fields:
+            pipe.hset(w.key, mapping=dict(w.fields))
+    elif isinstance(w, HashDelete):
+        if w.fields:
+            pipe.hdel(w.key, *w.fields)
+    elif isinstance(w, HashIncr):
+        pipe.hincrby(w.key, w.field, w.by)
+    elif isinstance(w, ZAdd):
+        pipe.zadd(w.key, {w.member: _score(w.score)}, gt=w.only_greater)
+    elif isinstance(w, ZRemove):
+        if w.members:
+            pipe.zrem(w.key, *w.members)
+    else:
+        pipe.zremrangebyscore(w.key, "-inf", "(" + _score(w.score))
 
 
 def _bytes(value: object) -> bytes | None:
@@ -380,8 +463,16 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class MemoryStore:
-    """In-process store with the same semantics (expiry included), for the embedded fleet.
+def _score(value: float) -> str:
+    return "+inf" if value == math.inf else "-inf" if value == -math.inf else repr(float(value))
+
+
+# -- memory -----------------------------------------------------------------------------------------------------
+
+
+class MemoryStore(_Derived):
+    """In-process store with the same semantics (string keys' expiry included; lists, hashes and sorted sets are
+    kept for the process's life), for the embedded fleet. Its clock is the monotonic one.
 
     Like kombu's ``memory://`` transport, one instance is shared by the whole process
     (:meth:`shared`), so an embedded worker and the producers beside it see the same keys.
@@ -403,20 +494,23 @@ class MemoryStore:
         self._zsets: dict[str, dict[str, float]] = collections.defaultdict(dict)
         self._hashes: dict[str, dict[str, bytes]] = {}
         self._counts: dict[str, int] = collections.defaultdict(int)
-        self._lock = threading.Condition()
+        self._subscribers: dict[str, list[queue.SimpleQueue[bytes]]] = collections.defaultdict(list)
+        self._lock = threading.Condition()  # (an RLock inside: a transaction's function may call the store)
 
     def with_retry(self, retry_s: float) -> MemoryStore:
         return self
 
+    def close(self) -> None:
+        return None
+
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
-        with self._lock:
-            self._data[key] = (bytes(value), math.inf if ttl_s is None else time.monotonic() + ttl_s)
+        self._write([Put(key, value, ttl_s)])
 
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
         with self._lock:
             if self._get(key) is not None:
                 return False
-            self._data[key] = (bytes(value), time.monotonic() + ttl_s)
+            self._apply(Put(key, value, ttl_s))
             return True
 
     def get(self, key: str) -> bytes | None:
@@ -436,17 +530,19 @@ class MemoryStore:
         with self._lock:
             return [self._get(k) for k in keys]
 
-    def delete(self, key: str) -> None:
+    def exists_many(self, keys: list[str]) -> list[bool]:
         with self._lock:
-            self._data.pop(key, None)
-            self._lists.pop(key, None)
-            self._hashes.pop(key, None)
+            return [self._exists(k) for k in keys]
+
+    def _exists(self, key: str) -> bool:
+        return (self._get(key) is not None or bool(self._lists.get(key)) or bool(self._hashes.get(key))
+                or bool(self._zsets.get(key)))
+
+    def delete(self, key: str) -> None:
+        self._write([Delete(key)])
 
     def expire(self, key: str, ttl_s: float) -> None:
-        with self._lock:
-            value = self._get(key)
-            if value is not None:
-                self._data[key] = (value, time.monotonic() + ttl_s)
+        self._write([Expire(key, ttl_s)])
 
     def scan(self, pattern: str) -> list[str]:
         now = time.monotonic()
@@ -455,13 +551,10 @@ class MemoryStore:
             names += [k for k, v in self._hashes.items() if v]
             return [k for k in names if fnmatch.fnmatchcase(k, pattern)]
 
-    def push(self, key: str, value: bytes, ttl_s: float | None = None, max_len: int | None = None) -> None:
+    def count(self, key: str, ttl_s: float) -> int:
         with self._lock:
-            items = self._lists[key]
-            items.appendleft(bytes(value))
-            while max_len is not None and len(items) > max_len:
-                items.pop()
-            self._lock.notify_all()
+            self._counts[key] += 1
+            return self._counts[key]
 
     def pop(self, key: str, timeout_s: float) -> bytes | None:
         deadline = time.monotonic() + timeout_s
@@ -487,238 +580,152 @@ class MemoryStore:
         with self._lock:
             return len(self._lists.get(key, ()))
 
-    def count(self, key: str, ttl_s: float) -> int:
-        with self._lock:
-            self._counts[key] += 1
-            return self._counts[key]
-
-    def put_reply(self, key: str, value: bytes, inbox: str | None, item: bytes, ttl_s: float) -> None:
-        self.set(key, value, ttl_s)
-        if inbox is not None:
-            self.push(inbox, item)
-
-    def write_many(self, writes: Sequence[Push | Reply]) -> None:
-        for w in writes:
-            if isinstance(w, Push):
-                self.push(w.key, w.value, w.ttl_s, w.max_len)
-            else:
-                self.put_reply(w.key, w.value, w.inbox, w.item, w.ttl_s)
-
-    def beat(self, zset: str, member: str) -> None:
-        with self._lock:
-            self._zsets[zset][member] = time.monotonic()
-
-    def ages(self, zset: str) -> dict[str, float]:
-        now = time.monotonic()
-        with self._lock:
-            return {m: now - t for m, t in self._zsets[zset].items()}
-
-    def forget(self, zset: str, member: str) -> None:
-        with self._lock:
-            self._zsets[zset].pop(member, None)
-
     def hash_items(self, key: str) -> dict[str, bytes]:
         with self._lock:  # (the in-memory transport keeps no unacked record here: {} for those)
             return dict(self._hashes.get(key, {}))
 
-    def drop_unacked(self, hash_key: str, index_key: str, fields: list[str]) -> None:
-        return None
+    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
+        with self._lock:
+            return [dict(self._hashes.get(key, {})) for key in keys]
 
     def hash_fields(self, keys: list[str], fields: list[str]) -> list[list[bytes | None]]:
         with self._lock:
             return [[self._hashes.get(key, {}).get(f) for f in fields] for key in keys]
-
-    def add_api_key(self, index: str, record: str, tenant: str, digest: str, created_at: str) -> int:
-        with self._lock:
-            tenants = self._hashes.setdefault(index, {})
-            if tenant in tenants:
-                return 0
-            if record in self._hashes:
-                return -1
-            tenants[tenant] = digest.encode()
-            self._hashes[record] = {"tenant": tenant.encode(), "created_at": created_at.encode()}
-            return 1
-
-    def remove_api_key(self, index: str, tenant: str, record_prefix: str) -> bool:
-        with self._lock:
-            digest = self._hashes.get(index, {}).pop(tenant, None)
-            if digest is None:
-                return False
-            self._hashes.pop(record_prefix + digest.decode(), None)
-            return True
-
-    def use_api_key(self, record: str, now: str, resolution_s: float) -> str | None:
-        with self._lock:
-            fields = self._hashes.get(record)
-            if fields is None:
-                return None
-            if float(now) - float(fields.get("last_used_at", b"0")) >= resolution_s:
-                fields["last_used_at"] = now.encode()
-            return fields["tenant"].decode()
-
-    # -- tenants' limits, quotas and usage: as RedisStore's scripts do, under the lock; leases by the monotonic
-    # clock; usage hashes are kept for the process's life (no TTL on this store's hashes) --
-
-    def _record_of(self, index: str, tenant: str, record_prefix: str) -> dict[str, bytes] | None:
-        digest = self._hashes.get(index, {}).get(tenant)
-        return None if digest is None else self._hashes.get(record_prefix + digest.decode())
-
-    def update_api_key(self, index: str, tenant: str, record_prefix: str, set_fields: Mapping[str, str],
-                       clear_fields: list[str]) -> bool:
-        with self._lock:
-            record = self._record_of(index, tenant, record_prefix)
-            if record is None:
-                return False
-            record.update({name: value.encode() for name, value in set_fields.items()})
-            for name in clear_fields:
-                record.pop(name, None)
-            return True
-
-    def api_key_fields(self, index: str, tenant: str, record_prefix: str,
-                       fields: list[str]) -> list[bytes | None] | None:
-        with self._lock:
-            record = self._record_of(index, tenant, record_prefix)
-            return None if record is None else [record.get(name) for name in fields]
-
-    def join_capped(self, zset: str, member: str, cap: int | None, lease_s: float | None) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            holders = self._zsets[zset]
-            for ended in [m for m, until in holders.items() if until < now]:
-                del holders[ended]
-            if member not in holders and cap is not None and len(holders) >= cap:
-                return False
-            holders[member] = math.inf if lease_s is None else now + lease_s
-            return True
-
-    def live_members(self, zset: str) -> list[str]:
-        now = time.monotonic()
-        with self._lock:
-            return [m for m, until in sorted(self._zsets[zset].items(), key=lambda item: item[1]) if until >= now]
-
-    def reserve_rate(self, bucket: str, run: str, now: float, tokens: int, per_token_s: float,
-                     capacity: int) -> float:
-        with self._lock:
-            start = now
-            if capacity > 0 and tokens > 0:
-                tat = float(self._get(bucket) or b"0")
-                start = max(now, tat + min(tokens, capacity) * per_token_s - capacity * per_token_s)
-                new_tat = max(tat, start) + tokens * per_token_s
-                self._data[bucket] = (repr(new_tat).encode(), time.monotonic() + new_tat - now + _RATE_KEEP_S)
-            start = max(start, float(self._get(run) or b"0"))
-            self._data[run] = (repr(start).encode(), time.monotonic() + max(0.0, start - now) + _RATE_KEEP_S)
-            return start
-
-    def add_usage(self, hour_key: str, hours_key: str, tenants_key: str, once_key: str | None, tenant: str,
-                  hour: int, oldest_hour: int, ttl_s: float, once_ttl_s: float,
-                  increments: Mapping[str, int]) -> bool:
-        with self._lock:
-            if once_key is not None:
-                if self._get(once_key) is not None:
-                    return False
-                self._data[once_key] = (b"1", time.monotonic() + once_ttl_s)
-            counts = self._hashes.setdefault(hour_key, {})
-            for name, value in increments.items():
-                counts[name] = str(int(counts.get(name, b"0")) + int(value)).encode()
-            hours = self._zsets[hours_key]
-            hours[str(hour)] = float(hour)
-            for old in [h for h, score in hours.items() if score < oldest_hour]:
-                del hours[old]
-            tenants = self._hashes.setdefault(tenants_key, {})
-            if hour > int(tenants.get(tenant, b"0")):
-                tenants[tenant] = str(hour).encode()
-            return True
 
     def zset_range(self, zset: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
         with self._lock:
             found = [(m, s) for m, s in self._zsets.get(zset, {}).items() if min_score <= s <= max_score]
         return sorted(found, key=lambda item: (item[1], item[0]))
 
-    def hash_items_many(self, keys: list[str]) -> list[dict[str, bytes]]:
+    def zset_score(self, zset: str, member: str) -> float | None:
         with self._lock:
-            return [dict(self._hashes.get(key, {})) for key in keys]
+            return self._zsets.get(zset, {}).get(member)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def write_many(self, writes: Sequence[Write]) -> None:
+        self._write(writes)
+
+    def _write(self, writes: Sequence[Write]) -> None:
+        with self._lock:
+            for w in writes:
+                self._apply(w)
+            if any(isinstance(w, Push | Reply) for w in writes):
+                self._lock.notify_all()
+
+    def transaction(self, fn: Callable[[Transaction], T], watch: Sequence[str] = (), *, what: str) -> T:
+        with self._lock:  # nobody writes meanwhile: nothing to watch
+            txn = _MemoryTransaction(self)
+            result = fn(txn)
+            self._write(txn.writes)
+            return result
+
+    def publish(self, channel: str, message: bytes | str) -> None:
+        data = message.encode() if isinstance(message, str) else bytes(message)
+        with self._lock:
+            for subscriber in self._subscribers.get(channel, ()):
+                subscriber.put(data)
+
+    def subscribe(self, channel: str) -> Subscription:
+        inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        with self._lock:
+            self._subscribers[channel].append(inbox)
+        return _MemorySubscription(self, channel, inbox)
+
+    def _unsubscribe(self, channel: str, inbox: queue.SimpleQueue[bytes]) -> None:
+        with self._lock:
+            if inbox in self._subscribers.get(channel, ()):
+                self._subscribers[channel].remove(inbox)
+
+    def _apply(self, w: Write) -> None:
+        """Apply one write; the caller holds the lock. TTLs are kept for string keys (and replies) only."""
+        if isinstance(w, Push):
+            items = self._lists[w.key]
+            items.appendleft(bytes(w.value))
+            while w.max_len is not None and len(items) > w.max_len:
+                items.pop()
+        elif isinstance(w, Reply):
+            self._data[w.key] = (bytes(w.value), time.monotonic() + w.ttl_s)
+            if w.inbox is not None:
+                self._lists[w.inbox].appendleft(bytes(w.item))
+        elif isinstance(w, Put):
+            self._data[w.key] = (bytes(w.value), math.inf if w.ttl_s is None else time.monotonic() + w.ttl_s)
+        elif isinstance(w, Delete):
+            for table in (self._data, self._lists, self._hashes, self._zsets):
+                table.pop(w.key, None)  # type: ignore[attr-defined]
+        elif isinstance(w, Expire):
+            value = self._get(w.key)
+            if value is not None:
+                self._data[w.key] = (value, time.monotonic() + w.ttl_s)
+        elif isinstance(w, HashPut):
+            self._hashes.setdefault(w.key, {}).update(
+                {name: value.encode() if isinstance(value, str) else bytes(value) for name, value in w.fields.items()})
+        elif isinstance(w, HashDelete):
+            fields = self._hashes.get(w.key, {})
+            for name in w.fields:
+                fields.pop(name, None)
+            if not fields:
+                self._hashes.pop(w.key, None)  # as Redis: a hash without fields does not exist
+        elif isinstance(w, HashIncr):
+            fields = self._hashes.setdefault(w.key, {})
+            fields[w.field] = str(int(fields.get(w.field, b"0")) + int(w.by)).encode()
+        elif isinstance(w, ZAdd):
+            members = self._zsets[w.key]
+            old = members.get(w.member)
+            if not (w.only_greater and old is not None and w.score <= old):
+                members[w.member] = float(w.score)
+        elif isinstance(w, ZRemove):
+            members = self._zsets[w.key]
+            for name in w.members:
+                members.pop(name, None)
+        else:
+            members = self._zsets[w.key]
+            for name in [m for m, score in members.items() if score < w.score]:
+                del members[name]
 
 
-# -- Lua of the tenants' limits, quotas and usage (RedisStore's methods above say what each does) -----------------
+@dataclass
+class _MemoryTransaction:
+    store: MemoryStore
+    writes: list[Write] = field(default_factory=list)
 
-# Past a token bucket's full time (or a run's scheduled time) its key is worth nothing; it is kept this much longer
-# (clocks of gateways may differ a little).
-_RATE_KEEP_S = 600.0
+    def watch(self, *keys: str) -> None:
+        return None
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def get(self, key: str) -> bytes | None:
+        return self.store._get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.store._exists(key)
+
+    def hash_get(self, key: str, fields: Sequence[str]) -> list[bytes | None]:
+        found = self.store._hashes.get(key, {})
+        return [found.get(name) for name in fields]
+
+    def hash_size(self, key: str) -> int:
+        return len(self.store._hashes.get(key, {}))
+
+    def zset_size(self, key: str) -> int:
+        return len(self.store._zsets.get(key, {}))
+
+    def write(self, *writes: Write) -> None:
+        self.writes += writes
 
 
-def _score(value: float) -> str:
-    return "+inf" if value == math.inf else "-inf" if value == -math.inf else repr(float(value))
+class _MemorySubscription:
+    def __init__(self, store: MemoryStore, channel: str, inbox: queue.SimpleQueue[bytes]) -> None:
+        self._store, self._channel, self._inbox = store, channel, inbox
 
+    def get(self, timeout_s: float) -> bytes | None:
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
 
-_TENANT_SCRIPTS = {
-    # KEYS[1] = the index; ARGV = tenant, records' prefix, n, n (field, value) pairs, then fields to clear.
-    "update_api_key": """
-local digest = redis.call('HGET', KEYS[1], ARGV[1])
-if not digest then return 0 end
-local record = ARGV[2] .. digest
-local n = tonumber(ARGV[3])
-for i = 4, 3 + 2 * n, 2 do redis.call('HSET', record, ARGV[i], ARGV[i + 1]) end
-for i = 4 + 2 * n, #ARGV do redis.call('HDEL', record, ARGV[i]) end
-return 1
-""",
-    # KEYS[1] = the index; ARGV = tenant, records' prefix, fields. {} when the tenant has no key, else {1, values}.
-    "api_key_fields": """
-local digest = redis.call('HGET', KEYS[1], ARGV[1])
-if not digest then return {} end
-local found = {1}
-for i = 3, #ARGV do found[#found + 1] = redis.call('HGET', ARGV[2] .. digest, ARGV[i]) end
-return found
-""",
-    # KEYS[1] = the holders; ARGV = member, cap (-1: none), lease seconds ('' : none). Times are Redis's own.
-    "join_capped": """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now))
-local until_ = '+inf'
-if ARGV[3] ~= '' then until_ = string.format('%.6f', now + tonumber(ARGV[3])) end
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  local cap = tonumber(ARGV[2])
-  if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
-end
-redis.call('ZADD', KEYS[1], until_, ARGV[1])
-return 1
-""",
-    "live_members": """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-return redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf')
-""",
-    # KEYS = the tenant's bucket, the run's schedule; ARGV = now, tokens, seconds per token, capacity (0: none).
-    # A request needs min(tokens, capacity) tokens in the bucket to go and takes all of its tokens (debt); one of
-    # 0 tokens takes nothing and waits for nothing but its run.
-    "reserve_rate": f"""
-local now = tonumber(ARGV[1])
-local tokens = tonumber(ARGV[2])
-local per_token = tonumber(ARGV[3])
-local capacity = tonumber(ARGV[4])
-local keep_ms = {int(_RATE_KEEP_S * 1000)}
-local start = now
-if capacity > 0 and tokens > 0 then
-  local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-  start = math.max(now, tat + math.min(tokens, capacity) * per_token - capacity * per_token)
-  local new_tat = math.max(tat, start) + tokens * per_token
-  redis.call('SET', KEYS[1], string.format('%.6f', new_tat), 'PX', math.floor((new_tat - now) * 1000) + keep_ms)
-end
-start = math.max(start, tonumber(redis.call('GET', KEYS[2]) or '0') or 0)
-redis.call('SET', KEYS[2], string.format('%.6f', start), 'PX', math.floor(math.max(0, start - now) * 1000) + keep_ms)
-return string.format('%.6f', start)
-""",
-    # KEYS = the hour's hash, the tenant's hours, the tenants [, the once-marker]; ARGV = tenant, hour, oldest
-    # hour kept, the hash's TTL (ms), the marker's TTL (ms), then (field, increment) pairs.
-    "add_usage": """
-if #KEYS == 4 and not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[5]) then return 0 end
-for i = 6, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-local last = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') or 0
-if tonumber(ARGV[2]) > last then redis.call('HSET', KEYS[3], ARGV[1], ARGV[2]) end
-return 1
-""",
-}
+    def close(self) -> None:
+        self._store._unsubscribe(self._channel, self._inbox)
+

@@ -18,8 +18,9 @@ so there is no dictionary or small space to search; a salt or a slow hash (bcryp
 against guessing low-entropy secrets, and would make each request's check cost milliseconds of CPU. An
 unsalted digest is also what lets :meth:`ApiKeys.authenticate` find the record in one lookup.
 
-Creating, revoking and checking a key are atomic store operations (Lua scripts on Redis): two concurrent
-``create`` of one name cannot both succeed, and ``authenticate`` never sees half a key.
+Creating, revoking and checking a key are store transactions (:meth:`~tinkerq.store.KeyValueStore.transaction`,
+written once here on the store's primitives): two concurrent ``create`` of one name cannot both succeed, and
+``authenticate`` never sees half a key.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from typing import TYPE_CHECKING, TypedDict
 from tinkerq import keys
 from tinkerq.audit import AuditLog
 from tinkerq.errors import UserError, ValidationError
-from tinkerq.quotas import LIMIT_NAMES, Limits, check_limit, option_of
+from tinkerq.quotas import LIMIT_NAMES, Limits, check_limit, option_of, tenant_key_fields
+from tinkerq.store import Delete, HashDelete, HashPut, Transaction
 
 if TYPE_CHECKING:
     from tinkerq.connection import Connection
@@ -152,7 +154,17 @@ class ApiKeys:
         key = KEY_PREFIX + secrets.token_urlsafe(32)  # 256 random bits
         digest = _digest(key)
         now = repr(time.time())
-        created = self.store.add_api_key(keys.TENANTS, keys.api_key(digest), name, digest, now)
+        record = keys.api_key(digest)
+
+        def add(t: Transaction) -> int:  # 1: made; 0: the tenant has a key; -1: a record with this digest exists
+            if t.hash_get(keys.TENANTS, [name])[0] is not None:
+                return 0
+            if t.exists(record):
+                return -1
+            t.write(HashPut(keys.TENANTS, {name: digest}), HashPut(record, {"tenant": name, "created_at": now}))
+            return 1
+
+        created = self.store.transaction(add, [keys.TENANTS, record], what=f"creating an API key for {name}")
         if created == 0:
             raise UserError(f"tenant {name!r} already has an API key: revoke it first "
                             f"(tinkerq keys revoke {name}) or pick another name")
@@ -192,13 +204,23 @@ class ApiKeys:
     def _write_limits(self, name: str, changes: Mapping[str, int | None]) -> bool:
         written = {n: str(v) for n, v in changes.items() if v is not None}
         cleared = [n for n, v in changes.items() if v is None]
-        return self.store.update_api_key(keys.TENANTS, name, keys.api_key(""), written, cleared)
+
+        def update(t: Transaction) -> bool:
+            digest = t.hash_get(keys.TENANTS, [name])[0]
+            if digest is None:
+                return False
+            record = keys.api_key(digest.decode())
+            t.write(HashPut(record, written), HashDelete(record, cleared))
+            return True
+
+        # Watching the index is enough: a revoke (the only way a record goes) changes it.
+        return self.store.transaction(update, [keys.TENANTS], what=f"updating the API key of {name}")
 
     def limits(self, name: str) -> Limits | None:
         """Tenant ``name``'s limits; None if it has no key."""
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             return None
-        fields = self.store.api_key_fields(keys.TENANTS, name, keys.api_key(""), list(LIMIT_NAMES))
+        fields = tenant_key_fields(self.store, name, list(LIMIT_NAMES))
         return None if fields is None else Limits.from_fields(fields)
 
     def created_at(self, name: str) -> float | None:
@@ -206,13 +228,13 @@ class ApiKeys:
         the gateway's tokens end with the key they were exchanged for); None if it has no key."""
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             return None
-        fields = self.store.api_key_fields(keys.TENANTS, name, keys.api_key(""), ["created_at"])
+        fields = tenant_key_fields(self.store, name, ["created_at"])
         return None if fields is None else _number(fields[0])
 
     def authenticate(self, key: str | None) -> str | None:
         """The tenant whose live key ``key`` is; None for a missing, malformed, unknown or revoked key.
 
-        One Redis round trip (a script that also notes the last use, at most once a minute per key). Raises
+        One store transaction (that also notes the last use, at most once a minute per key). Raises
         BrokerUnavailableError if Redis stays unreachable for ``retry_s``: "cannot tell", not "no".
         """
         if not isinstance(key, str) or len(key) > MAX_KEY_CHARS or not _KEY_RE.fullmatch(key):
@@ -223,7 +245,19 @@ class ApiKeys:
                 hit = self._cache.get(digest)
             if hit is not None and hit[1] > time.monotonic():
                 return hit[0]
-        tenant = self.store.use_api_key(keys.api_key(digest), repr(time.time()), LAST_USED_RESOLUTION_S)
+        record, now = keys.api_key(digest), time.time()
+
+        def use(t: Transaction) -> str | None:
+            # A removed key has no record: None, and nothing written (a check racing a removal cannot leave half a
+            # record behind).
+            tenant, last = t.hash_get(record, ["tenant", "last_used_at"])
+            if tenant is None:
+                return None
+            if now - (_number(last) or 0.0) >= LAST_USED_RESOLUTION_S:
+                t.write(HashPut(record, {"last_used_at": repr(now)}))
+            return tenant.decode()
+
+        tenant = self.store.transaction(use, [record], what="checking an API key")
         if tenant is None:
             return None
         if self.cache_s > 0:
@@ -248,7 +282,14 @@ class ApiKeys:
         """Remove tenant ``name``'s key (authenticate answers None for it from now on); False if it has none."""
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             return False
-        revoked = self.store.remove_api_key(keys.TENANTS, name, keys.api_key(""))
+        def remove(t: Transaction) -> bool:
+            digest = t.hash_get(keys.TENANTS, [name])[0]
+            if digest is None:
+                return False
+            t.write(HashDelete(keys.TENANTS, [name]), Delete(keys.api_key(digest.decode())))
+            return True
+
+        revoked = self.store.transaction(remove, [keys.TENANTS], what=f"revoking the API key of {name}")
         with self._lock:
             for digest in [d for d, (tenant, _) in self._cache.items() if tenant == name]:
                 del self._cache[digest]

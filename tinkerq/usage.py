@@ -4,7 +4,7 @@ The gateway calls :meth:`Usage.record` once a request is answered, with what it 
 request counts per kind: :func:`request_counter`). Counts are added to the tenant's bucket of that UTC hour
 (key names in :mod:`tinkerq.keys`): a hash per tenant and hour, field ``<session id>|<counter>``, kept
 ``keep_days``; an index of the tenant's hours and one of the tenants make :meth:`Usage.rows` a few reads, not a
-SCAN. With ``once`` (the request id) the increments and a marker are one atomic store call, so a request whose
+SCAN. With ``once`` (the request id) the increments and a marker are one store transaction, so a request whose
 answer two gateways both see is counted once.
 
 ``prefill_tokens`` are prompt tokens prefilled at full cost; ``cached_prefill_tokens`` those served from a
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tinkerq import keys
 from tinkerq.errors import ValidationError
+from tinkerq.store import Expire, HashIncr, HashPut, Put, Transaction, ZAdd, ZRemoveBelow
 from tinkerq.tenants import check_tenant_name
 
 if TYPE_CHECKING:
@@ -156,10 +157,29 @@ class Usage:
         now = time.time()
         hour = hour_of(now if at is None else at)
         ttl_s = max(60.0, hour + HOUR_S + self.keep_s - now)  # a bucket lives keep_days past its hour's end
-        applied = self.store.add_usage(
-            keys.usage_hour(tenant, hour), keys.usage_hours(tenant), keys.USAGE_TENANTS,
-            None if once is None else keys.usage_once(once), tenant, hour, hour_of(now - self.keep_s), ttl_s,
-            self.once_ttl_s, {f"{session_id}|{name}": value for name, value in increments.items()})
+        hour_key, hours_key = keys.usage_hour(tenant, hour), keys.usage_hours(tenant)
+        oldest = hour_of(now - self.keep_s)
+        once_key = None if once is None else keys.usage_once(once)
+
+        def add(t: Transaction) -> bool:
+            # Counters added to the hour's hash, that hour noted in the tenant's index, the tenant in the index of
+            # tenants, all at once and, with ``once``, only if its marker was not set yet.
+            if once_key is not None:
+                if t.exists(once_key):
+                    return False
+                t.write(Put(once_key, b"1", self.once_ttl_s))
+            t.write(*(HashIncr(hour_key, f"{session_id}|{name}", value) for name, value in increments.items()),
+                    Expire(hour_key, ttl_s), ZAdd(hours_key, str(hour), hour), ZRemoveBelow(hours_key, oldest),
+                    Expire(hours_key, ttl_s))
+            # The tenants' index keeps each tenant's latest hour: watched only when this raises it (once an hour).
+            if hour > _int(t.hash_get(keys.USAGE_TENANTS, [tenant])[0]):
+                t.watch(keys.USAGE_TENANTS)
+                if hour > _int(t.hash_get(keys.USAGE_TENANTS, [tenant])[0]):
+                    t.write(HashPut(keys.USAGE_TENANTS, {tenant: str(hour)}))
+            return True
+
+        applied = self.store.transaction(add, [] if once_key is None else [once_key],
+                                         what=f"recording the usage of {tenant}")
         if applied:
             _export(tenant, increments)
         return applied
@@ -320,3 +340,10 @@ def checkpoint_storage_view(tenant: str, checkpoint_count: int, size_bytes: int)
         "estimated_monthly_cost_usd": None,
     }]
     return {"effective_rate_usd_per_gigabyte_month": None, "data": data}
+
+
+def _int(raw: bytes | None) -> int:
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerLostError
 from tinkerq.settings import Settings
-from tinkerq.store import KeyValueStore
+from tinkerq.store import HashDelete, KeyValueStore, ZRemove
 from tinkerq.wire import codec, messages
 from tinkerq.worker.intake import store_reply
 
@@ -218,7 +218,7 @@ def drop_answered_unacked(store: KeyValueStore) -> int:
         return 0
     replies = store.get_many([keys.reply(t) for t in known.values()])
     answered = [tag for tag, reply in zip(known, replies, strict=True) if reply is not None]
-    store.drop_unacked(keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX, answered)
+    store.write_many([HashDelete(keys.KOMBU_UNACKED, answered), ZRemove(keys.KOMBU_UNACKED_INDEX, answered)])
     if answered:
         log.info("dropped %d answered request(s) from kombu's unacked record", len(answered))
     return len(answered)
