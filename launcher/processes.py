@@ -138,24 +138,13 @@ def redis_command(port: int, workdir: Path, *, password: str | None = None, dura
 def start_redis(port: int, workdir: Path, *, password: str | None = None, durable: bool = False,
                 timeout: float = 20.0) -> subprocess.Popen:
     """A redis-server on 127.0.0.1:``port``, answering PING when this returns."""
-    import redis
+    from tinkerq.redis_client import local_server_answers
 
     private_dir(workdir)  # the AOF holds every queued request: owner-only, like the files Redis creates
     proc = subprocess.Popen(redis_command(port, workdir, password=password, durable=durable),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             umask=CHILD_UMASK)
-    client = redis.Redis(port=port, password=password)
-
-    def up() -> bool:
-        try:
-            return bool(client.ping())
-        except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
-            return False
-
-    try:
-        wait_for(up, timeout, "redis-server", proc, workdir / "redis.log")
-    finally:
-        client.close()
+    wait_for(lambda: local_server_answers(port, password), timeout, "redis-server", proc, workdir / "redis.log")
     return proc
 
 

@@ -101,3 +101,50 @@ def test_key_names_come_from_tinkerq_keys():
     assert not offenders, offenders
     code = 'PREFIX = "tinkerq:gw:"\nkey = f"tinkerq:apikey:{d}"\nother = keys.PREFIX + ":x"\n'
     assert len(_key_literals(ast.parse(code))) == 3
+
+
+# -- Redis only through the store ---------------------------------------------------------------------------------
+
+# The folders of tinkerq's own code, and the files in them that may speak redis-py, with why. Everything else reaches
+# Redis through tinkerq/store.py's primitives (and its records beside their owners). A new exception is a line here.
+SOURCE_FOLDERS = ("tinkerq", "producer", "gateway", "worker", "launcher", "recipes")
+REDIS_PY_ALLOWED = {
+    "tinkerq/store.py": "the store seam itself",
+    "tinkerq/redis_client.py": "makes the clients (URLs, TLS, Sentinel) and pings a server being started",
+    "tinkerq/connection.py": "opens the store, and turns a failed first ping into a clear error",
+    "tinkerq/retry.py": "tells redis-py's transient errors from the others",
+    "worker/intake.py": "subclasses kombu's Redis transport (its read path and ack emulation)",
+}
+# redis-py calls that bypass the store, wherever its client came from.
+RAW_CALLS = ("pipeline", "pubsub", "register_script", "execute_command")
+
+
+def _redis_py_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[0] == "redis"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "redis" and not node.level:
+            found.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Attribute) and node.attr in RAW_CALLS and not (
+                isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "client" and "store" in ast.unparse(node.value):
+            found.append((node.lineno, ast.unparse(node)))  # a RedisStore's client, reached around the store
+    return found
+
+
+def test_redis_is_reached_only_through_the_store():
+    offenders = [f"{rel}:{line}: {text}" for folder in SOURCE_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+                 if (rel := str(path.relative_to(ROOT))) not in REDIS_PY_ALLOWED
+                 for line, text in _redis_py_uses(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+
+
+def test_the_redis_check_notices_raw_uses():
+    code = ("import redis\nfrom redis.exceptions import WatchError\nimport redis.sentinel\n"
+            "def f(gw):\n    gw.store.client.get('k')\n    with r.pipeline() as p: pass\n    r.pubsub()\n"
+            "    self.pipeline()\n    self.store.publish('c', 'm')\n")
+    assert sorted(text for _, text in _redis_py_uses(ast.parse(code))) == sorted([
+        "import redis", "from redis.exceptions import ...", "import redis.sentinel", "gw.store.client", "r.pipeline",
+        "r.pubsub"])

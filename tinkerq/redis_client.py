@@ -184,6 +184,17 @@ def redis_client(settings: Settings, url: str | None = None) -> redis.Redis:
     return redis.Redis.from_url(url, **timeouts, **extra)
 
 
+def local_server_answers(port: int, password: str | None = None) -> bool:
+    """Whether a Redis server on 127.0.0.1:``port`` answers PING (one the launcher is starting)."""
+    client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
+        return False
+    finally:
+        client.close()
+
+
 def celery_redis_options(settings: Settings) -> dict[str, dict[str, Any]]:
     """Celery configuration that the broker URL needs beyond the URL itself (there is no Celery result
     backend: replies travel through tinkerq's own inboxes).
