@@ -64,6 +64,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import os
 
     os.umask(0o077)  # checkpoints, saved weights and anything else this worker writes: owner-only
+    # Read by OpenMP when torch loads (check_device below imports it): torch's idle CPU threads sleep instead of
+    # spinning. Spinning threads on busy cores cost a decode step 10-40x (docs/benchmarks.md section 21).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = _settings(args, device=args.device, dtype=args.dtype, quantized_base=args.quantized_base,
                          max_sessions=args.max_sessions,
                          memory_limit_mb=args.memory_limit_mb,
