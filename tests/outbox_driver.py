@@ -68,11 +68,11 @@ def main() -> None:
 
         # An outage of the store's writes: requests already taken still compute.
         writes_open.clear()
-        before = {tc.model_id: service.slots[tc.model_id].lane.ordering.next_seq for tc in clients}
+        before = {tc.model_id: service.scheduler.position(tc.model_id) for tc in clients}
         futures = [f for tc in clients for f in (tc.forward_backward(data), tc.optim_step(adam))]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            moved = {m: service.slots[m].lane.ordering.next_seq - before[m] for m in before}
+            moved = {m: service.scheduler.position(m) - before[m] for m in before}
             if all(n >= 2 for n in moved.values()):
                 break
             time.sleep(0.05)

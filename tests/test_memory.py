@@ -21,6 +21,7 @@ from tinkerq.worker import memory
 from tinkerq.worker.batching import pad_batch
 from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
+from tinkerq.worker.scheduler import Caller, Request
 from tinkerq.worker.sampling import StopRule, sample
 from tinkerq.worker.session import TrainingSession
 
@@ -249,26 +250,28 @@ def _envelope(seq: int, inline: int = 0, blob: bool = False) -> dict:
     return {"v": 1, "op": "forward", "model_id": "m", "seq_id": seq, "payload": payload}
 
 
+def _waiting(seq: int, inline: int = 0, blob: bool = False) -> Request:
+    return Request("forward", _envelope(seq, inline, blob), [Caller(f"t{seq}", None)], model_id="m", seq_id=seq)
+
+
 def test_buffered_requests_are_bounded_in_bytes_as_well_as_count():
     ordering = Ordering(max_buffered=10, max_buffered_bytes=3 * ENTRY_OVERHEAD_BYTES + 300_000)
-    assert ordering.buffer(2, "forward", _envelope(2, 100_000), "t2")
-    assert ordering.buffer(3, "forward", _envelope(3, blob=True), "t3")  # a claim-checked payload stays in Redis
-    assert ordering.buffer(4, "forward", _envelope(4, 150_000), "t4")
+    assert ordering.buffer(2, _waiting(2, 100_000))
+    assert ordering.buffer(3, _waiting(3, blob=True))  # a claim-checked payload stays in Redis
+    assert ordering.buffer(4, _waiting(4, 150_000))
     assert ordering.buffered_bytes == sum(envelope_bytes(e) for e in (_envelope(2, 100_000), _envelope(3, blob=True),
                                                                       _envelope(4, 150_000)))
-    assert not ordering.buffer(5, "forward", _envelope(5, 60_000), "t5")
+    assert not ordering.buffer(5, _waiting(5, 60_000))
     assert "byte bound" in ordering.refusal
-    assert ordering.buffer(4, "forward", _envelope(4, 150_000), "t4-again")  # a redelivery costs nothing more
-    assert ordering.buffered[4].task_ids == ["t4", "t4-again"]
-    assert ordering.buffer(6, "forward", _envelope(6, 10), "t6")  # small ones still fit
+    assert ordering.buffer(6, _waiting(6, 10))  # small ones still fit
     ordering.applied(1, ("ok", b"", {}))
-    assert ordering.pop_ready()[0] == 2
+    assert ordering.pop_ready().seq_id == 2
     assert ordering.buffered_bytes == 2 * ENTRY_OVERHEAD_BYTES + 150_000 + 10 + ENTRY_OVERHEAD_BYTES
     assert len(ordering.drop_buffered()) == 3 and ordering.buffered_bytes == 0
 
     by_count = Ordering(max_buffered=2)
-    assert by_count.buffer(2, "forward", _envelope(2), "a") and by_count.buffer(3, "forward", _envelope(3), "b")
-    assert not by_count.buffer(4, "forward", _envelope(4), "c") and "at most 2" in by_count.refusal
+    assert by_count.buffer(2, _waiting(2)) and by_count.buffer(3, _waiting(3))
+    assert not by_count.buffer(4, _waiting(4)) and "at most 2" in by_count.refusal
 
 
 def test_kept_replies_are_bounded_in_bytes_and_the_newest_is_always_kept():

@@ -14,15 +14,17 @@ from tinkerq.wire.claimcheck import ClaimCheck
 def test_ordering_runs_buffers_and_repeats():
     from tinkerq.worker.ordering import Ordering
 
+    from tinkerq.worker.scheduler import Caller, Request
+
     o = Ordering()
     assert o.classify(1) == "run" and o.classify(3) == "buffer"
-    assert o.buffer(3, "optim_step", {}, "t3") and o.buffer(3, "optim_step", {}, "t3b")
+    third = Request("optim_step", {}, [Caller("t3", None)], model_id="m", seq_id=3)
+    assert o.buffer(3, third)
     o.applied(1, "r1")
     assert o.pop_ready() is None  # 2 has not arrived
     assert o.classify(1) == "repeat" and o.reply_for(1) == "r1"
     o.applied(2, "r2")
-    seq, pending = o.pop_ready()
-    assert seq == 3 and pending.task_ids == ["t3", "t3b"]
+    assert o.pop_ready() is third and not o.buffered
 
 
 def test_claim_check_inline_blob_and_limits():

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tinkerq.errors import (
+    CapacityError,
     MalformedMessageError,
     ShardGroupError,
     TinkerqError,
@@ -87,8 +88,7 @@ class ComputeLoop:
             with self._cond:
                 self.current = None
                 self.scheduler.finished(work, "sample" if work.kind == "sample" else "train",
-                                        time.perf_counter() - started)
-                self.scheduler.sampling_busy = self.service.engine.has_work()
+                                        time.perf_counter() - started, sampling_rows=self.service.engine.load())
                 self._cond.notify_all()
 
     def run(self, work: Work) -> None:
@@ -112,6 +112,8 @@ class ComputeLoop:
         started = time.time()
         try:
             outcome = self._create_model(request)
+            if outcome is None:  # deferred until memory frees (Scheduler.defer)
+                return
         except TinkerqError as exc:
             outcome = ("error", exc.to_wire(), {})
         except Exception as exc:  # a bug: answer it, log it, keep serving
@@ -120,7 +122,7 @@ class ComputeLoop:
                                             f"{exc}").to_wire(), {})
         service.finish(request, outcome, runtime=time.time() - started)
 
-    def _create_model(self, request: Request) -> Outcome:
+    def _create_model(self, request: Request) -> Outcome | None:
         """Build the session the transport claimed for this worker (worker/creation.py ``admit``), or answer from
         the one already open. Its records (or the release of its claim) go out on the outbox before its answer."""
         service = self.service
@@ -130,7 +132,9 @@ class ComputeLoop:
         if claimed:
             try:
                 opened = service.open_session(model_id, lora)
-            except BaseException:
+            except BaseException as exc:
+                if self._deferred(request, exc):  # the claim stands: it is built once memory frees
+                    return None
                 service.outbox.put(lambda: creation.release_creation(service, model_id))
                 raise
             service.outbox.put(lambda: service.recovery.write_home(opened.session))
@@ -158,14 +162,18 @@ class ComputeLoop:
         raw: bytes | None = None  # the request's body, claim check unwrapped (for the journal)
         discard = None  # its claim-checked body, dropped once it was applied
         outcome: Outcome
-        if slot.broken is not None:
-            outcome = ("error", slot.broken_error(slot.broken, session_broken=True).to_wire(), timing)
-        elif op not in service.operations.ops:
+        broken = ""
+        if op not in service.operations.ops:
             outcome = ("error", MalformedMessageError(f"unknown operation {op!r}").to_wire(), timing)
         else:
             try:
                 raw, decoded = service.take_body(request)
-                body, tokens = service.operations.ops[op](slot.session, decoded)
+                try:
+                    body, tokens = service.operations.ops[op](slot.session, decoded)
+                except CapacityError as exc:
+                    if self._deferred(request, exc, (raw, decoded)):
+                        return
+                    raise
                 compute = time.time() - started
                 timing.update(compute_s=compute, tokens=float(tokens))
                 if tokens:
@@ -182,9 +190,9 @@ class ComputeLoop:
                     service.dead_letter(op, request.envelope, None, exc)
             except Exception as exc:  # state may be half-changed: refuse everything after it
                 log.exception("%s seq %d of session %s failed", op, seq_id, slot.session.model_id)
-                slot.broken = (f"session {slot.session.model_id} is unusable since {op} seq {seq_id} failed in the "
-                               f"worker ({type(exc).__name__}: {exc}); create a new training client")
-                outcome = ("error", WorkerError(slot.broken, session_broken=True).to_wire(), timing)
+                broken = (f"session {slot.session.model_id} is unusable since {op} seq {seq_id} failed in the "
+                          f"worker ({type(exc).__name__}: {exc}); create a new training client")
+                outcome = ("error", WorkerError(broken, session_broken=True).to_wire(), timing)
         runtime, large = time.time() - started, memory.is_large(ref, outcome)  # large: give freed buffers back
         if op == "close_model" and outcome[0] == "ok":  # its records go before the answer does (the outbox's order)
             service.close_session(slot.session.model_id)
@@ -192,6 +200,8 @@ class ComputeLoop:
             service.finish(request, outcome, runtime=runtime)
             return
         service.applied(slot, request, raw, outcome, runtime=runtime, discard=discard, release=large)
+        if broken:  # state may be half-changed: every request of the session after this one is refused
+            service.break_session(slot.session.model_id, broken, WorkerError)
 
     def _pass(self, requests: list[Request]) -> None:
         """Loss requests of several LoRA sessions (one each, next in their orders) as one pass."""
@@ -207,10 +217,13 @@ class ComputeLoop:
                 continue
             timing = queue_wait(request.envelope, started)
             try:
-                if slot.broken is not None:
-                    raise slot.broken_error(slot.broken, session_broken=True)
                 raw, decoded = service.take_body(request)
-                item = service.operations.checked_loss(decoded, backward=backward, lora=True)
+                try:
+                    item = service.operations.checked_loss(decoded, backward=backward, lora=True)
+                except CapacityError as exc:
+                    if self._deferred(request, exc, (raw, decoded)):
+                        continue
+                    raise
                 item.target = slot.session  # type: ignore[assignment]
                 slot.session.last_used = time.monotonic()
                 items.append((request, slot, item, raw))
@@ -224,11 +237,8 @@ class ComputeLoop:
                     f"{request.op} failed in the worker: {type(exc).__name__}: {exc}").to_wire(), timing), started)
         if not items:
             return
-        shared = ""
-        for chunk in _by_datums([item for _, _, item, _ in items], service.settings.lora_batch_max_datums):
-            self._run_pass(chunk, backward)
-            shared = f"pass {self.passes} of {len(chunk)} request(s)" if len(items) == len(chunk) else \
-                f"passes {self.passes - 1}.. of {len(items)} request(s)"
+        self._run_pass([item for _, _, item, _ in items], backward)  # the scheduler bounded it in datums
+        shared = f"pass {self.passes} of {len(items)} request(s)"
         for request, slot, item, raw in items:
             if isinstance(item.error, ShardGroupError) and service.recovery.group.rerun_later(slot, request):
                 continue  # the shard group failed under the pass: it runs again on the re-made session
@@ -268,6 +278,20 @@ class ComputeLoop:
         if item.output is None:
             raise item.error or WorkerError("the LoRA pass gave no answer")
         return codec.packb(messages.encode_forward_backward_output(item.output))
+
+    def _deferred(self, request: Request, exc: BaseException, body: tuple[bytes, Any] | None = None) -> bool:
+        """``request`` was refused for memory (``exc``): whether the scheduler defers it until memory frees (it goes
+        back to its place, with its decoded ``body``, and nothing of it was applied) instead of refusing it."""
+        if not isinstance(exc, CapacityError) or "needed_bytes" not in exc.details:  # a count limit: refused
+            return False
+        with self._cond:
+            deferred = self.scheduler.defer(request)
+            if deferred:
+                request.body = body
+                self._cond.notify_all()
+        if deferred:
+            log.info("%s of %s waits for memory: %s", request.op, request.model_id or "a sampler", exc.message)
+        return deferred
 
     def _settle(self, request: Request, slot: Slot, raw: bytes | None, outcome: Outcome, started: float,
                 shared: str = "", discard: Any = None) -> None:
@@ -310,8 +334,13 @@ class ComputeLoop:
                            shared=f"decode batch of up to {service.engine.load()} row(s)", discard=ref)
 
         try:
-            job, _ = service.operations.sample_job(service.take_body(request)[1], done, prompt_logprobs,
-                                                   prompt_scores)
+            body = service.take_body(request)
+            try:
+                job, _ = service.operations.sample_job(body[1], done, prompt_logprobs, prompt_scores)
+            except CapacityError as exc:
+                if self._deferred(request, exc, body):
+                    return
+                raise
             service.engine.submit(job)
         except TinkerqError as exc:
             if isinstance(exc, MalformedMessageError):
@@ -321,20 +350,6 @@ class ComputeLoop:
             log.exception("a sample request could not be admitted")
             service.finish(request, ("error", WorkerError(f"sample failed in the worker: {type(exc).__name__}: "
                                                           f"{exc}").to_wire(), timing))
-
-
-def _by_datums(items: list[LossItem], max_datums: int) -> list[list[LossItem]]:
-    """Consecutive passes of at most ``max_datums`` datums (a larger request runs alone)."""
-    chunks: list[list[LossItem]] = []
-    datums = 0
-    for item in items:
-        if chunks and datums + len(item.data) <= max_datums:
-            chunks[-1].append(item)
-            datums += len(item.data)
-        else:
-            chunks.append([item])
-            datums = len(item.data)
-    return chunks
 
 
 def queue_wait(envelope: dict[str, Any], started: float) -> dict[str, float]:

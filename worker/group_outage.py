@@ -16,7 +16,7 @@ from tinkerq import keys
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.records import SnapshotRecord
 from tinkerq.worker.registry import LOST_AFTER_BEATS, adopters
-from tinkerq.worker.scheduler import Lane, Request
+from tinkerq.worker.scheduler import Request
 from tinkerq.worker.sessions import Slot
 
 if TYPE_CHECKING:
@@ -27,12 +27,12 @@ log = logging.getLogger("tinkerq.worker")
 
 @dataclass
 class GroupOutage:
-    """Rank 0's shard group is down: the sessions it held wait here (their lanes out of the scheduler, so nothing
-    of theirs runs) until the group re-forms, or until ``adopt_timeout_s`` has passed (then they are given up)."""
+    """Rank 0's shard group is down: the sessions it held wait here (held by the scheduler, so nothing of theirs
+    runs) until the group re-forms, or until ``adopt_timeout_s`` has passed (then they are given up)."""
 
     reason: str
     since: float = field(default_factory=time.monotonic)
-    held: dict[str, Lane] = field(default_factory=dict)  # model id -> its lane, taken out of the scheduler
+    held: dict[str, Slot] = field(default_factory=dict)  # model id -> the session held (its lane: held)
     given_up: bool = False  # the bound passed: sessions failed or handed off; nothing is held until it re-forms
 
 
@@ -49,7 +49,7 @@ class GroupHold:
 
     def hold(self, reason: str) -> set[str]:
         """The shard group failed (any thread; under the service's lock): hold its sessions instead of failing
-        them. Their lanes leave the scheduler, so their requests wait (callers see nothing, bounded by their own
+        them. The scheduler holds them, so their requests wait (callers see nothing, bounded by their own
         timeouts); the producers keep waiting too, as this worker still beats. Returns the model ids held (none
         when journaling is off, or when the outage was already given up: those sessions fail as before)."""
         service = self.service
@@ -62,10 +62,8 @@ class GroupHold:
                         "(at most %g s, TINKERQ_ADOPT_TIMEOUT_S)", len(service.slots), self.settings.adopt_timeout_s)
         elif outage.given_up:
             return set()
-        for model_id, slot in service.slots.items():
-            if slot.broken is None and model_id not in outage.held:
-                outage.held[model_id] = slot.lane
-                service.scheduler.lanes.pop(model_id, None)
+        for model_id in service.scheduler.hold([mid for mid in service.slots if mid not in outage.held]):
+            outage.held[model_id] = service.slots[model_id]
         return set(outage.held)
 
     def rerun_later(self, slot: Slot, request: Request) -> bool:
@@ -84,10 +82,8 @@ class GroupHold:
             outage = self.outage
             if outage is None or model_id not in outage.held or request.seq_id is None:
                 return False
-            lane = slot.lane
-            if not lane.ordering.buffer(request.seq_id, request.op, request.envelope, request.callers[0].task_id):
+            if not service.scheduler.requeue(request):
                 return False
-            lane.requests[request.seq_id] = request
         log.warning("%s seq %d of session %s was interrupted by the shard group's failure: it runs again once the "
                     "session is re-made", request.op, request.seq_id, model_id)
         return True
@@ -121,7 +117,8 @@ class GroupHold:
             recipe = slot.session.recipe()
             slot.session.close()  # its shards went with the group; nothing to do on a re-formed group
             slot.session = service.factory.make(model_id, recipe, others, service.close_session)
-            slot.lane.pass_group = slot.session.pass_group
+            with service.cond:
+                service.scheduler.regroup(model_id, slot.session.pass_group)
             last, entries = self.recovery.rebuild(slot, store, resume=True)
         except ShardGroupError as exc:
             if self.outage is not None:  # failed again while re-making it: held until the next re-forming
@@ -137,24 +134,22 @@ class GroupHold:
                                             f"re-formed ({message}); {self._resume_hint(model_id)}")
             return
         with service.cond:
-            if self.outage is None:  # else the group failed again meanwhile: the new outage holds its lane
-                service.scheduler.lanes[model_id] = slot.lane
+            if self.outage is None:  # else the group failed again meanwhile: the new outage holds it
+                service.scheduler.release(model_id)
                 service.cond.notify_all()
         self.restores += 1
         log.warning("re-made session %s after its shard group re-formed (down %.1f s): snapshot after request %d + "
-                    "%d journaled request(s) replayed in %.1f s; %d waiting request(s) go on", model_id, down, last,
-                    len(entries), time.perf_counter() - started, len(slot.lane.requests))
+                    "%d journaled request(s) replayed in %.1f s; its waiting requests go on", model_id, down, last,
+                    len(entries), time.perf_counter() - started)
 
     def _fail_held(self, model_id: str, slot: Slot, message: str) -> None:
-        """A held session cannot go on: broken, its lane back in the scheduler, its waiting requests answered."""
+        """A held session cannot go on: broken (no longer held), its waiting requests answered."""
         service = self.service
         log.error(message)
         with service.cond:
-            slot.broken, slot.broken_error = message, ShardGroupError
-            waiting = service.scheduler.drop_waiting(slot.lane)
-            if service.slots.get(model_id) is slot:
-                service.scheduler.lanes[model_id] = slot.lane
-        service.fail_all(waiting, ShardGroupError(message, session_broken=True))
+            if service.slots.get(model_id) is not slot:  # closed, or re-made meanwhile
+                return
+        service.break_session(model_id, message, ShardGroupError)
 
     def expire_outage(self) -> None:
         """The group has not re-formed within ``adopt_timeout_s`` (watchdog): give the held sessions up. When
@@ -183,9 +178,8 @@ class GroupHold:
                 service.run_control(lambda m=model_id: service.drop_session(m))  # its requests go unanswered
             return
         cause = outage.reason.rstrip(".; ")
-        for model_id, lane in held.items():
-            slot = service.slots.get(model_id)
-            if slot is None or slot.lane is not lane:
+        for model_id, slot in held.items():
+            if service.slots.get(model_id) is not slot:
                 continue
             self._fail_held(model_id, slot, (
                 f"{cause}. The group did not re-form within {s.adopt_timeout_s:g} s (TINKERQ_ADOPT_TIMEOUT_S) and no "

@@ -77,7 +77,7 @@ class IdleRelease:
             slot = service.slots.get(model_id)
             if slot is None or not self._idle(model_id, slot, time.monotonic(), idle_for):
                 return False
-            idle_s, seq_id = time.monotonic() - slot.session.last_used, slot.lane.ordering.next_seq - 1
+            idle_s, seq_id = time.monotonic() - slot.session.last_used, service.scheduler.position(model_id)
         home = SessionHome(model_id, service.base_model, self.worker_id, slot.session.recipe(), slot.adopted_from)
         if recovery.journaling and not self._cover(slot, seq_id, home.parked_by(time.time(), idle_s, seq_id)):
             return False
@@ -105,11 +105,9 @@ class IdleRelease:
         return True
 
     def _idle(self, model_id: str, slot: Slot, now: float, idle_for: float) -> bool:
-        """Nothing of the session runs or waits, it is in the scheduler (not held through a shard group's outage),
-        not broken (its requests must keep getting the reason), and unused for ``idle_for`` seconds."""
-        lane = slot.lane
-        return (slot.broken is None and lane.running is None and not lane.requests
-                and self.service.scheduler.lanes.get(model_id) is lane and now - slot.session.last_used >= idle_for)
+        """The scheduler finds it idle (nothing runs, waits or is on its way out; not held through a shard group's
+        outage; not broken: its requests must keep getting the reason), and it is unused for ``idle_for`` seconds."""
+        return self.service.scheduler.idle(model_id) and now - slot.session.last_used >= idle_for
 
     def _cover(self, slot: Slot, seq_id: int, parked: SessionHome) -> bool:
         """Bring the automatic snapshot up to request ``seq_id`` and record the session as parked."""

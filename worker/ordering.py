@@ -11,10 +11,9 @@ a retry can arrive twice (field-notes). So the worker itself orders each session
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 KEPT_REPLIES = 256  # answers kept per session for repeated requests
 MAX_BUFFERED = 4096  # out-of-order requests buffered per session
@@ -43,27 +42,29 @@ def reply_bytes(reply: Any) -> int:
     return ENTRY_OVERHEAD_BYTES + sum(len(x) for x in parts if isinstance(x, (bytes, bytearray, memoryview)))
 
 
-@dataclass
-class Pending:
-    op: str
+class Waiting(Protocol):
+    """What waits in an ordering: a request (worker/scheduler.py) with its envelope and arrival time."""
+
     envelope: dict[str, Any]
-    task_ids: list[str]
-    since: float = field(default_factory=time.monotonic)
-    nbytes: int = 0  # envelope_bytes(envelope), counted against max_buffered_bytes
+    received: float
 
 
 @dataclass
 class Ordering:
+    """One session's order: the next ``seq_id`` to apply, the requests that arrived early (held once, here), and
+    the kept answers to repeat. Owned by the scheduler (worker/scheduler.py); nothing else changes it."""
+
     next_seq: int = 1
-    buffered: dict[int, Pending] = field(default_factory=dict)
+    buffered: dict[int, Any] = field(default_factory=dict)  # seq -> the request (a Waiting), early or next
     replies: OrderedDict[int, Any] = field(default_factory=OrderedDict)
     max_buffered: int = MAX_BUFFERED
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
     kept_replies: int = KEPT_REPLIES
     kept_reply_bytes: int = KEPT_REPLY_BYTES
-    buffered_bytes: int = 0  # sum of the buffered requests' nbytes
+    buffered_bytes: int = 0  # sum of envelope_bytes() over the buffered requests
     reply_bytes: int = 0  # sum of reply_bytes() over the kept replies
     _reply_sizes: dict[int, int] = field(default_factory=dict)
+    _buffered_sizes: dict[int, int] = field(default_factory=dict)
     # Why the last buffer() call refused, for the caller's error message ("" when it did not).
     refusal: str = ""
 
@@ -74,14 +75,12 @@ class Ordering:
             return "buffer"
         return "repeat"
 
-    def buffer(self, seq_id: int, op: str, envelope: dict[str, Any], task_id: str) -> bool:
-        """Keep an early request; False when the buffer is full, by count or bytes (``refusal`` says which;
-        the caller answers with an error)."""
+    def buffer(self, seq_id: int, request: Waiting) -> bool:
+        """Keep ``request`` until its turn; False when the buffer is full, by count or bytes (``refusal`` says
+        which; the caller answers with an error). A redelivery of a buffered one is the caller's to join."""
         self.refusal = ""
-        if seq_id in self.buffered:  # a redelivery of a buffered request: one more caller, no new payload
-            self.buffered[seq_id].task_ids.append(task_id)
-            return True
-        nbytes = envelope_bytes(envelope)
+        assert seq_id not in self.buffered
+        nbytes = envelope_bytes(request.envelope)
         if len(self.buffered) >= self.max_buffered:
             self.refusal = f"{len(self.buffered)} requests already wait (at most {self.max_buffered})"
             return False
@@ -89,9 +88,17 @@ class Ordering:
             self.refusal = (f"the {len(self.buffered)} requests already waiting hold {self.buffered_bytes} bytes; "
                             f"this one ({nbytes} bytes) would pass the {self.max_buffered_bytes}-byte bound")
             return False
-        self.buffered[seq_id] = Pending(op, envelope, [task_id], nbytes=nbytes)
+        self.buffered[seq_id] = request
+        self._buffered_sizes[seq_id] = nbytes
         self.buffered_bytes += nbytes
         return True
+
+    def put_back(self, seq_id: int, request: Waiting) -> None:
+        """Return a request taken with :meth:`pop_ready` and not applied (it runs again), whatever the bounds."""
+        nbytes = envelope_bytes(request.envelope)
+        self.buffered[seq_id] = request
+        self._buffered_sizes[seq_id] = nbytes
+        self.buffered_bytes += nbytes
 
     def applied(self, seq_id: int, reply: Any) -> None:
         """Record the answer to the request at ``next_seq`` and move on.
@@ -117,23 +124,23 @@ class Ordering:
             old, _ = self.replies.popitem(last=False)
             self.reply_bytes -= self._reply_sizes.pop(old)
 
-    def pop_ready(self) -> tuple[int, Pending] | None:
+    def pop_ready(self) -> Any | None:
         """The buffered request that is next in order, if it has arrived."""
-        pending = self.buffered.pop(self.next_seq, None)
-        if pending is None:
-            return None
-        self.buffered_bytes -= pending.nbytes
-        return self.next_seq, pending
+        request = self.buffered.pop(self.next_seq, None)
+        if request is not None:
+            self.buffered_bytes -= self._buffered_sizes.pop(self.next_seq)
+        return request
 
     def reply_for(self, seq_id: int) -> Any | None:
         return self.replies.get(seq_id)
 
     def waited(self, now: float) -> float:
         """How long the oldest buffered request has waited for ``next_seq`` (0 if none waits)."""
-        return max((now - p.since for p in self.buffered.values()), default=0.0)
+        return max((now - r.received for r in self.buffered.values()), default=0.0)
 
-    def drop_buffered(self) -> list[Pending]:
+    def drop_buffered(self) -> list[Any]:
         dropped = list(self.buffered.values())
         self.buffered.clear()
+        self._buffered_sizes.clear()
         self.buffered_bytes = 0
         return dropped

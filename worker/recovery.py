@@ -112,8 +112,9 @@ class Recovery:
     def snapshot_due(self, slot: Slot, unjournaled: int = 0) -> bool:
         """Whether the automatic snapshot is due after the request just applied: ``auto_snapshot_steps`` optimizer
         steps were taken, or the journal (with ``unjournaled`` entries still on their way) is too long."""
-        if slot.broken is not None:
-            return False
+        with self.service.cond:
+            if self.service.scheduler.broken(slot.session.model_id) is not None:
+                return False
         return slot.snapshot_due or slot.journal_len + unjournaled > self.settings.journal_max_entries > 0
 
     def step_taken(self, slot: Slot) -> None:
@@ -235,10 +236,11 @@ class Recovery:
         slot = service.open_session(model_id, home.lora)
         try:
             last, entries = self.rebuild(slot, store, resume=False)
-            if home.parked and slot.lane.ordering.next_seq - 1 != home.seq_id:
-                raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request "
-                                  f"{slot.lane.ordering.next_seq - 1}, not request {home.seq_id}, which it was "
-                                  f"parked after")
+            with service.cond:
+                reached = service.scheduler.position(model_id)
+            if home.parked and reached != home.seq_id:
+                raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request {reached}, not "
+                                  f"request {home.seq_id}, which it was parked after")
             record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
             slot.snapshot_at = record.time if record else None
             slot.adopted_from = home.adopted_from if home.parked else lost
@@ -266,7 +268,7 @@ class Recovery:
         ``resume=False``, an adopter: the lane's order starts after the snapshot, the journal's answers kept for
         repeats. ``resume=True``, rank 0 re-making its own session after its shard group re-formed: the order
         already holds every answer, and the journal must reach the last request it applied."""
-        model_id, ordering = slot.session.model_id, slot.lane.ordering
+        model_id, service = slot.session.model_id, self.service
         # The snapshot directory's own seq_id is the truth: a kill can fall between its rename and the record.
         directory = checkpoints.state_path(self.settings.checkpoint_dir, model_id, checkpoints.AUTO_SNAPSHOT)
         if not (directory / checkpoints.STATE_FILE).is_file():  # killed between write_atomically's renames
@@ -277,52 +279,54 @@ class Recovery:
             slot.snapshot_seq = last
         journal = sorted((JournalEntry.loads(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
                          key=lambda e: e.seq)
-        if not resume:
-            ordering.next_seq = last + 1
-            for entry in journal:  # covered by the snapshot; their answers may not have reached their callers
-                if entry.seq <= last:
-                    ordering.keep(entry.seq, entry.reply)
+        # Covered by the snapshot; their answers may not have reached their callers: kept for repeats.
+        covered = [(e.seq, e.reply) for e in journal if e.seq <= last]
         entries = [e for e in journal if e.seq > last]
         # Replayed requests are neither journaled again nor snapshotted here (applied() is not called): the
         # journal being replayed stays in Redis until the next snapshot covers it.
-        following = last + 1
+        following, replayed, broken = last + 1, [], None
         for entry in entries:
             if entry.seq < following:  # twice (a worker resumed after being taken for lost)
                 continue
             if entry.seq != following:
                 raise WorkerError(f"the journal of {model_id} misses request {following}")
-            self._replay(slot, entry, resume=resume)
-            if not resume:
-                ordering.applied(entry.seq, entry.reply)  # a repeat of it is answered as the lost worker did
+            broken = self._replay(slot, entry, resume=resume) or broken
+            replayed.append((entry.seq, entry.reply))  # a repeat of it is answered as the lost worker did
             following += 1
-        if resume and following != ordering.next_seq:
-            raise WorkerError(f"the snapshot and journal of {model_id} reach request {following - 1}, but request "
-                              f"{ordering.next_seq - 1} was applied")
+        with service.cond:
+            if not resume:  # an adopter: its order starts after the snapshot, the replayed requests applied
+                service.scheduler.restore(model_id, last, covered, replayed)
+            elif following - 1 != service.scheduler.position(model_id):
+                raise WorkerError(f"the snapshot and journal of {model_id} reach request {following - 1}, but "
+                                  f"request {service.scheduler.position(model_id)} was applied")
+        if broken is not None:
+            service.break_session(model_id, broken)
         slot.journal_len = len(journal)
         slot.steps_since_snapshot = sum(1 for e in entries if e.op == "optim_step" and e.reply[0] == "ok")
         return last, entries
 
-    def _replay(self, slot: Slot, entry: JournalEntry, *, resume: bool = False) -> None:
+    def _replay(self, slot: Slot, entry: JournalEntry, *, resume: bool = False) -> str | None:
         """Apply a journaled request again, as the lost worker did (its answer is already known). A LoRA loss
         request runs alone here; passes are batch-invariant (worker/lora/batch.py), so its numbers are the
-        lost worker's. ``resume``: this worker applied it first (its sampler snapshots are still held here)."""
+        lost worker's. ``resume``: this worker applied it first (its sampler snapshots are still held here).
+        Returns why the session broke, when the entry's answer says it did."""
         session = slot.session
         status, value, _ = entry.reply
         if status != "ok":  # an error changed nothing, unless it broke the session
             details = value.get("details") if isinstance(value, dict) else None
             if isinstance(details, dict) and details.get("session_broken"):
-                slot.broken = str(value.get("message") or "the session broke on its lost worker")
-            return
+                return str(value.get("message") or "the session broke on its lost worker")
+            return None
         if entry.op in STATELESS_OPS:  # no state change (and no body journaled)
-            return
+            return None
         answer = codec.unpackb(value)
         if entry.op in CHECKPOINT_KINDS and os.path.exists(str(answer.get("path"))):
-            return  # written before the loss: not rewritten (a user may already read it)
+            return None  # written before the loss: not rewritten (a user may already read it)
         if entry.op == "create_sampler":  # the same id: sampling clients made from it keep working
             if resume:  # made here before the group failed, and still held
-                return
+                return None
             self.service.snapshots.add(session.snapshot(), session.model_id, snapshot_id=str(answer["sampler_id"]))
-            return
+            return None
         assert entry.body is not None
         body = self.service.unpack(entry.body)
         if entry.op in PASS_OPS and session.pass_group is not None:  # as it ran: in a pass (of its own)
@@ -331,6 +335,7 @@ class Recovery:
             out, _ = self.service.operations.ops[entry.op](session, body)
         if entry.op == "forward_backward" and out != value:
             log.warning("replayed forward_backward of %s differs from the lost worker's answer", session.model_id)
+        return None
 
 
     # -- watchdog ----------------------------------------------------------------------------------------------

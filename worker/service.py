@@ -51,7 +51,7 @@ from tinkerq.worker.outbox import Outbox, Parcel
 from tinkerq.worker.quantized_base import parameter_count
 from tinkerq.worker.recovery import Recovery
 from tinkerq.worker.sampling.torch_engine import TorchEngine
-from tinkerq.worker.scheduler import Caller, Request, Scheduler, Work
+from tinkerq.worker.scheduler import Caller, Request, Scheduler
 from tinkerq.worker.session import Session
 from tinkerq.worker.sessions import SessionFactory, Slot
 from tinkerq.worker.sharding.host import ShardHost
@@ -86,7 +86,7 @@ class WorkerService:
         self.logprobs = shards.logprobs if shards is not None else LogprobComputer(model, s.loss_backend)
         self.metrics = WorkerMetrics()
         self.cond = threading.Condition(threading.RLock())
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(max_pass_datums=s.lora_batch_max_datums)
         self.slots: dict[str, Slot] = {}
         self.dead_letters: DeadLetters | None = None  # set by a worker on Redis (not the embedded fleet)
         self.events = TaskEvents()  # Celery task events: set up by the transport in a worker process
@@ -97,10 +97,11 @@ class WorkerService:
                                    sessions=lambda: [slot.session for slot in list(self.slots.values())],
                                    worker_id=worker_id, sampling_base=shards.sampling_model if shards else None)
         self.engine = TorchEngine(max_rows=s.sample_max_rows)
-        self.factory = SessionFactory(s, model, model_dir, self.logprobs, base_model, worker_id, shards)
+        self.factory = SessionFactory(s, model, model_dir, self.logprobs, base_model, worker_id, shards,
+                                      evictable=self._evictable)
         self.operations = Operations(
             s, model, model_dir, base_model, self.logprobs, self.snapshots, vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len, position=lambda mid: self.slots[mid].lane.ordering.next_seq - 1,
+            max_seq_len=self.max_seq_len, position=self.scheduler.position,
             admit_sampler=lambda session: self.factory.admit_sampler(session, self.slots),
             on_metrics=self._shard_metrics)
         self.recovery = Recovery(self)
@@ -113,6 +114,9 @@ class WorkerService:
         self.metrics.journal_entries.set_function(lambda: sum(s.journal_len for s in list(self.slots.values())))
         self.metrics.watch_sessions(self.session_stats)
         self.operations.sweep_checkpoints()
+
+    def start(self) -> None:
+        """Start the outbox and the compute loop (worker/lifecycle.py's Compute step)."""
         self.outbox.start()
         self.compute.start()
 
@@ -145,7 +149,7 @@ class WorkerService:
                 self.events.dropped(request, why)  # not answered here
                 return None
             with self.cond:
-                (self.scheduler.samples if op == "sample" else self.scheduler.creates).append(request)
+                (self.scheduler.add_sample if op == "sample" else self.scheduler.add_create)(request)
                 self.cond.notify_all()
                 if op == "create_model":
                     # Taken one at a time, each once built: a busy worker does not take every new session off the
@@ -174,39 +178,26 @@ class WorkerService:
                     log.warning("%s seq %d of session %s (adopted by %s) not answered here", op, seq_id, model_id,
                                 self.recovery.moved[model_id])
                     return None
-                slot = self.slots.get(model_id)
-                if slot is None:
-                    break
-                ordering = slot.lane.ordering
-                if ordering.classify(seq_id) == "repeat":
-                    unsent = slot.unsent.get(seq_id)
-                    if unsent is not None:  # applied; its journal entry and answer are on their way: it joins them
-                        unsent.callers.extend(request.callers)
-                        return None
-                    kept = ordering.reply_for(seq_id)
-                    if kept is None:
-                        raise MalformedMessageError(
-                            f"request seq {seq_id} of session {model_id} was already applied and its answer is no "
-                            f"longer kept; it was not applied again")
-                    return kept
-                if slot.broken is not None:
-                    if op == "close_model":  # an unusable session can still be released, out of order
-                        self.close_session(model_id)
-                        return ("ok", codec.packb({}), {})
-                    raise slot.broken_error(slot.broken, session_broken=True)
-                status = self.scheduler.add(slot.lane, request)
-                if status == "queued":
+                admission = self.scheduler.admit(request)
+                verdict = admission.verdict
+                if verdict == "wait":
+                    # Its session's queue is full of requests that will run: wait for room (this holds the broker's
+                    # next messages back too: the bound in bytes is what keeps a worker's memory finite).
+                    self.cond.wait(1.0)
+                    continue
+                if verdict == "repeat":
+                    return admission.reply  # type: ignore[no-any-return]
+                if verdict == "refused":
+                    assert admission.error is not None
+                    raise admission.error
+                if verdict == "close":
+                    self.close_session(model_id)
+                    return ("ok", codec.packb({}), {})
+                if verdict == "queued":
                     queued.append(request)
-                if status != "full":
                     self.cond.notify_all()
-                    break
-                if not self.scheduler.drains(slot.lane):  # early requests behind a gap: refused, as bounded
-                    raise ServerError(f"session {model_id} cannot keep request seq {seq_id} until seq "
-                                      f"{ordering.next_seq} arrives: {ordering.refusal}")
-                # Its session's queue is full of requests that will run: wait for room (this holds the broker's
-                # next messages back too: the bound in bytes is what keeps a worker's memory finite).
-                self.cond.wait(1.0)
-        if slot is None:  # released idle (worker/idle_release.py): restored, then taken again; or why it is gone
+                break
+        if verdict == "unknown":  # released idle (worker/idle_release.py): restored, then taken again; or gone
             if tries <= 0:
                 raise WorkerError(f"training session {model_id} was restored but released again before request "
                                   f"seq {seq_id} reached it; send it again")
@@ -237,6 +228,8 @@ class WorkerService:
         try:
             raw = self.claim_check.unwrap(ref)
             request.body = (raw, self.unpack(raw))
+            data = request.body[1].get("data") if isinstance(request.body[1], dict) else None
+            request.datums = len(data) if isinstance(data, list) else None  # a loss request's (passes' bound)
         except Exception as exc:  # raised again where the compute loop takes the body
             request.body = exc
 
@@ -270,8 +263,7 @@ class WorkerService:
         assert seq is not None
         entry = self.recovery.entry(seq, request.op, raw, outcome)
         with self.cond:
-            slot.lane.ordering.applied(seq, outcome)
-            slot.unsent[seq] = request
+            self.scheduler.applied(request, outcome)
             self.cond.notify_all()  # a transport thread may wait for room in this lane
         self.metrics.observe(request.op, outcome[0], outcome[2])
         self.metrics.sessions.set(len(self.slots))
@@ -326,8 +318,8 @@ class WorkerService:
                 if parcel.slot is not None and parcel.entry is not None:
                     parcel.slot.unjournaled -= 1
                     parcel.slot.journal_len += written
-                if parcel.slot is not None and request.seq_id is not None:
-                    parcel.slot.unsent.pop(request.seq_id, None)
+                if parcel.slot is not None:
+                    self.scheduler.sent(request)
                 late.append(request.callers[known_count:])
         with self.events.batch():
             for (parcel, reply, _), joined in zip(answered, late, strict=True):
@@ -360,7 +352,7 @@ class WorkerService:
                 done.set()
 
         with self.cond:
-            self.scheduler.controls.append(Work("control", control=control))
+            self.scheduler.add_control(control)
             self.cond.notify_all()
         done.wait()
         if "error" in result:
@@ -381,10 +373,15 @@ class WorkerService:
     def open_session(self, model_id: str, lora: Any) -> Slot:
         session = self.factory.make(model_id, lora, self.slots, self.idle.make_room)
         with self.cond:
-            slot = Slot(session, self.scheduler.open(model_id, session.pass_group))
+            self.scheduler.open(model_id, session.pass_group)
+            slot = Slot(session)
             self.slots[model_id] = slot
         self.metrics.sessions.set(len(self.slots))
         return slot
+
+    def _evictable(self, last_used: dict[str, float], now: float, idle_s: float) -> str | None:
+        with self.cond:
+            return self.scheduler.evictable(last_used, now, idle_s)
 
     def drop_session(self, model_id: str) -> Slot | None:
         """Forget a session here without answering what waits for it (adopted elsewhere, or never built)."""
@@ -408,6 +405,13 @@ class WorkerService:
         self.outbox.put(lambda: self.recovery.forget(model_id))
         self.fail_all(waiting, UnknownModelError(f"training session {model_id} was closed"))
 
+    def break_session(self, model_id: str, reason: str, error: type[ServerError] = ServerError) -> None:
+        """Make a session unusable (any thread): its waiting requests and every later one are refused with
+        ``error(reason)``; it stays until closed."""
+        with self.cond:
+            waiting = self.scheduler.break_session(model_id, reason, error)
+        self.fail_all(waiting, error(reason, session_broken=True))
+
     def model_info(self, session: Session) -> dict[str, Any]:
         extra = {"device": self.settings.device, "dtype": self.settings.dtype, "loss_backend": self.logprobs.backend,
                  "shards": self.settings.shards, "heartbeat_s": self.settings.heartbeat_s, **session.describe()}
@@ -424,17 +428,16 @@ class WorkerService:
         now, failed = time.monotonic(), 0
         if now - self.redis_back_at <= self.settings.gap_timeout_s:
             return 0
-        expired: list[tuple[list[Request], TinkerqError]] = []
+
+        def why(model_id: str, missing: int) -> str:
+            return (f"request seq {missing} of session {model_id} never reached worker {self.worker_id} within "
+                    f"{self.settings.gap_timeout_s:g} s (TINKERQ_GAP_TIMEOUT_S), so the requests after it were not "
+                    f"applied; create a new training client (or resume from a checkpoint)")
+
         with self.cond:
-            for lane in self.scheduler.stalled(now, self.settings.gap_timeout_s):
-                slot = self.slots[lane.model_id]
-                slot.broken = (
-                    f"request seq {lane.ordering.next_seq} of session {lane.model_id} never reached worker "
-                    f"{self.worker_id} within {self.settings.gap_timeout_s:g} s (TINKERQ_GAP_TIMEOUT_S), so the "
-                    f"requests after it were not applied; create a new training client (or resume from a checkpoint)")
-                log.error(slot.broken)
-                expired.append((self.scheduler.drop_waiting(lane), ServerError(slot.broken, session_broken=True)))
+            expired = self.scheduler.expire_gaps(now, self.settings.gap_timeout_s, why)
         for waiting, error in expired:
+            log.error(error.message)
             self.fail_all(waiting, error)
             failed += len(waiting)
         return failed
@@ -449,11 +452,9 @@ class WorkerService:
         with self.cond:
             held = self.recovery.group.hold(reason)
             waiting = []
-            for model_id, slot in self.slots.items():
-                if model_id in held:
-                    continue
-                slot.broken, slot.broken_error = lost, ShardGroupError
-                waiting += self.scheduler.drop_waiting(slot.lane)
+            for model_id in self.slots:
+                if model_id not in held:
+                    waiting += self.scheduler.break_session(model_id, lost, ShardGroupError)
         self.fail_all(waiting, ShardGroupError(lost, session_broken=True))
 
     def shard_group_formed(self) -> None:
@@ -469,13 +470,7 @@ class WorkerService:
         self.compute.stop(drain_s)
         self.engine.close()
         with self.cond:
-            left = list(self.scheduler.creates) + list(self.scheduler.samples)
-            self.scheduler.creates.clear()
-            self.scheduler.samples.clear()
-            lanes = {id(lane): lane for lane in self.scheduler.lanes.values()}
-            lanes.update((id(slot.lane), slot.lane) for slot in self.slots.values())  # held ones too (recovery.py)
-            for lane in lanes.values():
-                left += self.scheduler.drop_waiting(lane)
+            left = self.scheduler.drain()
         self.fail_all(left, WorkerError("the worker stopped before this request ran; send it again"))
         self.outbox.stop(drain_s)
 

@@ -12,13 +12,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import CapacityError, ServerError
+from tinkerq.errors import CapacityError
 from tinkerq.settings import Settings
 from tinkerq.validation import validate_lora
 from tinkerq.worker import memory
@@ -26,7 +26,6 @@ from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.adapter import find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
 from tinkerq.worker.quantized_base import refuse_full_session
-from tinkerq.worker.scheduler import Lane
 from tinkerq.worker.session import Session, TrainingSession
 from tinkerq.worker.sharding.host import LeaderSession, ShardHost
 
@@ -35,27 +34,22 @@ log = logging.getLogger("tinkerq.worker")
 
 @dataclass
 class Slot:
-    """A session with its place in the scheduler and its recovery state (worker/recovery.py)."""
+    """A session and its recovery state (worker/recovery.py); its requests and order are the scheduler's."""
 
     session: Session
-    lane: Lane
-    broken: str | None = None
-    broken_error: type[ServerError] = ServerError  # the error that tells callers the session is unusable
     steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
     journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
     snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
     snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
     snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
     adopted_from: str | None = None  # the lost worker this session was adopted from
-    # Requests applied whose journal entry and answer are still in the outbox (worker/outbox.py), by seq: a
-    # repeat of one joins it, so no answer goes out before its journal entry.
-    unsent: dict[int, Any] = field(default_factory=dict)
     unjournaled: int = 0  # of those, the journal entries not written yet (counted towards journal_max_entries)
 
 
 class SessionFactory:
     def __init__(self, settings: Settings, model: PreTrainedModel, model_dir: str, logprobs: LogprobComputer,
-                 base_model: str, worker_id: str, shards: ShardHost | None) -> None:
+                 base_model: str, worker_id: str, shards: ShardHost | None,
+                 evictable: Callable[[dict[str, float], float, float], str | None]) -> None:
         self.settings = settings
         self.model = model
         self.model_dir = model_dir
@@ -63,6 +57,7 @@ class SessionFactory:
         self.base_model = base_model
         self.worker_id = worker_id
         self.shards = shards
+        self.evictable = evictable  # the scheduler's choice of a session to make room (Scheduler.evictable)
         self.lora_base: LoraBase | None = None  # made on the first LoRA session (docs/lora.md)
 
     def make(self, model_id: str, lora: dict[str, Any] | types.LoraConfig | None, slots: dict[str, Slot],
@@ -113,18 +108,11 @@ class SessionFactory:
                           else (self.settings.max_sessions, "TINKERQ_MAX_SESSIONS"))
         if len(same) < limit:
             return
-        now = time.monotonic()
-        broken = [mid for mid, s in same.items() if s.broken is not None]
-        if broken:  # a session that can no longer serve goes first
-            close(broken[0])
-            return
-        idle = [mid for mid, s in same.items()
-                if s.lane.running is None and not s.lane.requests
-                and now - s.session.last_used > self.settings.session_idle_ttl_s]
-        if idle:
-            oldest = min(idle, key=lambda mid: slots[mid].session.last_used)
-            log.warning("idle session %s makes room for a new one", oldest)
-            close(oldest)
+        chosen = self.evictable({mid: s.session.last_used for mid, s in same.items()}, time.monotonic(),
+                                self.settings.session_idle_ttl_s)
+        if chosen is not None:  # a broken session first, else the longest idle
+            log.warning("session %s (broken or idle) makes room for a new one", chosen)
+            close(chosen)
             return
         raise CapacityError(
             f"worker {self.worker_id} already holds {len(same)} {'LoRA' if kind == 'lora' else 'full-parameter'} "
