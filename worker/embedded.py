@@ -16,6 +16,7 @@ from typing import Any
 from celery.contrib.testing.worker import start_worker
 
 from tinkerq.settings import Settings
+from tinkerq.worker.lifecycle import Lifecycle
 from tinkerq.worker.runtime import AssembledWorker, assemble
 
 
@@ -38,18 +39,15 @@ class EmbeddedFleet:
             queues=self.worker.queues, shutdown_timeout=30.0,
         )
         self._ctx.__enter__()
-        self.worker.registration.start()
-        self.worker.sampling.start()
-        self._watchdog = self.worker.service.start_watchdog()
+        # The same parts as `tinkerq worker`, started and stopped in the same order (worker/lifecycle.py).
+        self.lifecycle = Lifecycle(self.worker)
+        self.lifecycle.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self.worker is not None
-        self.worker.registration.stop()
-        self.worker.sampling.stop()
-        self._watchdog.set()
-        self._ctx.__exit__(None, None, None)
-        self.worker.service.close()
+        self._ctx.__exit__(None, None, None)  # the consumer stops, as a worker's shutdown stops it first
+        self.lifecycle.stop()
 
     @property
     def base_model(self) -> str:

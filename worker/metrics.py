@@ -92,8 +92,10 @@ class WorkerMetrics:
             self.tokens.labels(op=op).inc(timing["tokens"])
             self.tokens_per_second.labels(op=op).set(timing.get("tokens_per_s", 0.0))
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=address, registry=self.registry)
+    def serve(self, port: int, address: str = "0.0.0.0") -> Any:
+        """Serve ``/metrics`` on ``port``; returns the HTTP server (its ``shutdown()`` stops it)."""
+        server, _ = start_http_server(port, addr=address, registry=self.registry)
+        return server
 
 
 class _SessionCollector:

@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import signals
@@ -25,6 +25,7 @@ from tinkerq.settings import Settings
 from tinkerq.worker.dtypes import served_dtype
 from tinkerq.worker.events import events_step
 from tinkerq.worker.intake import DeadLetters, transport_for
+from tinkerq.worker.lifecycle import Lifecycle
 from tinkerq.worker.metrics import stats_step
 from tinkerq.worker.model_loading import configure_torch, load_causal_lm
 from tinkerq.worker.quantized_base import KEEP, keep_checkpoint_quantized
@@ -47,6 +48,7 @@ class AssembledWorker:
     registration: Registration
     worker_id: str
     sampling: SampleIntake
+    steps: list[Any] = field(default_factory=list)  # the lifecycle's steps, in start order (worker/lifecycle.py)
 
     @property
     def queues(self) -> list[str]:
@@ -177,25 +179,11 @@ def run_worker(model_path: str, settings: Settings, *, name: str | None = None, 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     w = assemble(model_path, settings, name=name)
     app = w.connection.app
-    # Announce the model only once the worker consumes its queues; withdraw it when it stops.
-    signals.worker_ready.connect(lambda **_: w.registration.start(), weak=False)
-    signals.worker_ready.connect(lambda **_: w.sampling.start(), weak=False)
-    w.service.start_watchdog()
-    if w.service.shards is not None:
-        w.service.shards.start_pings(w.service.run_when_idle)
-        signals.worker_shutdown.connect(lambda **_: w.service.shards.shutdown(), weak=False)
-    if settings.metrics_port:
-        w.service.metrics.serve(settings.metrics_port)
-        log.info("Prometheus metrics on :%d/metrics", settings.metrics_port)
-
-    def stop_serving(**_: Any) -> None:
-        w.sampling.stop()
-        w.service.close()  # runs what is queued (bounded), answers the rest
-
-    # Queued work is finished first, while the worker still beats (producers would take it for lost); then
-    # its registration is withdrawn.
-    signals.worker_shutdown.connect(stop_serving, weak=False)
-    signals.worker_shutdown.connect(lambda **_: w.registration.stop(), weak=False)
+    # The worker's parts start once it consumes its queues (the model is announced then), and stop in the reverse
+    # order when it shuts down: queued work is finished while it still beats, then it is withdrawn.
+    lifecycle = Lifecycle(w)
+    signals.worker_ready.connect(lambda **_: lifecycle.start(), weak=False)
+    signals.worker_shutdown.connect(lambda **_: lifecycle.stop(), weak=False)
     app.worker_main([
         "worker",
         # One request at a time, in a thread: the model is not shared across processes, CUDA is never
