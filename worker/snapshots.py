@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -60,7 +60,8 @@ PUBLISH_WAIT_S = 60.0  # how long a worker waits for a snapshot's owner to publi
 
 class Snapshots:
     def __init__(self, store: KeyValueStore, settings: Settings, base_model: str, base: PreTrainedModel,
-                 sessions: Any = lambda: [], worker_id: str = "", sampling_base: Any = None) -> None:
+                 sessions: Any = lambda: [], worker_id: str = "", sampling_base: Any = None,
+                 serialise: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.store = store
         self.worker_id = worker_id
         self.settings = settings
@@ -70,6 +71,9 @@ class Snapshots:
         # (worker/sharding/sampling.py; made on first use). Full snapshots are whole copies of ``base``.
         self.sampling_base: Any = sampling_base or (lambda: base)
         self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
+        # Where a published snapshot is serialised: here (the publisher thread), or, on a shard group, as control
+        # work of the compute loop (WorkerService.run_control), so it never runs beside the group's collectives.
+        self._serialise = serialise or (lambda fn: fn())
         self._models: OrderedDict[Hashable, Weights] = OrderedDict()
         self._published: dict[str, deque[str]] = {}  # training session -> its announced snapshot ids
         self._own: dict[str, Weights] = {}  # snapshots made here, held while announced
@@ -162,7 +166,7 @@ class Snapshots:
         record = codec.unpackb(raw)
         if isinstance(record, dict) and ("weights" in record or "file" in record):
             return  # another worker asked first
-        self._publish(snapshot_id, model)
+        self._serialise(lambda: self._publish(snapshot_id, model))
         log.info("published snapshot %s for other workers", snapshot_id)
 
     def publish_session(self, session_id: str) -> None:
