@@ -137,3 +137,28 @@ def test_two_workers_waiting_on_each_others_snapshots_do_not_deadlock(tmp_path: 
         for t in threads:
             t.join(30)
     assert _same_weights(got["a"], _perturbed(base, 2)) and _same_weights(got["b"], _perturbed(base, 1))
+
+
+def test_a_shard_groups_snapshot_is_serialised_where_its_owner_says(tmp_path: Path):
+    """On a shard group the worker passes ``serialise=run_control``: the publisher thread hands the serialisation
+    to the compute loop (never beside the group's collectives). Here a stand-in loop thread runs it."""
+    base = load_reference(build_tiny_llama(tmp_path / "model"))
+    settings = Settings(checkpoint_dir=str(tmp_path / "ckpt"))
+    store = MemoryStore()
+    ran_on: list[str] = []
+
+    def on_loop(fn):
+        def run():
+            ran_on.append(threading.current_thread().name)
+            fn()
+        thread = threading.Thread(target=run, name="stand-in-compute-loop")
+        thread.start()
+        thread.join(30)
+
+    maker = Snapshots(store, settings, "m", base, worker_id="w1", serialise=on_loop)
+    other = Snapshots(store, settings, "m", copy.deepcopy(base), worker_id="w2")
+    trained = _perturbed(base, seed=4)
+    sid = maker.add(trained, session_id="c" * 32)
+    with publisher(store, maker):
+        _, loaded, _ = other.resolve({"snapshot": sid})
+    assert ran_on == ["stand-in-compute-loop"] and _same_weights(loaded, trained)
