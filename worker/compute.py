@@ -71,6 +71,10 @@ class ComputeLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def is_current(self) -> bool:
+        """Whether the calling thread is the compute loop."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def _run(self) -> None:
         while True:
             with self._cond:

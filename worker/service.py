@@ -340,7 +340,7 @@ class WorkerService:
 
     def run_control(self, fn: Any) -> Any:
         """Run ``fn`` on the compute loop before any other work and wait for it (adoption, dropping a session)."""
-        if threading.current_thread() is self.compute._thread or not self.compute.alive:
+        if self.compute.is_current() or not self.compute.alive:
             return fn()
         done, result = threading.Event(), {}
 
@@ -512,14 +512,19 @@ class WorkerService:
         return reply
 
     def dead_letter(self, op: str, envelope: Any, task_id: str | None, exc: MalformedMessageError) -> None:
-        """Keep a request whose envelope or body is malformed in tinkerq.dead (its sender is answered anyway)."""
+        """Keep a request whose envelope or body is malformed in tinkerq.dead (its sender is answered anyway). From
+        the compute loop the write goes on the outbox: the loop does not wait on Redis."""
         if self.dead_letters is None:
             return
         try:
             raw = codec.packb(envelope)
         except TinkerqError:
             raw = repr(envelope)[:4096].encode()
-        self.dead_letters.refuse(exc.message, raw, f"task {TASK_NAMES.get(op, op)}", task_id, answer=False)
+        letters, where = self.dead_letters, f"task {TASK_NAMES.get(op, op)}"
+        if self.compute.is_current():
+            self.outbox.put(lambda: letters.refuse(exc.message, raw, where, task_id, answer=False))
+        else:
+            letters.refuse(exc.message, raw, where, task_id, answer=False)
 
     def answer(self, task_id: str, inbox: str | None, reply: dict[str, Any]) -> None:
         """Store ``reply`` for ``task_id`` and push it to the sender's inbox; retried through Redis outages."""
