@@ -234,7 +234,7 @@ class ApiKeys:
     def authenticate(self, key: str | None) -> str | None:
         """The tenant whose live key ``key`` is; None for a missing, malformed, unknown or revoked key.
 
-        One store transaction (that also notes the last use, at most once a minute per key). Raises
+        One read (and, at most once a minute per key, a store transaction noting the last use). Raises
         BrokerUnavailableError if Redis stays unreachable for ``retry_s``: "cannot tell", not "no".
         """
         if not isinstance(key, str) or len(key) > MAX_KEY_CHARS or not _KEY_RE.fullmatch(key):
@@ -246,6 +246,12 @@ class ApiKeys:
             if hit is not None and hit[1] > time.monotonic():
                 return hit[0]
         record, now = keys.api_key(digest), time.time()
+        # One read on the common path (a key used within the last minute): a transaction only to note the use.
+        tenant_raw, last_raw = self.store.hash_fields([record], ["tenant", "last_used_at"])[0]
+        if tenant_raw is None:
+            return None
+        if now - (_number(last_raw) or 0.0) < LAST_USED_RESOLUTION_S:
+            return self._remember(digest, tenant_raw.decode())
 
         def use(t: Transaction) -> str | None:
             # A removed key has no record: None, and nothing written (a check racing a removal cannot leave half a
@@ -258,8 +264,9 @@ class ApiKeys:
             return tenant.decode()
 
         tenant = self.store.transaction(use, [record], what="checking an API key")
-        if tenant is None:
-            return None
+        return None if tenant is None else self._remember(digest, tenant)
+
+    def _remember(self, digest: str, tenant: str) -> str:
         if self.cache_s > 0:
             with self._lock:
                 if len(self._cache) >= _CACHE_MAX_ENTRIES:
