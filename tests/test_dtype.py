@@ -189,7 +189,8 @@ def test_a_bf16_worker_answers_as_plain_transformers_in_bf16(bf16_dir):
 def test_fleet_up_passes_its_dtype_to_every_worker_process(tmp_path, monkeypatch):
     """Each worker rank and sampler `fleet up` starts gets --dtype, and its command line parses to it; without
     --dtype, none does (the workers read TINKERQ_DTYPE, default auto)."""
-    from tinkerq.launcher import fleet, processes
+    from tinkerq.launcher import processes
+    from tinkerq.launcher.fleet import start as fleet
     from tinkerq.launcher.main import build_parser
 
     started: list[list[str]] = []
@@ -209,7 +210,7 @@ def test_fleet_up_passes_its_dtype_to_every_worker_process(tmp_path, monkeypatch
                 *(["--dtype", dtype] if dtype else [])]
         args = parser.parse_args(argv)
         state = {"logs": str(tmp_path), "broker": "redis://127.0.0.1:1/0", "workers": []}
-        fleet._start_workers(args, state, tmp_path, threads=1)
+        fleet.start_workers(args, state, tmp_path, threads=1)
         assert len(started) == 3  # two ranks and a sampler
         for cmd in started:
             worker = parser.parse_args(cmd[3:])
