@@ -148,3 +148,16 @@ def test_the_redis_check_notices_raw_uses():
     assert sorted(text for _, text in _redis_py_uses(ast.parse(code))) == sorted([
         "import redis", "from redis.exceptions import ...", "import redis.sentinel", "gw.store.client", "r.pipeline",
         "r.pubsub"])
+
+
+def test_the_store_is_generic():
+    """tinkerq/store.py knows no domain: it imports nothing of tinkerq but the retries, and names no key (each
+    domain's records are written on its primitives beside their owner: tenants.py, quotas.py, usage.py, the gateway's
+    records, the worker's journal)."""
+    tree = ast.parse((ROOT / "tinkerq" / "store.py").read_text())
+    imported = sorted({node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and (node.module or "").startswith("tinkerq")} |
+                      {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+                       if a.name.startswith("tinkerq")})
+    assert imported == ["tinkerq.retry"], imported
+    assert not _key_literals(tree)
