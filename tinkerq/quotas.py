@@ -272,13 +272,14 @@ def _reserve_rate(store: KeyValueStore, bucket: str, run: str, now: float, token
     capacity 0: no rate limit, the run's order only."""
 
     def reserve(t: Transaction) -> float:
+        raw_tat, raw_run = t.get_many([bucket, run])  # one round trip
         start = now
         if capacity > 0 and tokens > 0:
-            tat = _float(t.get(bucket))
+            tat = _float(raw_tat)
             start = max(now, tat + min(tokens, capacity) * per_token_s - capacity * per_token_s)
             new_tat = max(tat, start) + tokens * per_token_s
             t.write(Put(bucket, repr(new_tat).encode(), new_tat - now + _RATE_KEEP_S))
-        start = max(start, _float(t.get(run)))
+        start = max(start, _float(raw_run))
         t.write(Put(run, repr(start).encode(), max(0.0, start - now) + _RATE_KEEP_S))
         return start
 

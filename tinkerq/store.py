@@ -134,6 +134,7 @@ class Transaction(Protocol):
     def watch(self, *keys: str) -> None: ...  # more keys to watch (ones found by reading), before reading them
     def now(self) -> float: ...  # the store's clock, in seconds (Redis: its TIME; hosts' clocks may disagree)
     def get(self, key: str) -> bytes | None: ...
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...  # one round trip
     def exists(self, key: str) -> bool: ...
     def hash_get(self, key: str, fields: Sequence[str]) -> list[bytes | None]: ...
     def hash_size(self, key: str) -> int: ...
@@ -383,6 +384,9 @@ class _RedisTransaction:
 
     def get(self, key: str) -> bytes | None:
         return _bytes(self._reader.get(key))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [_bytes(v) for v in self._reader.mget(list(keys))] if keys else []
 
     def exists(self, key: str) -> bool:
         return bool(self._reader.exists(key))
@@ -698,6 +702,9 @@ class _MemoryTransaction:
 
     def get(self, key: str) -> bytes | None:
         return self.store._get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.store._get(key) for key in keys]
 
     def exists(self, key: str) -> bool:
         return self.store._exists(key)
