@@ -13,7 +13,7 @@ from typing import Any
 from tinkerq import types
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway.records import Records
-from tinkerq.producer.client import ServiceClient, TrainingClient
+from tinkerq.producer import ServiceClient, TrainingClient
 from tinkerq.quotas import Quotas
 
 log = logging.getLogger("tinkerq.gateway")

@@ -101,7 +101,7 @@ def _end_tenant(settings: Settings, tenant: str) -> tuple[int, int]:
     """Free the workers' memory a revoked tenant held: its training runs are closed, its sessions finished."""
     from tinkerq.gateway.lifecycle import end_tenant
     from tinkerq.gateway.records import Records
-    from tinkerq.producer.client import ServiceClient
+    from tinkerq.producer import ServiceClient
     from tinkerq.quotas import Quotas
 
     service = ServiceClient(settings=settings)

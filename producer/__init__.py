@@ -5,9 +5,11 @@ Its API is the official SDK's (``tinker==0.38``): ``from tinkerq.producer import
 (``tinkerq``); never imports torch (``forward_backward_custom`` does, when called).
 """
 
-from tinkerq.producer.client import GetInfoResponse, ServiceClient, TrainingClient, TrainingClientFuture, wait_all
-from tinkerq.producer.futures import APIFuture, ClientFuture
+from tinkerq.producer.futures import APIFuture, ClientFuture, wait_all
+from tinkerq.producer.model_info import GetInfoResponse
 from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture
+from tinkerq.producer.service_client import ServiceClient, TrainingClientFuture
+from tinkerq.producer.training_client import TrainingClient
 
 __all__ = [
     "APIFuture", "ClientFuture", "GetInfoResponse", "SamplingClient", "SamplingClientFuture", "ServiceClient",

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 from tinkerq.errors import RequestTimeoutError, TinkerqError
@@ -212,7 +214,7 @@ class ClientFuture(Generic[C]):
     ``result_async()``; and, so code written when these calls returned the client keeps working, any public
     attribute is read from the client once it exists (waiting for it).
 
-    The client is made in a background thread (see ``ServiceClient._background``), so creating several
+    The client is made in a background thread (:func:`in_background`), so creating several
     clients at once, or awaiting one in asyncio code, does not serialize on their creation.
     """
 
@@ -275,3 +277,35 @@ class ClientFuture(Generic[C]):
         error = self._future.exception()
         return f"<{type(self).__name__} {self._describe} failed: {error!r}>" if error else \
             f"<{type(self).__name__} {self._future.result()!r}>"
+
+
+def in_background(make: Callable[[], C]) -> concurrent.futures.Future[C]:
+    """Run ``make`` in a daemon thread; its result or error lands in the returned future. Client creation
+    waits on the fleet (minutes when workers are busy), so it must not hold the caller."""
+    future: concurrent.futures.Future[C] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(make())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="tinkerq-create", daemon=True).start()
+    return future
+
+
+async def off_loop(fn: Callable[..., C], *args: Any, **kwargs: Any) -> C:
+    """``fn(*args, **kwargs)`` in a thread: it reads Redis or waits, which must not stall the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
+def wait_all(futures: Sequence[APIFuture[Any]], timeout: float | None = None) -> list[Any]:
+    """Results of several futures, in order, with one overall deadline."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for f in futures:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        out.append(f.result(timeout=remaining))
+    return out

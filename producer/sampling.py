@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, cast
 from tinkerq import keys, types
 from tinkerq.errors import ServerError, TinkerqError, UnknownModelError, UserError
 from tinkerq.producer.futures import APIFuture, ClientFuture, MappedFuture
-from tinkerq.validation import PromptOptions, validate_prompt_options, validate_sampling
+from tinkerq.validation import UNDEFINED_BY_SDK, PromptOptions, validate_prompt_options, validate_sampling
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizer
 
-    from tinkerq.producer.client import ServiceClient
+    from tinkerq.producer.service_client import ServiceClient
 
 MAX_ATTEMPTS = 3  # workers tried for one request before WorkerLostError reaches the caller
 
@@ -189,7 +189,7 @@ _shared_services: dict[str | None, ServiceClient] = {}
 def _shared_service(broker_url: str | None) -> ServiceClient:
     """One ServiceClient per broker for the clients made from handles (it lives as long as the process: those
     clients may be anywhere)."""
-    from tinkerq.producer.client import ServiceClient  # a cycle at import time otherwise
+    from tinkerq.producer.service_client import ServiceClient  # a cycle at import time otherwise
 
     with _shared_lock:
         if broker_url not in _shared_services:
@@ -274,3 +274,8 @@ class SamplingWorkers:
                 f"Start one with: tinkerq worker --model {base_model} [--role sampler]"
             )
         return usable[next(self._turn) % len(usable)]
+
+
+def check_stability_info(record_stability_info: bool) -> None:
+    if record_stability_info:
+        raise UserError(UNDEFINED_BY_SDK["record_stability_info"])
