@@ -26,9 +26,10 @@ from tinkerq.gateway import console, lookups
 from tinkerq.gateway.auth import Credentials, Refused, credentials
 from tinkerq.gateway.downloads import answer_file, answer_urls, stream
 from tinkerq.gateway.futures import Waiting
+from tinkerq.gateway.http_errors import HTTPError
 from tinkerq.gateway.positions import SequenceGuard
 from tinkerq.gateway.rest_routes import add_routes as add_rest_routes
-from tinkerq.gateway.service import Gateway, HTTPError
+from tinkerq.gateway.service import Gateway
 from tinkerq.store import UNREACHABLE
 from tinkerq.tenants import ApiKeys
 
@@ -121,7 +122,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
         except Refused:
             return
         if name is not None:
-            await asyncio.to_thread(gateway().fill_refused, name, model_id, seq_id, why)
+            await asyncio.to_thread(gateway().ordered.fill_refused, name, model_id, seq_id, why)
 
     # Any numbered request answered without being taken fills its position in the run (gateway/positions.py).
     app.add_middleware(SequenceGuard, fill=fill_refused, ordered_paths=frozenset(
@@ -246,7 +247,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.post(f"{v1}/get_info")
     async def get_info(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().get_info(t, str(body.get("model_id")))
+        return gateway().runs.info(t, str(body.get("model_id")))
 
     @app.post(f"{v1}/unload_model")
     async def unload_model(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
@@ -258,7 +259,7 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
             raise HTTPError(400, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)")
         if not request.headers.get("content-type", "").startswith(PROTOBUF):
             raise HTTPError(400, f"forward_backward takes a protobuf body (Content-Type: {PROTOBUF}), as SDK 0.25+")
-        return gateway().forward_backward(t, await request.body())
+        return gateway().ordered.forward_backward(t, await request.body())
 
     @app.post(f"{v1}/forward")
     async def forward_json(_t: str = Tenant) -> dict[str, Any]:
@@ -267,37 +268,37 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.post(f"{v1}/optim_step")
     async def optim_step(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().optim_step(t, body)
+        return gateway().ordered.optim_step(t, body)
 
     @app.post(f"{v1}/save_weights")
     async def save_weights(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().save_weights(t, body)
+        return gateway().ordered.save_weights(t, body)
 
     @app.post(f"{v1}/save_weights_for_sampler")
     async def save_weights_for_sampler(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().save_weights_for_sampler(t, body)
+        return gateway().ordered.save_weights_for_sampler(t, body)
 
     @app.post(f"{v1}/save_weights_external")
     async def save_weights_external(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().save_weights_external(t, body)
+        return gateway().ordered.save_weights_external(t, body)
 
     @app.post(f"{v1}/load_weights")
     async def load_weights(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return await gateway().load_weights(t, body)
+        return await gateway().ordered.load_weights(t, body)
 
     # -- sampling ---------------------------------------------------------------------------------------------
 
     @app.post(f"{v1}/create_sampling_session")
     async def create_sampling_session(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return await gateway().create_sampling_session(t, body)
+        return await gateway().samplers.create_sampling_session(t, body)
 
     @app.get(f"{v1}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str, t: str = Tenant) -> dict[str, Any]:
-        return gateway().get_sampler(t, sampler_id)
+        return gateway().samplers.info(t, sampler_id)
 
     @app.post(f"{v1}/asample")
     async def asample(t: str = Tenant, body: dict[str, Any] = Body) -> dict[str, Any]:
-        return gateway().asample(t, body)
+        return gateway().samplers.asample(t, body)
 
     # -- futures ----------------------------------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ class Credentials:
 
 def credentials(call: Callable[[T], R], arg: T) -> R:
     """``call(arg)`` with a refusal answered 401 (a refused token says so, for the SDK to exchange its key again)."""
-    from tinkerq.gateway.service import HTTPError
+    from tinkerq.gateway.http_errors import HTTPError
 
     try:
         return call(arg)

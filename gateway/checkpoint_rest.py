@@ -14,9 +14,9 @@ from tinkerq import keys
 from tinkerq.audit import AuditLog
 from tinkerq.errors import ValidationError
 from tinkerq.gateway import checkpoint_files, publishing
+from tinkerq.gateway.http_errors import HTTPError, not_found
 from tinkerq.gateway.lookups import checkpoint_view
 from tinkerq.gateway.records import PathError, Records, TinkerPath, checkpoint_record
-from tinkerq.gateway.service import HTTPError, not_found
 from tinkerq.validation import validate_ttl_seconds
 
 

@@ -203,7 +203,7 @@ class ExternalWeights:
 
 def answer_urls(weights: ExternalWeights, tenant: str, run_id: str, checkpoint_id: str,
                 base_url: str) -> dict[str, Any]:
-    from tinkerq.gateway.service import HTTPError, not_found
+    from tinkerq.gateway.http_errors import HTTPError, not_found
 
     try:
         return weights.urls(tenant, run_id, checkpoint_id, base_url)
@@ -216,7 +216,7 @@ def answer_urls(weights: ExternalWeights, tenant: str, run_id: str, checkpoint_i
 
 
 def answer_file(weights: ExternalWeights, token: str, relpath: str) -> tuple[int, int]:
-    from tinkerq.gateway.service import HTTPError
+    from tinkerq.gateway.http_errors import HTTPError
 
     try:
         return weights.open(token, relpath)

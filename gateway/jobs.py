@@ -31,7 +31,8 @@ from tinkerq.operations import OPERATIONS, PASS_OPS, PLOTTED
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
-    from tinkerq.gateway.service import Gateway, Run
+    from tinkerq.gateway.service import Gateway
+    from tinkerq.gateway.training_runs import Run
 
 # The worker session of run M is uuid5(RUN_SESSIONS, M): a create re-run by another gateway (its first runner died
 # after the worker built the session, before the run was recorded) gets the same session back, not a second one.
@@ -81,9 +82,9 @@ class Jobs:
                     await client.submit("load_state", {"path": load["directory"], "optimizer": load["optimizer"]},
                                         seq_id=1, argsrepr=f"path={load['path']}")
                 except TinkerqError:
-                    await asyncio.to_thread(gw.close_quietly, client)
+                    await asyncio.to_thread(gw.runs.close_quietly, client)
                     raise
-            await asyncio.to_thread(gw.add_run, tenant, model_id, job, lora, client)
+            await asyncio.to_thread(gw.runs.add, tenant, model_id, job, lora, client)
         if job.get("load") is not None:
             return Answer(json={"path": job["load"]["path"], "model_id": model_id, "type": "load_weights"})
         return Answer(json={"model_id": model_id, "type": "create_model"})
@@ -94,7 +95,7 @@ class Jobs:
         failing, while either is full: the poll says which)."""
         gw = self.gw
         waited_since = time.monotonic()
-        while not await asyncio.to_thread(gw.admit_training_client, tenant, model_id):
+        while not await asyncio.to_thread(gw.runs.admit, tenant, model_id):
             await asyncio.to_thread(gw.futures.set_waiting, request_id, tenant, Waiting(
                 "paused_rate_limit", "this API key holds its maximum of training clients (max_training_clients); "
                                      "it goes on when one of them is unloaded"))
@@ -110,20 +111,20 @@ class Jobs:
                     # Later tries open a new session instead of asking after that one forever.
                     session_id = uuid.uuid4().hex
                 if time.monotonic() - waited_since > gw.settings.gateway_capacity_wait_s:
-                    await asyncio.to_thread(gw.quotas_release_training_client, tenant, model_id)
+                    await asyncio.to_thread(gw.runs.release, tenant, model_id)
                     raise
                 await asyncio.to_thread(gw.futures.set_waiting, request_id, tenant,
                                         Waiting("paused_capacity", exc.message))
                 await asyncio.sleep(CAPACITY_RETRY_S)
             except TinkerqError:
-                await asyncio.to_thread(gw.quotas_release_training_client, tenant, model_id)
+                await asyncio.to_thread(gw.runs.release, tenant, model_id)
                 raise
 
     async def _unload(self, tenant: str, job: dict[str, Any]) -> Answer:
         gw = self.gw
-        run = await asyncio.to_thread(gw.run, tenant, job["model_id"], closed_ok=True)
+        run = await asyncio.to_thread(gw.runs.get, tenant, job["model_id"], closed_ok=True)
         if run is not None:
-            await asyncio.to_thread(gw.close_run, run)
+            await asyncio.to_thread(gw.runs.close, run)
         return Answer(json={"model_id": job["model_id"], "type": "unload_model"})
 
     async def _ordered(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
@@ -131,7 +132,7 @@ class Jobs:
         delay = float(job.get("post_at") or 0) - time.time()
         if delay > 0:  # the key's token rate holds it (the poll says so); nothing is dropped
             await asyncio.sleep(delay)
-        run = await asyncio.to_thread(gw.run, tenant, job["model_id"])
+        run = await asyncio.to_thread(gw.runs.get, tenant, job["model_id"])
         assert run is not None
         op, finish = job["op"], job["finish"]
         if op in PASS_OPS:  # a loss request: its body is the SDK's protobuf, kept in Redis until answered
@@ -183,7 +184,7 @@ class Jobs:
                                 else "save_weights_for_sampler"})
         if finish == "snapshot":  # save_weights_and_get_sampling_client: a sampling session on frozen weights
             sampler_id = f"{run.model_id}:sample:{job['seq_id']}"
-            await gw.add_sampler(tenant, sampler_id, run.record["base_model"], {"snapshot": str(out["sampler_id"])},
+            await gw.samplers.add(tenant, sampler_id, run.record["base_model"], {"snapshot": str(out["sampler_id"])},
                                  None)
             return Answer(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
         raise ServerError(f"unknown way to finish a gateway job: {finish!r}")
@@ -193,14 +194,14 @@ class Jobs:
     async def _sample(self, request_id: str, tenant: str, job: dict[str, Any]) -> Answer:
         gw = self.gw
         try:
-            sampler = await asyncio.to_thread(gw.sampler, tenant, job["sampler_id"])
-            prompt, params, options = gw.sample_request(job["request"])
+            sampler = await asyncio.to_thread(gw.samplers.get, tenant, job["sampler_id"])
+            prompt, params, options = gw.samplers.sample_request(job["request"])
             future = self._decoded.get(request_id)  # posted by the accepting gateway; an adopter samples again
             if future is None:
                 future = sampler.client.sample(prompt, job["request"].get("num_samples", 1), params, **options)
             out: types.SampleResponse = await future
         finally:
-            await asyncio.to_thread(gw.end_sample, tenant, request_id)
+            await asyncio.to_thread(gw.samplers.end_sample, tenant, request_id)
         sampled = sum(len(s.tokens) for s in out.sequences)
         cached = int(getattr(out, "prompt_cache_hit_tokens", 0) or 0)
         return Answer(proto=proto.encode_sample_response(out, target_layout(job["request"])), usage=usage_of(

@@ -2,17 +2,17 @@
 
 The SDK numbers a training client's requests (``seq_id``) and the worker applies a run's requests in that order,
 holding later ones until each earlier position is filled (worker/ordering.py), and failing the run after the gap
-timeout. The gateway's own refusals fill their position (``Gateway._ordered``). :class:`SequenceGuard` covers every
-other way a numbered request can be answered without being taken: a route or method this server does not have
-(``save_weights_external`` before it was served wedged runs so), a body the app cannot read, a refusal raised
-before the position was read, a crash in a handler. Once the app has answered such a request with a final error
-(4xx but the statuses the SDK retries, or an unhandled exception), or answered by a route that takes no position,
-the guard reads ``model_id`` and ``seq_id`` from its body (JSON, or the forward_backward protobuf) and fills the
-position for the caller's tenant (an error: before the answer is sent), so the run's next request is served at
-once. Filling is a claim: a position taken or refused before is left as it is, so a request another tenant sends
-with someone's model id fills nothing. On the routes that take positions, retryable answers (408, 409, 429, 5xx
-the app chose) leave the position open: the SDK resends the same request. A route that takes none has any
-numbered request's position filled, whatever it answered (a resend there would never fill it).
+timeout. The gateway's own refusals fill their position (``OrderedRequests.accept``, gateway/ordered_requests.py).
+:class:`SequenceGuard` covers every other way a numbered request can be answered without being taken: a route or
+method this server does not have (``save_weights_external`` before it was served wedged runs so), a body the app
+cannot read, a refusal raised before the position was read, a crash in a handler. Once the app has answered such a
+request with a final error (4xx but the statuses the SDK retries, or an unhandled exception), or answered by a route
+that takes no position, the guard reads ``model_id`` and ``seq_id`` from its body (JSON, or the forward_backward
+protobuf) and fills the position for the caller's tenant (an error: before the answer is sent), so the run's next
+request is served at once. Filling is a claim: a position taken or refused before is left as it is, so a request
+another tenant sends with someone's model id fills nothing. On the routes that take positions, retryable answers
+(408, 409, 429, 5xx the app chose) leave the position open: the SDK resends the same request. A route that takes
+none has any numbered request's position filled, whatever it answered (a resend there would never fill it).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from fastapi.responses import Response
 
 from tinkerq.audit import EVENT_TYPES
 from tinkerq.gateway import checkpoint_rest, lookups, session_trace, sessions
-from tinkerq.gateway.service import Gateway, HTTPError, not_found
+from tinkerq.gateway.http_errors import HTTPError, not_found
+from tinkerq.gateway.service import Gateway
 from tinkerq.gateway.signing import BadToken
 
 PFTRACE = "application/octet-stream"
