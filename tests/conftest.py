@@ -141,7 +141,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(params=["redis", "memory"])
 def store(request: pytest.FixtureRequest) -> Iterator[KeyValueStore]:
-    """Each test that takes it runs twice: on the private redis-server (the store's Lua scripts) and on the
+    """Each test that takes it runs twice: on the private redis-server (its transactions) and on the
     in-memory store, which must give the same answers."""
     if request.param == "memory":
         yield MemoryStore()
