@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq.errors import (
     CapacityError,
@@ -26,20 +26,53 @@ from tinkerq.errors import (
     WorkerError,
 )
 from tinkerq.wire import codec, messages
-from tinkerq.worker import creation, memory
+from tinkerq.worker import memory
 from tinkerq.worker.lora.batch import LossItem
-from tinkerq.worker.operations import sample_response, tokens_of
+from tinkerq.worker.operations import run_pass, sample_response, tokens_of
 from tinkerq.worker.scheduler import Request, Work
 
 if TYPE_CHECKING:
-    from tinkerq.worker.service import Outcome, WorkerService
+    from tinkerq.errors import ServerError
+    from tinkerq.worker.metrics import WorkerMetrics
+    from tinkerq.worker.operations import Operations
+    from tinkerq.worker.outbox import Outbox
+    from tinkerq.worker.recovery import Recovery
+    from tinkerq.worker.sampling.torch_engine import TorchEngine
+    from tinkerq.worker.scheduler import Scheduler
+    from tinkerq.worker.service import Outcome
+    from tinkerq.worker.session import Session
     from tinkerq.worker.sessions import Slot
 
 log = logging.getLogger("tinkerq.worker")
 
 
+class ComputeHost(Protocol):
+    """What the compute loop uses of the worker that owns it (worker/service.py passes itself); nothing else."""
+
+    cond: threading.Condition
+    scheduler: Scheduler
+    slots: dict[str, Slot]
+    engine: TorchEngine
+    operations: Operations
+    outbox: Outbox
+    recovery: Recovery
+    metrics: WorkerMetrics
+
+    def take_body(self, request: Request) -> tuple[bytes, Any]: ...
+    def applied(self, slot: Slot, request: Request, raw: bytes | None, outcome: Outcome, *, runtime: float = ...,
+                shared: str = ..., discard: Any = ..., release: bool = ...) -> None: ...
+    def finish(self, request: Request, outcome: Outcome, *, runtime: float = ..., shared: str = ...,
+               discard: Any = ...) -> None: ...
+    def open_session(self, model_id: str, lora: Any) -> Slot: ...
+    def close_session(self, model_id: str) -> None: ...
+    def release_creation(self, model_id: str) -> None: ...
+    def break_session(self, model_id: str, reason: str, error: type[ServerError] = ...) -> None: ...
+    def model_info(self, session: Session) -> dict[str, Any]: ...
+    def dead_letter(self, op: str, envelope: Any, task_id: str | None, exc: MalformedMessageError) -> None: ...
+
+
 class ComputeLoop:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: ComputeHost) -> None:
         self.service = service
         self.scheduler = service.scheduler
         self._cond = service.cond
@@ -139,7 +172,7 @@ class ComputeLoop:
             except BaseException as exc:
                 if self._deferred(request, exc):  # the claim stands: it is built once memory frees
                     return None
-                service.outbox.put(lambda: creation.release_creation(service, model_id))
+                service.outbox.put(lambda: service.release_creation(model_id))
                 raise
             service.outbox.put(lambda: service.recovery.write_home(opened.session))
             log.info("opened %s session %s (%d open)", opened.session.kind, model_id, len(service.slots))
@@ -259,29 +292,9 @@ class ComputeLoop:
             self._settle(request, slot, raw, outcome, started, shared, discard)
 
     def _run_pass(self, items: list[LossItem], backward: bool) -> None:
-        base = items[0].target.pass_group  # the frozen base they share (a shard group's runs it on every rank)
-        try:
-            base.run_pass(items, backward)
-        except TinkerqError as exc:
-            for item in items:
-                item.error = exc
-        except Exception as exc:  # the pass itself failed: every engine was put back as it was
-            log.exception("a LoRA pass over %d requests failed", len(items))
-            for item in items:
-                item.error = WorkerError(f"the LoRA pass failed in the worker ({type(exc).__name__}: {exc}); "
-                                         f"nothing was applied")
+        run_pass(items, backward)
         self.passes += 1
         self.pass_requests += len(items)
-
-    def pass_alone(self, session: Any, body: Any, *, backward: bool) -> bytes:
-        """A LoRA loss request replayed by an adopter: the same pass code as it ran in, one request alone
-        (batch-invariant, so its numbers are those of the mixed pass it ran in); raises its refusal."""
-        item = self.service.operations.checked_loss(body, backward=backward, lora=True)
-        item.target = session
-        self._run_pass([item], backward)
-        if item.output is None:
-            raise item.error or WorkerError("the LoRA pass gave no answer")
-        return codec.packb(messages.encode_forward_backward_output(item.output))
 
     def _deferred(self, request: Request, exc: BaseException, body: tuple[bytes, Any] | None = None) -> bool:
         """``request`` was refused for memory (``exc``): whether the scheduler defers it until memory frees (it goes

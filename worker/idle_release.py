@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq import keys
 from tinkerq.errors import CapacityError, TinkerqError, UnknownModelError, WorkerError
@@ -34,15 +34,39 @@ from tinkerq.worker import checkpoints, memory
 from tinkerq.worker.sessions import Slot
 
 if TYPE_CHECKING:
-    from tinkerq.worker.service import Outcome, WorkerService
+    from tinkerq.connection import Connection
+    from tinkerq.settings import Settings
+    from tinkerq.worker.metrics import WorkerMetrics
+    from tinkerq.worker.recovery import Recovery
+    from tinkerq.worker.scheduler import Scheduler
+    from tinkerq.worker.service import Outcome
+    from tinkerq.worker.snapshots import Snapshots
 
 log = logging.getLogger("tinkerq.worker")
 
 REMEMBERED = 4096  # sessions released here whose returning requests get the reason (journaling off)
 
 
+class IdleHost(Protocol):
+    """What idle release uses of the worker that owns it (worker/service.py passes itself); nothing else."""
+
+    settings: Settings
+    connection: Connection
+    base_model: str
+    worker_id: str
+    cond: threading.Condition
+    scheduler: Scheduler
+    slots: dict[str, Slot]
+    recovery: Recovery
+    snapshots: Snapshots
+    metrics: WorkerMetrics
+
+    def close_session(self, model_id: str) -> None: ...
+    def run_control(self, fn: Any) -> Any: ...
+
+
 class IdleRelease:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: IdleHost) -> None:
         self.service = service
         self.settings = service.settings
         self.worker_id = service.worker_id

@@ -16,7 +16,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from tinkerq import types
-from tinkerq.errors import ValidationError
+from tinkerq.errors import TinkerqError, ValidationError, WorkerError
 from tinkerq.settings import Settings
 from tinkerq.validation import (
     Limits,
@@ -84,6 +84,16 @@ class Operations:
         memory.admit_batch(self.model, self.settings, [d.model_input.length for d in data], backward=backward,
                            logprobs=self.logprobs, lora=lora)
         return LossItem(None, data, loss_fn, config)  # type: ignore[arg-type]
+
+    def loss_alone(self, session: Session, body: Any, *, backward: bool) -> bytes:
+        """A LoRA loss request replayed by an adopter: the same pass code as it ran in, one request alone
+        (batch-invariant, so its numbers are those of the mixed pass it ran in); raises its refusal."""
+        item = self.checked_loss(body, backward=backward, lora=True)
+        item.target = session  # type: ignore[assignment]
+        run_pass([item], backward)
+        if item.output is None:
+            raise item.error or WorkerError("the LoRA pass gave no answer")
+        return codec.packb(messages.encode_forward_backward_output(item.output))
 
     def loss(self, session: Session, body: Any, *, backward: bool) -> tuple[bytes, int]:
         item = self.checked_loss(body, backward=backward)
@@ -249,3 +259,19 @@ def expires_at_of(body: Any) -> float | None:
     validate_ttl_seconds(ttl_seconds)
     return None if ttl_seconds is None else checkpoints.now() + ttl_seconds
 
+
+def run_pass(items: list[LossItem], backward: bool) -> None:
+    """One LoRA pass over ``items`` (loss requests checked by :meth:`Operations.checked_loss`, each with its
+    session as ``target``): each item gets its ``output``, or its ``error`` when the pass refused or failed (then
+    every engine was put back as it was)."""
+    base = items[0].target.pass_group  # the frozen base they share (a shard group's runs it on every rank)
+    try:
+        base.run_pass(items, backward)
+    except TinkerqError as exc:
+        for item in items:
+            item.error = exc
+    except Exception as exc:
+        log.exception("a LoRA pass over %d requests failed", len(items))
+        for item in items:
+            item.error = WorkerError(f"the LoRA pass failed in the worker ({type(exc).__name__}: {exc}); "
+                                     f"nothing was applied")

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerError
@@ -39,14 +39,52 @@ from tinkerq.worker.session import Session
 from tinkerq.worker.sessions import Slot
 
 if TYPE_CHECKING:
-    from tinkerq.worker.service import Outcome, WorkerService
+    from tinkerq.connection import Connection
+    from tinkerq.errors import ServerError
+    from tinkerq.settings import Settings
+    from tinkerq.worker.idle_release import IdleRelease
+    from tinkerq.worker.metrics import WorkerMetrics
+    from tinkerq.worker.operations import Operations
+    from tinkerq.worker.scheduler import Scheduler
+    from tinkerq.worker.service import Outcome
+    from tinkerq.worker.sessions import SessionFactory
+    from tinkerq.worker.sharding.host import ShardHost
+    from tinkerq.worker.snapshots import Snapshots
 
 log = logging.getLogger("tinkerq.worker")
+
+
+class RecoveryHost(Protocol):
+    """What recovery (with its shard-group holds, worker/group_outage.py) uses of the worker that owns it
+    (worker/service.py passes itself); nothing else."""
+
+    settings: Settings
+    connection: Connection
+    base_model: str
+    worker_id: str
+    cond: threading.Condition
+    scheduler: Scheduler
+    slots: dict[str, Slot]
+    shards: ShardHost | None
+    factory: SessionFactory
+    operations: Operations
+    snapshots: Snapshots
+    metrics: WorkerMetrics
+    idle: IdleRelease
+    redis_back_at: float
+
+    def open_session(self, model_id: str, lora: Any) -> Slot: ...
+    def drop_session(self, model_id: str) -> Slot | None: ...
+    def close_session(self, model_id: str) -> None: ...
+    def break_session(self, model_id: str, reason: str, error: type[ServerError] = ...) -> None: ...
+    def run_control(self, fn: Any) -> Any: ...
+    def expire_gaps(self) -> int: ...
+    def unpack(self, raw: bytes) -> Any: ...
 
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
 
 class Recovery:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: RecoveryHost) -> None:
         self.service = service
         self.settings = service.settings
         self.store = service.connection.store
@@ -330,7 +368,7 @@ class Recovery:
         assert entry.body is not None
         body = self.service.unpack(entry.body)
         if entry.op in PASS_OPS and session.pass_group is not None:  # as it ran: in a pass (of its own)
-            out = self.service.compute.pass_alone(session, body, backward=entry.op == "forward_backward")
+            out = self.service.operations.loss_alone(session, body, backward=entry.op == "forward_backward")
         else:
             out, _ = self.service.operations.ops[entry.op](session, body)
         if entry.op == "forward_backward" and out != value:

@@ -384,6 +384,10 @@ class WorkerService:
         with self.cond:
             return self.scheduler.evictable(last_used, now, idle_s)
 
+    def release_creation(self, model_id: str) -> None:
+        """Give up this worker's claim on a session it could not build (worker/creation.py); on the outbox."""
+        creation.release_creation(self, model_id)
+
     def drop_session(self, model_id: str) -> Slot | None:
         """Forget a session here without answering what waits for it (adopted elsewhere, or never built)."""
         with self.cond:
