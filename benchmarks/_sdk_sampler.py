@@ -7,7 +7,8 @@ tinkerq. One JSON object per line in, one per line out:
   client on the base and a sampling client on its saved weights (the RL loop's path); answers ``{"ok": true}``;
 * ``{"cmd": "sample", "prompts": [[ids...]...], "samples": S, "tokens": T, "seed": n}``: every prompt submitted before
   any is awaited (``samples`` per request, temperature 1, ``tokens`` new tokens at most); answers
-  ``{"seconds": wall time from the first submit to the last answer, "tokens": tokens generated}``;
+  ``{"seconds": wall time from the first submit to the last answer, "tokens": tokens generated, "submitted": when
+  the last submit returned, "answered": when each request's answer was in hand, in submission order}``;
 * ``{"cmd": "close"}``.
 """
 
@@ -38,8 +39,12 @@ def main() -> None:
             t0 = time.perf_counter()
             futures = [sampler.sample(tinker.ModelInput.from_ints(p), msg["samples"], params)
                        for p in msg["prompts"]]
-            generated = sum(len(s.tokens) for f in futures for s in f.result().sequences)
-            reply = {"seconds": time.perf_counter() - t0, "tokens": generated}
+            submitted = time.perf_counter() - t0
+            generated, answered = 0, []
+            for f in futures:
+                generated += sum(len(s.tokens) for s in f.result().sequences)
+                answered.append(time.perf_counter() - t0)
+            reply = {"seconds": answered[-1], "tokens": generated, "submitted": submitted, "answered": answered}
         else:
             break
         print(json.dumps(reply), flush=True)

@@ -51,6 +51,7 @@ from tinkerq.tenants import ApiKeys
 HERE = Path(__file__).resolve().parent
 SKYRL_CONFIG = {"max_lora_adapters": 4, "max_lora_rank": 8}
 RANK = 8
+SEED = 1  # every request's: the same work in every rep (each row still draws its own stream)
 # Qwen3 configs (float32, random weights, seed 0). Vocabulary >= the demo tokenizer's 50 ids.
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -194,7 +195,8 @@ class Client:
         cpu0, w0 = cpu_seconds(pids), cpu_seconds([worker]) if worker else 0.0
         got = self.call({"cmd": "sample", "prompts": prompts, "samples": samples, "tokens": tokens, "seed": seed})
         cpu, wcpu = cpu_seconds(pids) - cpu0, (cpu_seconds([worker]) - w0) if worker else float("nan")
-        return {"seconds": got["seconds"], "tokens": got["tokens"], "cpu": cpu, "worker_cpu": wcpu}
+        return {"seconds": got["seconds"], "tokens": got["tokens"], "cpu": cpu, "worker_cpu": wcpu,
+                "submitted": got["submitted"], "first": got["answered"][0]}
 
     def close(self) -> None:
         try:
@@ -236,26 +238,31 @@ def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, dict[
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     worker_env = dict(kv.split("=", 1) for kv in args.worker_env)
     with ExitStack() as stack:
-        servers = [stack.enter_context(tinkerq_server(model_dir, args.threads, worker_env)),
-                   stack.enter_context(skyrl_server(model_dir, args.skyrl_venv, tmp / f"skyrl-{name}"))]
+        servers = []
+        if "tinkerq" in args.servers:
+            servers.append(stack.enter_context(tinkerq_server(model_dir, args.threads, worker_env)))
+        if "skyrl" in args.servers:
+            servers.append(stack.enter_context(skyrl_server(model_dir, args.skyrl_venv, tmp / f"skyrl-{name}")))
         clients = {s["name"]: Client(s, args.skyrl_venv) for s in servers}
         for c in clients.values():
             stack.callback(c.close)
-        # Warm-up: every shape each server will see (SkyRL compiles a step per batch shape; tinkerq loads the
-        # snapshot), twice.
+        # Warm-up: every load each server will see, --warmup times (SkyRL compiles its generation loop per batch
+        # and length bucket, and how its engine groups requests into batches varies; tinkerq loads the snapshot).
         for c in clients.values():
-            for _ in range(2):
+            for _ in range(args.warmup):
                 for prompts, samples in loads.values():
-                    c.sample(prompts, samples, args.tokens, seed=0)
+                    c.sample(prompts, samples, args.tokens, seed=SEED)
         order = list(clients)
         for rep in range(args.reps):
             for load, (prompts, samples) in [*loads.items(), ("loaded", loads["batch"])]:
                 for who in (order if rep % 2 == 0 else order[::-1]):
                     with busy(2) if load == "loaded" else ExitStack():
-                        got = clients[who].sample(prompts, samples, args.tokens, seed=rep + 1)
+                        got = clients[who].sample(prompts, samples, args.tokens, seed=SEED)
                     results.setdefault(load, {}).setdefault(who, []).append(got)
                     print(f"  {name} rep {rep} {load:8s} {who:8s} {got['tokens'] / got['seconds']:8.0f} tok/s  "
-                          f"server CPU {1e3 * got['cpu'] / got['tokens']:.3f} ms/token", flush=True)
+                          f"server CPU {1e3 * got['cpu'] / got['tokens']:.3f} ms/token  submits took "
+                          f"{got['submitted']:.2f} s, first answer {got['first']:.2f} s, last {got['seconds']:.2f} s",
+                          flush=True)
     return results
 
 
@@ -302,6 +309,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--singles", type=int, default=16, help="concurrent single-sample requests")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=3, help="unrecorded rounds of every load first")
+    parser.add_argument("--servers", nargs="+", choices=["tinkerq", "skyrl"], default=["tinkerq", "skyrl"],
+                        help="(profiling) run only these; the ratios need both")
     parser.add_argument("--skyrl-venv", type=Path, default=Path(os.environ.get("SKYRL_VENV", "/work/skyrl-venv")))
     parser.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="extra environment of the tinkerq worker (e.g. OMP_WAIT_POLICY=ACTIVE)")
@@ -315,7 +325,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             results = run_model(name, args, Path(tmp))
-            summarise(name, results)
+            if len(args.servers) == 2:
+                summarise(name, results)
 
 
 if __name__ == "__main__":

@@ -410,3 +410,72 @@ def test_compat_sample_goes_through_the_engine(model):
     seqs = sample(model, prompt, 3, params, NO_STOP, 9)
     assert seqs == run_jobs(None, [make_job(model, prompt, 3, 9, seed=4, temperature=0.9, top_k=20)])[0]
     assert_logprobs_match(model, make_job(model, prompt, 3, 9), seqs)
+
+
+# -- the dense decode step (worker/sampling/dense_decode.py) ----------------------------------------------------
+
+
+def _dense_family(family: str):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(5)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    made = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**common)),
+            "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
+            "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8))}[family]()
+    return made.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_dense_decode_is_bitwise_the_models_own_forward(family, monkeypatch):
+    """Rows of several prompt lengths (left padding), joining at different steps, temperatures, filters, greedy
+    rows: every token and logprob with the dense decode step equals the one the model's own forward gives, and
+    the full forward of prompt + completion (the reference)."""
+    from tinkerq.worker.sampling import dense_decode, forwards
+
+    model = _dense_family(family)
+    assert dense_decode.dense_decode(model) is not None
+    calls = []
+    step = dense_decode.DenseDecode.__call__
+    monkeypatch.setattr(dense_decode.DenseDecode, "__call__", lambda *a: calls.append(1) or step(*a))
+
+    def run(dense: bool) -> list[list[types.SampledSequence]]:
+        monkeypatch.setattr(forwards, "DENSE_DECODE", dense)
+        answers: dict[int, list[types.SampledSequence]] = {}
+
+        def job(i: int, *args, **kwargs) -> SampleJob:
+            return make_job(model, *args, **kwargs, on_done=lambda seqs, err: answers.setdefault(i, seqs))
+
+        engine = TorchEngine()
+        try:
+            engine.submit(job(0, prompt_of(3, 1), 3, 12, temperature=1.0, seed=7))
+            engine.submit(job(1, prompt_of(17, 2), 2, 9, temperature=0.6, top_k=20, seed=8))
+            engine.submit(job(2, prompt_of(9, 3), 1, 14, temperature=0.0))
+            engine.step()
+            engine.step()
+            # Joins rows whose cache is already wider: its rows are padded on the left.
+            engine.submit(job(3, prompt_of(30, 4), 2, 5, top_p=0.7, seed=9))
+            engine.run_until_idle()
+        finally:
+            engine.close()
+        assert sorted(answers) == [0, 1, 2, 3] and all(answers.values())
+        return [answers[i] for i in range(4)]
+
+    plain = run(False)
+    assert not calls
+    fast = run(True)
+    assert calls  # the fast step ran
+    for a_job, b_job in zip(plain, fast, strict=True):
+        for a, b in zip(a_job, b_job, strict=True):
+            assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.stop_reason == b.stop_reason
+    job = make_job(model, prompt_of(17, 2), 2, 9, temperature=0.6, top_k=20, seed=8)
+    assert_logprobs_match(model, job, fast[1])
+

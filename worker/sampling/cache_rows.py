@@ -30,6 +30,7 @@ from transformers.cache_utils import (
 )
 
 from tinkerq.worker.logprobs import fused_head_support
+from tinkerq.worker.sampling.dense_decode import DenseDecode, dense_decode
 from tinkerq.worker.sampling.rules import StopRule
 
 if TYPE_CHECKING:
@@ -262,6 +263,7 @@ class Group:
         self.device = next(model.parameters()).device
         # Prompt logprobs from hidden states and the output embedding (else from every position's logits).
         self.fused_head = getattr(model, "fused_head", True) and fused_head_support(model) is None
+        self.dense: DenseDecode | None = dense_decode(model)  # its decode step without the model's wrapping
         self.cache: Any = None  # the cache the model made at the first prefill; its layers are re-pointed at rows
         self.kinds: list[Kind] = []  # per cache layer (set with ``cache``)
         self.rows: Rows | None = None

@@ -26,13 +26,16 @@ import torch
 
 from tinkerq.worker.lora import routing
 from tinkerq.worker.sampling import prompt_logprobs, prompt_scores
-from tinkerq.worker.sampling.cache_rows import Group, Rows, kind_of, vectorised_stop
+from tinkerq.worker.sampling.cache_rows import Group, KeyValues, Rows, kind_of, vectorised_stop
 
 if TYPE_CHECKING:
     from tinkerq.worker.sampling.torch_engine import Job
 
 ROW_SEED_STRIDE = 1_000_003
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (bounds its activations)
+# Decode plain dense decoders with worker/sampling/dense_decode.py (bitwise the model's own forward, less Python).
+# Only tests and benchmarks turn it off, to compare the two.
+DENSE_DECODE = True
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -71,6 +74,13 @@ def decode(group: Group) -> torch.Tensor:
     t = rows.t
     width = t["mask"].shape[1]  # T
     mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
+    dense = group.dense if DENSE_DECODE and group.dense is not None and group.dense.applies() else None
+    if dense is not None and all(type(kind) is KeyValues for kind in group.kinds):
+        with routed([j.job.adapter for j in rows.jobs], device=mask.device):
+            logits, rows.state = dense(t["last"], t["pos"], mask, rows.state)  # type: ignore[arg-type]
+        t["mask"] = mask
+        t["pos"] += 1
+        return logits
     for layer, kind, state in zip(group.cache.layers, group.kinds, rows.state, strict=True):
         kind.put(layer, state, width)
     with routed([j.job.adapter for j in rows.jobs], device=mask.device):
