@@ -45,7 +45,7 @@ class DenseDecode:
                        for m in (self.model, self.inner))
 
     def __call__(self, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                 state: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+                 state: list[list[torch.Tensor | None]]) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
         """Feed ``last`` (B,) at positions ``pos`` (B,); ``mask`` (B, T+1) is 1 where a cache column (and the fed
         token, last) is real; ``state`` per layer [keys, values] (B, Hkv, T, D). Returns the next-token logits
         (B, V) float32 and the new per-layer [keys, values] (B, Hkv, T+1, D)."""
@@ -55,8 +55,9 @@ class DenseDecode:
         # The model's SDPA mask for one query: None when no row has padding (it then lets SDPA skip the mask),
         # else True where a column may be attended, (B, 1, 1, T+1).
         attn_mask = None if bool(mask.all()) else mask.bool()[:, None, None, :]
-        new_state = []
+        new_state: list[list[torch.Tensor | None]] = []
         for layer, (keys, values) in zip(self.layers, state, strict=True):
+            assert keys is not None and values is not None  # a prefilled attention layer holds both
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             shape = (b, 1, -1, attn.head_dim)

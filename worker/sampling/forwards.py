@@ -77,7 +77,7 @@ def decode(group: Group) -> torch.Tensor:
     dense = group.dense if DENSE_DECODE and group.dense is not None and group.dense.applies() else None
     if dense is not None and all(type(kind) is KeyValues for kind in group.kinds):
         with routed([j.job.adapter for j in rows.jobs], device=mask.device):
-            logits, rows.state = dense(t["last"], t["pos"], mask, rows.state)  # type: ignore[arg-type]
+            logits, rows.state = dense(t["last"], t["pos"], mask, rows.state)
         t["mask"] = mask
         t["pos"] += 1
         return logits
