@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from tinkerq.errors import TinkerqError
 from tinkerq.gateway.http_errors import HTTPError, not_found, submit_error
 from tinkerq.gateway.request_bodies import model_input, sample_promise, sampling_params
 from tinkerq.gateway.sample_options import STABILITY_REFUSAL, sample_options
-from tinkerq.gateway.training_runs import CACHED_CLIENTS
+from tinkerq.gateway.training_runs import ClientCache
 from tinkerq.producer.sampling import SamplingClient
 
 if TYPE_CHECKING:
@@ -36,14 +35,7 @@ class Sampler:
 class Samplers:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self._samplers: OrderedDict[str, Sampler] = OrderedDict()
-
-    def _cache(self, key: str, sampler: Sampler) -> Sampler:
-        self._samplers[key] = sampler
-        self._samplers.move_to_end(key)
-        while len(self._samplers) > CACHED_CLIENTS:
-            self._samplers.popitem(last=False)
-        return sampler
+        self._samplers: ClientCache[Sampler] = ClientCache()
 
     async def create_sampling_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         session_id, k = body.get("session_id"), body.get("sampling_session_seq_id")
@@ -73,7 +65,7 @@ class Samplers:
         record = {"tenant": tenant, "sampler_id": sampler_id, "base_model": base_model, "model_path": model_path,
                   "source": source, "session_id": sampler_id.split(":", 1)[0]}
         self.gw.records.put("sampler", sampler_id, record)
-        self._cache(sampler_id, Sampler(sampler_id, record, client))
+        self._samplers.put(sampler_id, Sampler(sampler_id, record, client))
 
     def get(self, tenant: str, sampler_id: Any) -> Sampler:
         sampler = self._samplers.get(str(sampler_id))
@@ -84,7 +76,7 @@ class Samplers:
                     client = SamplingClient(self.gw.service, record["source"], record["base_model"])
                 except TinkerqError as exc:
                     raise submit_error(exc) from None
-                sampler = self._cache(str(sampler_id), Sampler(str(sampler_id), record, client))
+                sampler = self._samplers.put(str(sampler_id), Sampler(str(sampler_id), record, client))
         if sampler is None or sampler.record["tenant"] != tenant:
             raise not_found("sampling session", sampler_id)
         return sampler

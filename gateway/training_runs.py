@@ -10,7 +10,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from tinkerq import types
 from tinkerq.errors import TinkerqError
@@ -25,6 +25,29 @@ from tinkerq.wire import messages
 log = logging.getLogger("tinkerq.gateway")
 
 CACHED_CLIENTS = 1024  # runs and sampling sessions whose producer clients a gateway keeps at hand (LRU)
+
+T = TypeVar("T")
+
+
+class ClientCache(Generic[T]):
+    """The producer clients (of runs, of sampling sessions) a gateway served lately, by id: at most CACHED_CLIENTS,
+    the least recently stored go first. A miss is rebuilt from the records (any gateway can)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, T] = OrderedDict()
+
+    def get(self, key: str) -> T | None:
+        return self._items.get(key)
+
+    def put(self, key: str, value: T) -> T:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > CACHED_CLIENTS:
+            self._items.popitem(last=False)
+        return value
+
+    def pop(self, key: str) -> None:
+        self._items.pop(key, None)
 
 
 @dataclass
@@ -43,7 +66,7 @@ class TrainingRuns:
         self.records = records
         self.quotas = quotas
         self.settings = settings
-        self._runs: OrderedDict[str, Run] = OrderedDict()
+        self._runs: ClientCache[Run] = ClientCache()
 
     def admit(self, tenant: str, model_id: str) -> bool:
         """Count the new run against the key's max_training_clients; at the cap, first close the key's runs whose
@@ -75,17 +98,17 @@ class TrainingRuns:
         self.quotas.close_training_client(tenant, model_id)
 
     def add(self, tenant: str, model_id: str, job: dict[str, Any], lora: types.LoraConfig | None,
-                client: TrainingClient) -> Run:
+            client: TrainingClient) -> Run:
         offset = 0 if job.get("load") is None else 1
         record = {
             "tenant": tenant, "model_id": model_id, "session_id": job["session_id"], "base_model": job["base_model"],
             "lora": None if lora is None else messages.encode_lora(lora), "created": time.time(),
             "user_metadata": job.get("user_metadata"),
-            # What any gateway needs to drive the same worker session (see run()).
+            # What any gateway needs to drive the same worker session (see get()).
             "info": dataclasses.asdict(client.info), "offset": offset, "closed": False,
         }
         self.records.put("run", model_id, record)
-        return self._cache(model_id, Run(model_id, record, client, offset))
+        return self._runs.put(model_id, Run(model_id, record, client, offset))
 
     def get(self, tenant: str, model_id: Any, *, closed_ok: bool = False) -> Run | None:
         """The run, driven from its record (made here or by another gateway: the worker session is the same)."""
@@ -94,7 +117,7 @@ class TrainingRuns:
             record = self.records.get("run", str(model_id), tenant)
             if record is not None and not record.get("closed") and isinstance(record.get("info"), dict):
                 client = self.service.attach_training_client(types.ModelInfo(**record["info"]))
-                run = self._cache(str(model_id), Run(str(model_id), record, client, int(record["offset"])))
+                run = self._runs.put(str(model_id), Run(str(model_id), record, client, int(record["offset"])))
         if run is None or run.record["tenant"] != tenant:
             if closed_ok:
                 return None
@@ -103,7 +126,7 @@ class TrainingRuns:
 
     def close(self, run: Run) -> None:
         """Close the run's worker session after every request taken for it (on any gateway), and forget it."""
-        self._runs.pop(run.model_id, None)
+        self._runs.pop(run.model_id)
         lifecycle.close_run(self.service, self.records, self.quotas, run.record, run.client)
 
     @staticmethod
@@ -112,13 +135,6 @@ class TrainingRuns:
             client.close()
         except TinkerqError as exc:  # the worker may be gone already: nothing left to free
             log.info("closing %s: %s", client.model_id, exc.message)
-
-    def _cache(self, key: str, run: Run) -> Run:
-        self._runs[key] = run
-        self._runs.move_to_end(key)
-        while len(self._runs) > CACHED_CLIENTS:
-            self._runs.popitem(last=False)
-        return run
 
     def info(self, tenant: str, model_id: str) -> dict[str, Any]:
         run = self.get(tenant, model_id)
