@@ -16,7 +16,8 @@ The client is the official tinker SDK 0.25 (the release both servers speak), in 
 * singles: ``--singles`` concurrent requests of one sample each (same prompt lengths and tokens);
 * loaded: the batch load again with two busy processes (pure-Python loops) running beside the servers.
 
-Each rep runs every load on both servers, the order alternating rep by rep (A B, then B A). Reported: tokens/s
+Load by load, each server is warmed up on the load (``--warmup`` unrecorded rounds), then the reps alternate the
+servers (A B, then B A): steady state for both. Reported: tokens/s
 (generated tokens over the wall time from the first submit to the last answer) and the servers' CPU per generated
 token (user + system time of every process of the server, read from /proc: tinkerq's worker, gateway and Redis,
 also the worker alone; SkyRL's API and engine processes), medians over reps with the range, and the ratios
@@ -33,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,7 +117,8 @@ def cpu_seconds(roots: list[int]) -> float:
 
 
 @contextmanager
-def tinkerq_server(model_dir: Path, threads: int, env: dict[str, str]) -> Iterator[dict[str, Any]]:
+def tinkerq_server(model_dir: Path, threads: int, env: dict[str, str], name: str = "tinkerq"
+                   ) -> Iterator[dict[str, Any]]:
     with Fleet(model_dir, threads=threads, env=env) as fleet:
         port = free_port()
         gateway = start_process(gateway_command(fleet.url, port), fleet.workdir / "gateway.log")
@@ -128,7 +131,7 @@ def tinkerq_server(model_dir: Path, threads: int, env: dict[str, str]) -> Iterat
             finally:
                 keys.close()
             assert fleet._worker_proc is not None and fleet._redis_proc is not None
-            yield {"name": "tinkerq", "url": url, "key": key, "model": str(fleet.model_dir),
+            yield {"name": name, "url": url, "key": key, "model": str(fleet.model_dir),
                    "pids": [fleet._worker_proc.pid, gateway.pid, fleet._redis_proc.pid],
                    "worker_pid": fleet._worker_proc.pid}
         finally:
@@ -241,28 +244,33 @@ def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, dict[
         servers = []
         if "tinkerq" in args.servers:
             servers.append(stack.enter_context(tinkerq_server(model_dir, args.threads, worker_env)))
+        for variant in args.variant:  # A/B: another worker fleet, the same but for one environment variable
+            name_value = dict([variant.split("=", 1)])
+            servers.append(stack.enter_context(tinkerq_server(model_dir, args.threads, {**worker_env, **name_value},
+                                                              name=f"tinkerq {variant}")))
         if "skyrl" in args.servers:
             servers.append(stack.enter_context(skyrl_server(model_dir, args.skyrl_venv, tmp / f"skyrl-{name}")))
         clients = {s["name"]: Client(s, args.skyrl_venv) for s in servers}
         for c in clients.values():
             stack.callback(c.close)
-        # Warm-up: every load each server will see, --warmup times (SkyRL compiles its generation loop per batch
-        # and length bucket, and how its engine groups requests into batches varies; tinkerq loads the snapshot).
-        for c in clients.values():
-            for _ in range(args.warmup):
-                for prompts, samples in loads.values():
-                    c.sample(prompts, samples, args.tokens, seed=SEED)
+        # Load by load, so that each server's reps of a load run back to back after its warm-up on that load:
+        # SkyRL compiles its whole generation loop per batch shape and, switching between the two loads' shapes,
+        # compiled again (17-40 s per request in a first version of this script that interleaved the loads).
+        # The figures are steady state for both servers, as in an RL loop that repeats its shapes.
         order = list(clients)
-        for rep in range(args.reps):
-            for load, (prompts, samples) in [*loads.items(), ("loaded", loads["batch"])]:
-                for who in (order if rep % 2 == 0 else order[::-1]):
-                    with busy(2) if load == "loaded" else ExitStack():
+        for load, (prompts, samples) in [*loads.items(), ("loaded", loads["batch"])]:
+            with busy(2) if load == "loaded" else ExitStack():
+                for c in clients.values():
+                    for _ in range(args.warmup):
+                        c.sample(prompts, samples, args.tokens, seed=SEED)
+                for rep in range(args.reps):
+                    for who in (order if rep % 2 == 0 else order[::-1]):
                         got = clients[who].sample(prompts, samples, args.tokens, seed=SEED)
-                    results.setdefault(load, {}).setdefault(who, []).append(got)
-                    print(f"  {name} rep {rep} {load:8s} {who:8s} {got['tokens'] / got['seconds']:8.0f} tok/s  "
-                          f"server CPU {1e3 * got['cpu'] / got['tokens']:.3f} ms/token  submits took "
-                          f"{got['submitted']:.2f} s, first answer {got['first']:.2f} s, last {got['seconds']:.2f} s",
-                          flush=True)
+                        results.setdefault(load, {}).setdefault(who, []).append(got)
+                        print(f"  {name} rep {rep} {load:8s} {who:8s} {got['tokens'] / got['seconds']:8.0f} tok/s  "
+                              f"server CPU {1e3 * got['cpu'] / got['tokens']:.3f} ms/token  submits took "
+                              f"{got['submitted']:.2f} s, first answer {got['first']:.2f} s, last "
+                              f"{got['seconds']:.2f} s", flush=True)
     return results
 
 
@@ -277,20 +285,21 @@ def summarise(name: str, results: dict[str, dict[str, list[dict[str, float]]]]) 
     for load, by in results.items():
         for who, runs in by.items():
             rates, cpus = [rate(r) for r in runs], [cpu(r) for r in runs]
-            worker = [cpu(r, "worker_cpu") for r in runs] if who == "tinkerq" else []
+            worker = [cpu(r, "worker_cpu") for r in runs] if who.startswith("tinkerq") else []
             rows.append((load, who, median(rates), f"{min(rates):.0f}-{max(rates):.0f}", median(cpus),
                          f"{median(worker):.3f}" if worker else "-"))
     print(f"\n{name}: tokens/s and server CPU per generated token (medians; range over reps)")
     print_table(["load", "server", "tokens/s", "range", "CPU ms/token", "worker only"], rows)
     ratio_rows = []
     for load, by in results.items():
-        pairs = list(zip(by["tinkerq"], by["SkyRL"], strict=True))
-        ratio_rows.append((load, median([rate(a) / rate(b) for a, b in pairs]),
-                           f"{min(rate(a) / rate(b) for a, b in pairs):.2f}-"
-                           f"{max(rate(a) / rate(b) for a, b in pairs):.2f}",
-                           median([cpu(a) / cpu(b) for a, b in pairs])))
-    print(f"\n{name}: tinkerq / SkyRL, per rep (target: tokens/s >= 1, CPU <= 1)")
-    print_table(["load", "tokens/s ratio", "range", "CPU/token ratio"], ratio_rows)
+        for who in (w for w in by if w.startswith("tinkerq") and "SkyRL" in by):
+            pairs = list(zip(by[who], by["SkyRL"], strict=True))
+            ratios = [rate(a) / rate(b) for a, b in pairs]
+            ratio_rows.append((load, who, median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}",
+                               median([cpu(a) / cpu(b) for a, b in pairs])))
+    if ratio_rows:
+        print(f"\n{name}: tinkerq / SkyRL, per rep (target: tokens/s >= 1, CPU <= 1)")
+        print_table(["load", "server", "tokens/s ratio", "range", "CPU/token ratio"], ratio_rows)
     load_rows = []
     for who in results["batch"]:
         quiet, loaded = results["batch"][who], results["loaded"][who]
@@ -309,13 +318,17 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--singles", type=int, default=16, help="concurrent single-sample requests")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=3, help="unrecorded rounds of every load first")
-    parser.add_argument("--servers", nargs="+", choices=["tinkerq", "skyrl"], default=["tinkerq", "skyrl"],
-                        help="(profiling) run only these; the ratios need both")
+    parser.add_argument("--warmup", type=int, default=2, help="unrecorded rounds before each load's reps")
+    parser.add_argument("--servers", nargs="*", choices=["tinkerq", "skyrl"], default=["tinkerq", "skyrl"],
+                        help="run only these (the ratios need both)")
+    parser.add_argument("--variant", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="also a tinkerq fleet whose worker has this environment variable (A/B in the same run)")
     parser.add_argument("--skyrl-venv", type=Path, default=Path(os.environ.get("SKYRL_VENV", "/work/skyrl-venv")))
     parser.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="extra environment of the tinkerq worker (e.g. OMP_WAIT_POLICY=ACTIVE)")
     args = parser.parse_args()
+    # A SIGTERM (a background run's only stop: it ignores SIGINT) unwinds the servers' context managers too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not (args.skyrl_venv / "uv-shim" / "uv").exists():
         sys.exit(f"no SkyRL venv at {args.skyrl_venv}: run bash benchmarks/skyrl_env.sh first")
     print(f"machine: {machine()}")
@@ -325,8 +338,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             results = run_model(name, args, Path(tmp))
-            if len(args.servers) == 2:
-                summarise(name, results)
+            summarise(name, results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""The sampling engine's decode step in-process: the dense decode step (worker/sampling/dense_decode.py) against the
+model's own forward, alternated rep by rep in one run, on the models of benchmarks/skyrl_side_by_side.py.
+
+No Redis, no worker: one TorchEngine stepped on this thread (``torch.set_num_threads(--threads)``), the same
+requests every rep (fixed seeds), every request submitted before the first step. Loads: ``--prompts`` prompts of
+16-32 tokens x ``--samples`` samples, and ``--singles`` one-sample requests, ``--tokens`` new tokens each at
+temperature 1. Reported: tokens/s and this process's CPU per generated token (medians; the range over reps), and
+the ratio dense / model forward per rep. The two paths' tokens and logprobs are compared as well (bitwise).
+
+    .venv/bin/python benchmarks/sampling_decode.py [--reps 5] [--models tiny 29m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _fleet import machine, median, print_table
+from skyrl_side_by_side import MODELS, SEED, build_qwen3, prompts_for
+
+from tinkerq import types
+
+
+def run(model: Any, prompts: list[list[int]], samples: int, tokens: int) -> tuple[float, float, int, list[Any]]:
+    """Wall seconds, CPU seconds, generated tokens and the sequences of one engine run of every prompt."""
+    from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine
+
+    engine, out = TorchEngine(), []
+    for p in prompts:
+        engine.submit(SampleJob(model=model, model_key=0, prompt=p, num_samples=samples,
+                                params=types.SamplingParams(max_tokens=tokens, temperature=1.0, seed=SEED),
+                                stop=StopRule([], [], None), max_tokens=tokens,
+                                on_done=lambda seqs, err: out.append(seqs)))
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.run_until_idle()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    engine.close()
+    return seconds, cpu, sum(len(s.tokens) for seqs in out for s in seqs), out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--singles", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tinkerq.worker.sampling import forwards
+
+    torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}; torch threads {args.threads}; {args.reps} reps, alternated")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            model = AutoModelForCausalLM.from_pretrained(build_qwen3(Path(tmp) / name, MODELS[name])).eval()
+            vocab = MODELS[name]["vocab_size"]
+            loads = {"batch": (prompts_for(args.prompts, vocab, 1), args.samples),
+                     "singles": (prompts_for(args.singles, vocab, 2), 1)}
+            rows, ratio_rows = [], []
+            for load, (prompts, samples) in loads.items():
+                got: dict[str, list[tuple[float, float, int]]] = {"model forward": [], "dense decode": []}
+                answers: dict[str, Any] = {}
+                for rep in range(args.reps + 1):  # the first is a warm-up
+                    for path in (["model forward", "dense decode"] if rep % 2 else ["dense decode", "model forward"]):
+                        forwards.DENSE_DECODE = path == "dense decode"
+                        seconds, cpu, n, out = run(model, prompts, samples, args.tokens)
+                        answers[path] = sorted((s.tokens, s.logprobs) for seqs in out for s in seqs)
+                        if rep:
+                            got[path].append((seconds, cpu, n))
+                forwards.DENSE_DECODE = True
+                same = answers["model forward"] == answers["dense decode"]
+                for path, runs in got.items():
+                    rates = [n / s for s, _, n in runs]
+                    rows.append((load, path, median(rates), f"{min(rates):.0f}-{max(rates):.0f}",
+                                 median([1e3 * c / n for _, c, n in runs])))
+                ratios = [(n2 / s2) / (n1 / s1) for (s1, _, n1), (s2, _, n2)
+                          in zip(got["model forward"], got["dense decode"], strict=True)]
+                cpu_ratios = [(c2 / n2) / (c1 / n1) for (_, c1, n1), (_, c2, n2)
+                              in zip(got["model forward"], got["dense decode"], strict=True)]
+                ratio_rows.append((load, median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}", median(cpu_ratios),
+                                   "yes" if same else "NO"))
+            print(f"\n{name} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+            print_table(["load", "decode", "tokens/s", "range", "CPU ms/token"], rows)
+            print_table(["load", "tokens/s dense / forward", "range", "CPU/token dense / forward", "same tokens"],
+                        ratio_rows)
+
+
+if __name__ == "__main__":
+    main()
