@@ -70,8 +70,8 @@ def test_a_transaction_reads_then_writes_and_sees_no_write_of_its_own(store: Key
     assert store.transaction(bump, [key], what="bumping") == (b"1", b"1")
     assert store.get(key) == b"2"
     seen = store.transaction(lambda t: (t.exists(h), t.hash_get(h, ["n", "m"]), t.hash_size(h), t.zset_size(h + "z"),
-                                        t.get_many([key, h + "none"])), what="reading")
-    assert seen == (True, [b"1", None], 1, 0, [b"2", None])
+                                        t.get_many([key, h + "none"]), t.zset_range(h + "z", 0, 1)), what="reading")
+    assert seen == (True, [b"1", None], 1, 0, [b"2", None], [])
 
 
 def test_concurrent_transactions_never_lose_an_update(store: KeyValueStore):

@@ -139,6 +139,7 @@ class Transaction(Protocol):
     def hash_get(self, key: str, fields: Sequence[str]) -> list[bytes | None]: ...
     def hash_size(self, key: str) -> int: ...
     def zset_size(self, key: str) -> int: ...
+    def zset_range(self, key: str, min_score: float, max_score: float) -> list[tuple[str, float]]: ...
     def write(self, *writes: Write) -> None: ...
 
 
@@ -399,6 +400,10 @@ class _RedisTransaction:
 
     def zset_size(self, key: str) -> int:
         return int(self._reader.zcard(key))
+
+    def zset_range(self, key: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
+        found = self._reader.zrangebyscore(key, _score(min_score), _score(max_score), withscores=True)
+        return [(_text(member), float(score)) for member, score in found]
 
     def write(self, *writes: Write) -> None:
         self.writes += writes
@@ -718,6 +723,9 @@ class _MemoryTransaction:
 
     def zset_size(self, key: str) -> int:
         return len(self.store._zsets.get(key, {}))
+
+    def zset_range(self, key: str, min_score: float, max_score: float) -> list[tuple[str, float]]:
+        return self.store.zset_range(key, min_score, max_score)
 
     def write(self, *writes: Write) -> None:
         self.writes += writes
