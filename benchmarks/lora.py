@@ -156,13 +156,20 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 @contextlib.contextmanager
-def stacked_products() -> Iterator[None]:
-    """The pass with its products over all tenants' rows at once (not batch-invariant): a diagnostic."""
-    routing.PER_GROUP_PRODUCTS = False
+def products(layout: str) -> Iterator[None]:
+    """Passes in this block run their products as ``layout`` says (``routing.PRODUCTS``: tiles, groups, stacked)."""
+    before, routing.PRODUCTS = routing.PRODUCTS, layout
     try:
         yield
     finally:
-        routing.PER_GROUP_PRODUCTS = True
+        routing.PRODUCTS = before
+
+
+@contextlib.contextmanager
+def stacked_products() -> Iterator[None]:
+    """The pass with its products over all tenants' rows at once (not batch-invariant): a diagnostic."""
+    with products("stacked"):
+        yield
 
 
 def load_before(rev: str) -> Any:
@@ -204,6 +211,10 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         with stacked_products():
             return pass_over(pairs, module)
 
+    def per_group(fn: Callable[[], list[float]]) -> list[float]:
+        with products("groups"):
+            return fn()
+
     # The ceiling batching can reach on this machine without any LoRA code: a trainable copy of the base, the
     # same loss head (LogprobComputer) and tokens, forward + backward of one (16, 128) batch vs 16 of (1, 128)
     # (--varied: right-padded to the longest row).
@@ -237,6 +248,9 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         f"no LoRA, trainable base: one fb of {TENANTS} datums": lambda: plain_way(True),
         f"no LoRA, trainable base: {TENANTS} fb of 1 datum": lambda: plain_way(False),
         "diagnostic: mixed, products stacked (not bitwise)": stacked,
+        "products per group (before tiles): mixed": lambda: per_group(lambda: pass_over(pairs)),
+        "products per group (before tiles): one at a time": lambda: per_group(
+            lambda: [pass_over([p])[0] for p in pairs]),
     }
     if before is not None:
         ways[f"before ({args.before}): one run_pass of {TENANTS} requests"] = lambda: stacked(before)
@@ -278,6 +292,11 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
     for name in diagnostics:
         print(f"{name}: {baseline / median(times[name]):.2f}x one-at-a-time tokens/s; the mixed pass takes "
               f"{median(times[mixed_name]) / median(times[name]):.2f}x its time")
+    groups_mixed, groups_seq = (n for n in ways if n.startswith("products per group"))
+    g_mixed, g_seq = median(times[groups_mixed]), median(times[groups_seq])
+    print(f"products per group (the layout before tiles): mixed {g_seq / g_mixed:.2f}x its one at a time; tiles "
+          f"against it: mixed {g_mixed / median(times[mixed_name]):.2f}x, one at a time {g_seq / baseline:.2f}x its "
+          f"speed; mixed in tiles {g_seq / median(times[mixed_name]):.2f}x one at a time per group")
     best = min(times[seq_name]) / min(times[mixed_name])
     print(f"RATIO mixed/one-at-a-time tokens/s: median {ratio:.2f}x, best-of {best:.2f}x "
           f"(target >= {TARGET_MIXED}x: {'met' if ratio >= TARGET_MIXED else 'NOT met'})")

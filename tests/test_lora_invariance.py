@@ -124,6 +124,21 @@ def test_a_mixed_pass_is_bitwise_each_tenant_alone(name):
                 assert all(not p.grad.any() for p in s.engine.params)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_small_tiles_and_chunks_stay_bitwise(name, monkeypatch):
+    """Tiles of 16 tokens and loss-head chunks of 40 (the defaults, 128 and the vocabulary's, leave these tiny
+    passes one tile a product): every group's tokens span several tiles and a shorter last one, tiles of several
+    sizes share one chunk and a chunk cuts through groups; each tenant still gets its numbers alone."""
+    monkeypatch.setattr(routing, "TILE_ROWS", 16)
+    base = lora_base(name)
+    monkeypatch.setattr(base.logprobs, "chunk_tokens", 40)
+    sessions = tenants(base)
+    data = requests(3, MODELS[name][2])
+    mixed = run(base, sessions, data, True)
+    for i, s in enumerate(sessions):
+        assert_bitwise(mixed[i], _alone(base, s, data[i], TENANTS[i][2], True)[0])
+
+
 def _alone(base, session, data, loss, backward):
     items = [LossItem(session, data, loss, PPO if loss == "ppo" else None)]
     run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
@@ -223,18 +238,58 @@ def test_the_plan_keeps_each_tenants_micro_batches_and_order():
     assert padded_length(250, cap=240) == 250 and padded_length(230, cap=240) == 240
 
 
-def test_per_group_products_split_only_the_batch():
-    """The products over the batch's rows or flattened tokens are the ones split per tenant."""
+def test_products_over_the_batch_run_in_tiles():
+    """A frozen weight's products over the batch's rows or flattened tokens run in tiles of TILE_ROWS tokens per
+    group (then one shorter tile), each tile as a product of its own; a weight that takes a gradient (an adapter's)
+    runs per group; a group's own tokens run whole."""
     a, b = object(), object()
+    linear = torch.nn.functional.linear
+    x, w, bias = torch.randn(5, 4, 3), torch.randn(6, 3), torch.randn(6)
+    trained = torch.randn(6, 3, requires_grad=True)
     with routing.routed([(a, slice(0, 2)), (b, slice(2, 5))], length=4) as route:
         assert route.row_sizes(torch.zeros(5, 4, 3)) == [2, 3]
         assert route.row_sizes(torch.zeros(20, 3)) == [8, 12]
         assert route.row_sizes(torch.zeros(8, 3)) is None  # a group's own tokens
         with route.whole():
             assert route.row_sizes(torch.zeros(5, 4, 3)) is None
-        x, w = torch.randn(5, 4, 3), torch.randn(6, 3)
-        split = torch.nn.functional.linear(x, w)
-    assert torch.equal(split, torch.cat([torch.nn.functional.linear(x[:2], w), torch.nn.functional.linear(x[2:], w)]))
+        old, routing.TILE_ROWS = routing.TILE_ROWS, 5
+        try:
+            tiled, tiled_flat, per_group = linear(x, w, bias), linear(x.view(20, 3), w), linear(x, trained)
+        finally:
+            routing.TILE_ROWS = old
+    flat = x.reshape(20, 3)
+    # group a: tokens 0-7 -> tiles 0-4, 5-7; group b: 8-19 -> 8-12, 13-17, 18-19
+    want = torch.cat([linear(flat[i:j].unsqueeze(0), w)[0] for i, j in [(0, 5), (5, 8), (8, 13), (13, 18), (18, 20)]])
+    assert torch.allclose(tiled.view(20, 6), want + bias) and torch.allclose(tiled_flat, want)
+    assert torch.equal(per_group, torch.cat([linear(x[:2], trained), linear(x[2:], trained)]))
+
+
+def test_a_tile_computes_as_alone_whatever_shares_its_product():
+    """The property tiles rest on, on this CPU: a group's rows get the same bits from ``tiled_linear`` whatever
+    groups share the call (shapes where plain products do not: rows of a (M, 1024) x (1024, 256) product differ
+    by M with MKL on 2 threads), forward and the gradient of the input, 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for k, n in [(1024, 256), (256, 1024), (384, 32000 // 8)]:
+                w = torch.randn(n, k, generator=gen)
+                sizes = [16, 128, 300, 7, 128, 48, 256, 130]
+                x = torch.randn(sum(sizes), k, generator=gen, requires_grad=True)
+                g = torch.randn(sum(sizes), n, generator=gen)
+                out = routing.tiled_linear(x, w, None, sizes)
+                (grad,) = torch.autograd.grad(out, x, g)
+                at = 0
+                for m in sizes:
+                    mine = x[at:at + m].detach().requires_grad_()
+                    alone = routing.tiled_linear(mine, w, None, [m])
+                    (grad_alone,) = torch.autograd.grad(alone, mine, g[at:at + m])
+                    assert torch.equal(out[at:at + m], alone), (n_threads, k, n, m)
+                    assert torch.equal(grad[at:at + m], grad_alone), (n_threads, k, n, m)
+                    at += m
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_position_dependent_activations_run_per_group():
@@ -257,3 +312,33 @@ def test_position_dependent_activations_run_per_group():
         else:
             want = torch.cat([f(t[:1].clone()), f(t[1:].clone())])
         assert torch.equal(out, want)
+
+
+def test_the_tiled_head_is_the_full_logits_head():
+    """The loss head in tiles (worker/lora/head.py): target logprobs and gradients (hidden states, each group's
+    low-rank factors) equal the full-logits computation's (float64, within rounding), with tiles of several sizes
+    in one chunk, chunks that cut through groups, and a group without an output-projection adapter."""
+    from tinkerq.worker.lora.head import tiled_target_logprobs
+    from tinkerq.worker.loss_head.chunked import TorchChunkKernel
+
+    gen = torch.Generator().manual_seed(3)
+    counts, vocab, hidden_size, rank = [37, 5, 60], 50, 12, 3
+    n = sum(counts)
+    h = torch.randn(n, hidden_size, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    lows = [torch.randn(c, rank, generator=gen, dtype=torch.float64, requires_grad=True) for c in counts]
+    lws = [torch.randn(vocab, rank, generator=gen, dtype=torch.float64, requires_grad=True) for _ in counts]
+    pairs = [(lows[0], lws[0]), None, (lows[2], lws[2])]
+    got = tiled_target_logprobs(h, w, targets, counts, pairs, tile_rows=16, chunk_tokens=40, kernel=TorchChunkKernel())
+    logits = h @ w.t()
+    extra = [lows[0] @ lws[0].t(), torch.zeros(counts[1], vocab, dtype=torch.float64), lows[2] @ lws[2].t()]
+    logits = logits + torch.cat(extra)
+    want = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    weights = torch.randn(n, generator=gen, dtype=torch.float64)
+    inputs = [h, lows[0], lws[0], lows[2], lws[2]]
+    grads = torch.autograd.grad((got * weights).sum(), inputs)
+    want_grads = torch.autograd.grad((want * weights).sum(), inputs)
+    for g, v in zip(grads, want_grads, strict=True):
+        assert torch.allclose(g, v, rtol=0, atol=1e-10)

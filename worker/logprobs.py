@@ -13,6 +13,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from tinkerq.worker.lora import head as lora_head
 from tinkerq.worker.lora import routing as lora_routing
 from tinkerq.worker.loss_head import resolve_backend, target_logprobs_from_hidden
 from tinkerq.worker.quantized_base import recomputed
@@ -82,6 +83,9 @@ class LogprobComputer:
         real = attention_mask > 0  # (B, T)
         weight = model.get_output_embeddings().weight  # (V, H)
         routing = lora_routing.current()
+        if routing is not None and routing.tiled_head() and self.backend in lora_head.BACKENDS:
+            return lora_head.routed_logprobs(routing, hidden, weight, targets, real, backend=self.backend,
+                                             chunk_tokens=self.chunk_tokens)
         groups = routing.head_groups() if routing is not None else None
         if groups is not None and routing is not None:  # LoRA on the output projection: each adapter's own head
             parts = zip(routing.split(hidden), routing.split(targets), routing.split(real), groups, strict=True)

@@ -322,7 +322,7 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     # G adapters (or None), and the group of each token (N,)
     adapters, token_group = route.token_groups(n_tokens, hidden_states.device)
     sizes = route.token_sizes(n_tokens)
-    if sizes is not None and routing.PER_GROUP_PRODUCTS:
+    if sizes is not None and routing.PRODUCTS != "stacked":
         # A training pass (contiguous groups): each group's tokens through a dispatch of their own, so its slots'
         # products per expert have the shapes they have alone (batch invariance, worker/lora/batch.py). One group
         # takes the same path: its gradient then sums the dispatch's uses of its tokens in the same order.

@@ -13,12 +13,16 @@ in the sampling engine, whose rows of many snapshots interleave. A module that s
 A hooked Linear may carry several adapters on parts of its output rows (a fused q/k/v projection: Tinker adapts
 its parts separately; worker/lora/adapter.py); fused experts add their deltas in worker/lora/experts.py.
 
-Batch invariance (worker/lora/batch.py): while contiguous groups of several requests share a forward, every
-``torch.nn.functional.linear`` over the batch's rows (B, ...) or tokens (B * T, ...) runs once per group, on that
-group's rows (:class:`_PerGroupProducts`), the experts dispatch per group, and the loss head runs per group
-(:meth:`Routing.head_groups`). A BLAS chooses its kernel, and on several threads how it splits a sum, by the
-number of rows of a product (measured with MKL on 2 threads: a 128-row product's rows differ in the last bits
-from the same rows inside a 2,048-row one), so a request's products must have the shapes they have alone.
+Batch invariance (worker/lora/batch.py): while contiguous groups share a forward (one group too: a request alone
+takes the same path), every ``torch.nn.functional.linear`` of a frozen weight over the batch's rows (B, ...) or tokens
+(B * T, ...) runs over fixed-shape tiles (:func:`tiled_linear`): each group's rows cut into tiles of ``TILE_ROWS``
+and one shorter last tile, tiles of one size stacked into one ``torch.bmm``. A BLAS chooses its kernel, and on
+several threads how it splits a sum, by the number of rows of a product (measured with MKL on 2 threads: a 128-row
+product's rows differ in the last bits from the same rows inside a 2,048-row one); a batched product computes each
+item as the same kernel on the item's shape, whatever the batch count (measured: every tile bitwise alone, 1 and 2
+threads), so a request's rows get the bits they get alone while the base's products run over every request's rows
+at once. Products whose weight takes a gradient (the adapters' own, already on one group's rows) run per group;
+the experts dispatch per group, and the loss head runs per group (:meth:`Routing.head_groups`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,15 @@ from tinkerq.worker.lora.adapter import Part, adaptable
 
 _local = threading.local()
 
-# Whether the products over the rows of several contiguous groups run per group (batch invariance, above). Only
-# benchmarks/lora.py turns it off, to measure what it costs; a pass is then no longer bitwise its requests alone.
-PER_GROUP_PRODUCTS = True
+# How a routed pass's products over the rows of several contiguous groups run: "tiles" (fixed-shape row tiles in
+# batched products, :func:`tiled_linear`; bitwise each group alone), "groups" (one product per group: bitwise too, the
+# layout before tiles) or "stacked" (one product over every row: not bitwise). Only benchmarks/lora.py changes it,
+# to measure what each costs.
+PRODUCTS = "tiles"
+# Rows of one tile of a frozen weight's product (a group's rows: whole tiles, then one shorter tile). Every group of
+# one 128-token row, the common case, is one tile; bucketed lengths are multiples of 16, so the last tiles of a
+# step's groups (one length) share a size and one product.
+TILE_ROWS = 128
 
 
 class AdapterWeights(Protocol):
@@ -77,13 +87,21 @@ class Routing:
             return None
         out = [(adapter.scaling if adapter else 0.0, adapter.pair(self.head) if adapter else None)
                for adapter, _ in self.groups]
-        if len(out) > 1 and PER_GROUP_PRODUCTS:
+        if len(out) > 1 and PRODUCTS != "stacked":
             return out
         return out if any(pair is not None for _, pair in out) else None
 
+    def tiled_head(self) -> bool:
+        """Whether the loss head runs over every group's tokens in tiles (worker/lora/head.py): contiguous groups,
+        one group too (alone as among others), products in tiles."""
+        return self.head is not None and self.contiguous and PRODUCTS == "tiles"
+
     def per_group(self) -> bool:
-        """Whether products over the batch run per group: contiguous groups of several requests."""
-        return PER_GROUP_PRODUCTS and self.contiguous and len(self.groups) > 1
+        """Whether products over the batch run per group or in tiles: contiguous groups (in tiles, one group too:
+        a request alone then computes its products as it does among others)."""
+        if not self.contiguous or PRODUCTS == "stacked":
+            return False
+        return PRODUCTS == "tiles" or len(self.groups) > 1
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
@@ -245,11 +263,48 @@ _ELEMENTWISE = frozenset({torch.sigmoid, torch.Tensor.sigmoid, torch.special.exp
                           F.elu, F.selu, F.celu, F.mish, torch.exp2, torch.Tensor.exp2})
 
 
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``x`` (S, ..., in) in groups of ``sizes`` rows along its first dimension,
+    computed in tiles: each group's (rows x ..., in) tokens cut into tiles of ``TILE_ROWS`` and one shorter last
+    tile, the tiles of one size stacked (T_s, s, in) into one ``torch.bmm`` with ``weight`` broadcast. A token's
+    output then depends only on its group's tokens (batch invariance, above); the backward's product for ``x``
+    runs on the same tiles. ``weight`` must take no gradient (its gradient would be summed over the tiles)."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)  # (M, in): every group's tokens, in order
+    per_row = flat.shape[0] // sum(sizes)
+    tiles: list[tuple[int, int]] = []  # (first token, tokens)
+    at = 0
+    for n in sizes:
+        n *= per_row
+        full, rest = divmod(n, TILE_ROWS)
+        tiles += [(at + i * TILE_ROWS, TILE_ROWS) for i in range(full)]
+        if rest:
+            tiles.append((at + full * TILE_ROWS, rest))
+        at += n
+    by_size: dict[int, list[int]] = {}
+    for i, (_, rows) in enumerate(tiles):
+        by_size.setdefault(rows, []).append(i)
+    wt = weight.t()  # (in, out)
+    if len(by_size) == 1:  # every tile one size: the tokens are the stacked tiles already (a view)
+        ((rows, _),) = by_size.items()
+        out = torch.bmm(flat.view(len(tiles), rows, k), wt.expand(len(tiles), *wt.shape))  # (T, rows, out)
+        out = out.view(*x.shape[:-1], wt.shape[1])
+        return out + bias if bias is not None else out
+    pieces: list[torch.Tensor] = [flat] * len(tiles)  # placeholders, each replaced by its tile's output below
+    for rows, index in by_size.items():
+        stacked = torch.stack([flat[tiles[i][0]:tiles[i][0] + rows] for i in index])  # (T_s, rows, in)
+        for i, piece in zip(index, torch.bmm(stacked, wt.expand(len(index), *wt.shape)).unbind(0), strict=True):
+            pieces[i] = piece
+    out = torch.cat(pieces).view(*x.shape[:-1], wt.shape[1])
+    return out + bias if bias is not None else out
+
+
 class _PerGroupProducts(TorchFunctionMode):
-    """``F.linear`` over the batch's rows or tokens, one call per contiguous group, concatenated: each group's
-    product has the shape it has alone (its gradient too: the backward runs per piece). So do the elementwise
-    functions of ``_ELEMENTWISE`` on CPU tensors (not in place), whose elements' last bits depend on where in the
-    tensor they sit: a group's piece is computed as the whole tensor is alone."""
+    """``F.linear`` over the batch's rows or tokens: a frozen weight's in tiles (:func:`tiled_linear`, when
+    ``PRODUCTS`` is "tiles"), others one call per contiguous group, concatenated: each group's product has the
+    shape it has alone (its gradient too: the backward runs per piece). So do the elementwise functions of
+    ``_ELEMENTWISE`` on CPU tensors (not in place), whose elements' last bits depend on where in the tensor they
+    sit: a group's piece is computed as the whole tensor is alone."""
 
     def __init__(self, routing: Routing) -> None:
         super().__init__()
@@ -260,13 +315,17 @@ class _PerGroupProducts(TorchFunctionMode):
         if func in _ELEMENTWISE and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
                 and not kwargs.get("inplace") and not any(a is True for a in args[1:]):
             sizes = self.routing.row_sizes(args[0])
-            if sizes is not None:
+            if sizes is not None and len(sizes) > 1:
                 return torch.cat([func(x, *args[1:], **kwargs) for x in torch.split(args[0], sizes)])
         if func is F.linear and args and isinstance(args[0], torch.Tensor):
             sizes = self.routing.row_sizes(args[0])
             if sizes is not None:
-                pieces = [func(x, *args[1:], **kwargs) for x in torch.split(args[0], sizes)]
-                return torch.cat(pieces)
+                weight = args[1] if len(args) > 1 else kwargs["weight"]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                if PRODUCTS == "tiles" and not weight.requires_grad:
+                    return tiled_linear(args[0], weight, bias, sizes)
+                if len(sizes) > 1:
+                    return torch.cat([func(x, *args[1:], **kwargs) for x in torch.split(args[0], sizes)])
         return func(*args, **kwargs)
 
 
