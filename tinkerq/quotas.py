@@ -244,10 +244,11 @@ def _join_capped(store: KeyValueStore, zset: str, member: str, cap: int | None, 
 
     def join(t: Transaction) -> bool:
         now = t.now()
-        t.watch(zset)
-        live = [m for m, _ in t.zset_range(zset, now, math.inf)] if cap is not None else []
-        if cap is not None and member not in live and len(live) >= cap:
-            return False
+        if cap is not None:  # (no cap: nothing read, nothing to watch)
+            t.watch(zset)
+            live = [m for m, _ in t.zset_range(zset, now, math.inf)]
+            if member not in live and len(live) >= cap:
+                return False
         t.write(ZRemoveBelow(zset, now), ZAdd(zset, member, math.inf if lease_s is None else now + lease_s))
         return True
 
