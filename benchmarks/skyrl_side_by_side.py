@@ -286,20 +286,24 @@ def summarise(name: str, results: dict[str, dict[str, list[dict[str, float]]]]) 
         for who, runs in by.items():
             rates, cpus = [rate(r) for r in runs], [cpu(r) for r in runs]
             worker = [cpu(r, "worker_cpu") for r in runs] if who.startswith("tinkerq") else []
-            rows.append((load, who, median(rates), f"{min(rates):.0f}-{max(rates):.0f}", median(cpus),
+            rows.append((load, who, median(rates), f"{min(rates):.0f}-{max(rates):.0f}", median(cpus), min(cpus),
                          f"{median(worker):.3f}" if worker else "-"))
-    print(f"\n{name}: tokens/s and server CPU per generated token (medians; range over reps)")
-    print_table(["load", "server", "tokens/s", "range", "CPU ms/token", "worker only"], rows)
+    print(f"\n{name}: tokens/s and server CPU per generated token (medians; range over reps; CPU of the best rep)")
+    print_table(["load", "server", "tokens/s", "range", "CPU ms/token", "best CPU", "worker only"], rows)
     ratio_rows = []
     for load, by in results.items():
         for who in (w for w in by if w.startswith("tinkerq") and "SkyRL" in by):
             pairs = list(zip(by[who], by["SkyRL"], strict=True))
             ratios = [rate(a) / rate(b) for a, b in pairs]
+            best = max(rate(a) for a in by[who]) / max(rate(b) for b in by["SkyRL"])
+            best_cpu = min(cpu(a) for a in by[who]) / min(cpu(b) for b in by["SkyRL"])
             ratio_rows.append((load, who, median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}",
-                               median([cpu(a) / cpu(b) for a, b in pairs])))
+                               median([cpu(a) / cpu(b) for a, b in pairs]), best, best_cpu))
     if ratio_rows:
-        print(f"\n{name}: tinkerq / SkyRL, per rep (target: tokens/s >= 1, CPU <= 1)")
-        print_table(["load", "server", "tokens/s ratio", "range", "CPU/token ratio"], ratio_rows)
+        # Best against best: SkyRL's reps that hit a compiled shape (a rep that compiles takes 15-40 s here).
+        print(f"\n{name}: tinkerq / SkyRL, per rep and best rep against best rep (target: tokens/s >= 1, CPU <= 1)")
+        print_table(["load", "server", "tokens/s ratio", "range", "CPU/token ratio", "best tok/s ratio",
+                     "best CPU ratio"], ratio_rows)
     load_rows = []
     for who in results["batch"]:
         quiet, loaded = results["batch"][who], results["loaded"][who]
