@@ -22,7 +22,7 @@ product's rows differ in the last bits from the same rows inside a 2,048-row one
 item as the same kernel on the item's shape, whatever the batch count (measured: every tile bitwise alone, 1 and 2
 threads), so a request's rows get the bits they get alone while the base's products run over every request's rows
 at once. Products whose weight takes a gradient (the adapters' own, already on one group's rows) run per group;
-the experts dispatch per group, and the loss head runs per group (:meth:`Routing.head_groups`).
+the experts dispatch per group, and the loss head runs in tiles too (worker/lora/head.py, :meth:`Routing.tiled_head`).
 """
 
 from __future__ import annotations
