@@ -478,4 +478,10 @@ def test_dense_decode_is_bitwise_the_models_own_forward(family, monkeypatch):
             assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.stop_reason == b.stop_reason
     job = make_job(model, prompt_of(17, 2), 2, 9, temperature=0.6, top_k=20, seed=8)
     assert_logprobs_match(model, job, fast[1])
+    # One prompt's rows only: no padding anywhere (the model then gives SDPA no mask).
+    alone = {}
+    for dense in (False, True):
+        monkeypatch.setattr(forwards, "DENSE_DECODE", dense)
+        alone[dense] = run_jobs(None, [make_job(model, prompt_of(11, 5), 3, 10, temperature=1.0, seed=4)])[0]
+    assert [(s.tokens, s.logprobs) for s in alone[True]] == [(s.tokens, s.logprobs) for s in alone[False]]
 

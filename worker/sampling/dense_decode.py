@@ -10,9 +10,10 @@ module's own ``apply_rotary_pos_emb``, attention is the function the model would
 the keys/values are concatenated as ``DynamicLayer.update`` does. So its logits and cache are bitwise those of
 ``model(...)`` (tests/test_sampling_engine.py compares them); it only leaves out Python.
 
-Used only where that equivalence is known: exactly these classes, every layer full attention (no sliding
-window), SDPA attention, a plain key/value cache per layer, no hook on (or replaced forward of) the model itself.
-Anything else takes the model's own forward.
+Used only where that equivalence is known: exactly these classes on the CPU (where the tests run; a GPU may pick
+another SDPA kernel for the same mask, untested), every layer full attention (no sliding window), SDPA attention,
+a plain key/value cache per layer, no hook on (or replaced forward of) the model itself. Anything else takes the
+model's own forward.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class DenseDecode:
 def dense_decode(model: Any) -> DenseDecode | None:
     """The fast decode step for ``model``, or None where the model's own forward must run (see the module doc)."""
     if type(model) not in _CLASSES or model.config._attn_implementation != "sdpa":
+        return None
+    if next(model.parameters()).device.type != "cpu":  # the equivalence is tested on the CPU only so far
         return None
     layers = list(model.model.layers)
     if any(getattr(layer.self_attn, "sliding_window", None) is not None for layer in layers):
