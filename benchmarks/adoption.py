@@ -91,7 +91,7 @@ class Workers:
 
     def settle(self, heartbeat_s: float, holder: str) -> None:
         """Wait until the live workers other than ``holder`` may adopt: up for 4 heartbeat periods (a worker
-        adopts nothing before that, worker/service.py)."""
+        adopts nothing before that, worker/core/service.py)."""
         pid = int(holder.rsplit("-", 2)[1])
         ready = max(self.up_at[p] for p, proc in self.procs.items() if proc.poll() is None and p != pid)
         ready += 4 * heartbeat_s + 0.5

@@ -67,12 +67,12 @@ from transformers import AutoModelForCausalLM
 
 from tinkerq import types
 from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, REAL_FULL, REAL_SMALL, build_model
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import experts as fused
 from tinkerq.worker.lora.adapter import Target, find_targets, parameters_per_rank
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 MICROBATCH_TOKENS = 16384  # the worker's default (tinkerq/settings.py)
 TARGET_MOE = 1.3  # the bound on LoRA fb / base fb for MoE families

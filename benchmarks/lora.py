@@ -53,12 +53,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tinkerq import types
 from tinkerq.worker import memory
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 RANK = 32
 TENANTS, TENANT_TOKENS = 16, 128

@@ -3,8 +3,9 @@
 Each variant runs in a child process of its own (same model, same seed, same request), so their RSS is comparable:
 the model is a Qwen3-MoE built from its config, its routed experts quantized in block FP8 (128 x 128, one tensor per
 expert as DeepSeek-V3 and Qwen3's FP8 checkpoints ship them; ``--format int4`` or ``mxfp4`` for the others) with
-worker/quant_formats.py, the dequantized weights written back; ``keep`` then keeps the stored tensors
-(worker/quantized_base.py). Printed per variant: RSS after loading, peak RSS over a LoRA forward_backward (on CUDA:
+worker/checkpoints/quant_formats.py, the dequantized weights written back; ``keep`` then keeps the stored tensors
+(worker/loading/quantized_base.py). Printed per variant: RSS after loading, peak RSS over a LoRA forward_backward (on
+CUDA:
 torch's allocated and peak bytes), and the step's median time; then the ratios.
 
     python benchmarks/quantized_base.py                       # CPU, float32
@@ -36,7 +37,7 @@ def _quantize(model: Any, fmt: str) -> dict[str, Any]:
     """The routed experts' stored tensors by checkpoint name; the float model gets their dequantized values."""
     import torch
 
-    from tinkerq.worker import quant_formats as qf
+    from tinkerq.worker.checkpoints import quant_formats as qf
 
     stored: dict[str, Any] = {}
     with torch.no_grad():
@@ -69,9 +70,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from tinkerq import types
     from tinkerq.allocator import trim_heap
     from tinkerq.recipes.families import build_model
-    from tinkerq.worker.logprobs import LogprobComputer
+    from tinkerq.worker.loading.quantized_base import keep_quantized
     from tinkerq.worker.lora.session import LoraBase, LoraSession
-    from tinkerq.worker.quantized_base import keep_quantized
+    from tinkerq.worker.training.logprobs import LogprobComputer
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     trim_heap()

@@ -47,9 +47,9 @@ def batches(n: int, seed: int) -> list[list[types.Datum]]:
 def make_session(kind: str, model_dir: Path, device: str, dtype: torch.dtype, name: str):
     from transformers import AutoModelForCausalLM
 
-    from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.lora.session import LoraBase, LoraSession
-    from tinkerq.worker.session import TrainingSession
+    from tinkerq.worker.training.logprobs import LogprobComputer
+    from tinkerq.worker.training.session import TrainingSession
 
     def load() -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()

@@ -5,11 +5,11 @@ The gateway reaches the fleet's checkpoint directory (``TINKERQ_CHECKPOINT_DIR``
 these calls only; a gateway without it answers the first two 503 with what to set, and a deletion there removes the
 record only (its log says the files stay). It acts only on directories its
 own records name (written from a worker's reply, never from a request), and only below the checkpoint directory,
-never following a symbolic link (as the workers, worker/checkpoint_paths.py).
+never following a symbolic link (as the workers, worker/checkpoints/paths.py).
 
 Expiry lives where the workers read it: ``expires_at`` in the directory's marker (``tinkerq_state.json`` for a
 save_state, ``tinkerq_weights.json`` for a sampler save). Rewriting it (atomically: a new file renamed over the
-old) is what makes the workers' expiry sweep (worker/checkpoints.py ``remove_expired``, at each worker start
+old) is what makes the workers' expiry sweep (worker/checkpoints/ ``remove_expired``, at each worker start
 and after each save) delete the directory once it has expired, and refuse to load it after that.
 
 A copy is a new directory beside the source's session folder (``<root>/<new id>/...``, the source's layout) whose
@@ -29,7 +29,7 @@ from typing import Any
 
 from tinkerq.errors import ServerError
 
-MARKERS = ("tinkerq_state.json", "tinkerq_weights.json")  # the workers' markers (worker/checkpoint_files.py)
+MARKERS = ("tinkerq_state.json", "tinkerq_weights.json")  # the workers' markers (worker/checkpoints/files.py)
 
 
 class Unreachable(ServerError):

@@ -1,7 +1,7 @@
 """No answer leaves a hole in a training run's sequence.
 
 The SDK numbers a training client's requests (``seq_id``) and the worker applies a run's requests in that order,
-holding later ones until each earlier position is filled (worker/ordering.py), and failing the run after the gap
+holding later ones until each earlier position is filled (worker/core/ordering.py), and failing the run after the gap
 timeout. The gateway's own refusals fill their position (``OrderedRequests.accept``, gateway/ordered_requests.py).
 :class:`SequenceGuard` covers every other way a numbered request can be answered without being taken: a route or
 method this server does not have (``save_weights_external`` before it was served wedged runs so), a body the app

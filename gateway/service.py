@@ -15,7 +15,7 @@ and uses its public API only (tests/test_layering.py): ``open_training_client`` 
 worker sessions, ``TrainingClient.submit(op, body, seq_id=...)`` and ``skip`` for requests. Training requests
 keep the SDK's ``seq_id``: a model's request ``n`` is posted as the worker session's sequence number
 ``n + offset`` (offset 1 for a model made by create-via-load, whose first request was the load), so the
-worker's own ordering (worker/ordering.py) applies them in the SDK's order, buffers what arrives early (the SDK
+worker's own ordering (worker/core/ordering.py) applies them in the SDK's order, buffers what arrives early (the SDK
 sends a forward_backward's chunks last-first, and two gateways post in parallel) and fails a gap after the gap
 timeout. A resend of ``(model_id, seq_id)``, to any gateway, gets the original request id (a claim in Redis)
 and is never applied twice. A request refused after its ``seq_id`` was read still fills that position (``skip``:

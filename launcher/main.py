@@ -32,7 +32,7 @@ from tinkerq.security import warn_about_broker
 from tinkerq.settings import Settings
 
 BROKER_HELP = "redis://, rediss:// or sentinel:// URL (default: TINKERQ_BROKER_URL)"
-# Settings.home and Settings.checkpoint_dir: worker/checkpoints.py writes saved weights and save_state below it.
+# Settings.home and Settings.checkpoint_dir: worker/checkpoints/ writes saved weights and save_state below it.
 CHECKPOINT_DIR_HELP = ("where save_weights_for_sampler and save_state write; share it between workers and users "
                        "(default: TINKERQ_CHECKPOINT_DIR, else $TINKERQ_HOME/checkpoints; TINKERQ_HOME defaults to "
                        "~/.cache/tinkerq)")
@@ -83,7 +83,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Before the model loads (minutes for a large one) and before a shard group forms: an unreachable broker
     # fails the command at once, with the same message the worker itself would give.
     check_broker(settings)
-    from tinkerq.worker.runtime import run_worker
+    from tinkerq.worker.core.runtime import run_worker
 
     run_worker(args.model, settings, name=args.name, loglevel=args.loglevel, threads=args.threads)
     return 0
@@ -215,10 +215,10 @@ def cmd_families(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """``plan``: shards, memory per shard and LoRA tenants of a model from its config (worker/planner.py)."""
+    """``plan``: shards, memory per shard and LoRA tenants of a model from its config (worker/planning/planner.py)."""
     import json
 
-    from tinkerq.worker.planner import LINEUP, Workload, plan, render, render_markdown, to_json
+    from tinkerq.worker.planning.planner import LINEUP, Workload, plan, render, render_markdown, to_json
 
     if bool(args.model) == bool(args.lineup):
         raise UserError("pass --model DIR|CONFIG|NAME, or --lineup for every model of the lineup "

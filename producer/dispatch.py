@@ -64,7 +64,7 @@ class Request:
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     also: list[APIFuture[Any]] = field(default_factory=list)  # more futures for the same task id (tests)
     # A request outside any session's order (sampling) is pushed straight to its worker's intake list
-    # (worker/sample_intake.py), not through Celery, and may go to another worker when its worker is lost:
+    # (worker/transport/sample_intake.py), not through Celery, and may go to another worker when its worker is lost:
     # reroute() names one (worker, queue, heartbeat_s), or None to give up.
     sequenced: bool = True
     reroute: Callable[[], tuple[str, str, float] | None] | None = None
@@ -356,7 +356,7 @@ class Dispatcher:
                         f"heartbeat for {silent:.1f} s) before answering; the request may or may not have been "
                         f"applied. {self._resume_hint(r.model_id)}")
 
-                # A session with a record (worker/service.py) may be adopted by another worker: its requests
+                # A session with a record (worker/core/service.py) may be adopted by another worker: its requests
                 # wait for that (bounded by adopt_timeout_s) instead of failing now.
                 for model_id in {r.model_id for r in pending if r.worker == worker and r.sequenced and r.seq_id > 0
                                  and r.model_id not in self._adopting}:

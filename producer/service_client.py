@@ -42,7 +42,7 @@ class ServiceClient:
     """Entry point: connects to a fleet and opens training clients on the models it serves.
 
     ``broker_url`` (or ``TINKERQ_BROKER_URL``) names the fleet's Redis; ``"memory://"`` talks to an
-    embedded fleet in this process (see ``tinkerq.worker.embedded``). Unlike Tinker's, it takes no API key or
+    embedded fleet in this process (see ``tinkerq.worker.core.embedded``). Unlike Tinker's, it takes no API key or
     HTTP ``base_url``: a tinkerq producer talks to Redis (use ``tinkerq gateway`` for HTTP clients).
     """
 

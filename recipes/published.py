@@ -156,7 +156,7 @@ def quantize_tensors(layout: Layout, tensors: dict[str, Any]) -> dict[str, Any]:
     rest, float32 for DeepSeek's correction bias."""
     import torch
 
-    from tinkerq.worker import quant_formats as qf
+    from tinkerq.worker.checkpoints import quant_formats as qf
 
     stored: dict[str, Any] = {}
     for name, tensor in tensors.items():
@@ -244,7 +244,8 @@ def build_published(layout_name: str, out_dir: Path, seed: int = 0) -> Path:
 
 def reference_model(directory: Path) -> Any:
     """Plain transformers on the float model the checkpoint in ``directory`` means: every stored weight dequantized
-    (tinkerq.worker.quant_formats, straight from the files), the MTP layer left out, loaded with transformers' own
+    (tinkerq.worker.checkpoints.quant_formats, straight from the files), the MTP layer left out, loaded with
+    transformers' own
     key conversion from a float directory written by ``save_pretrained``'s layout (no quantization_config)."""
     import tempfile
 
@@ -252,7 +253,7 @@ def reference_model(directory: Path) -> Any:
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from tinkerq.worker import quant_formats as qf
+    from tinkerq.worker.checkpoints import quant_formats as qf
 
     config = json.loads((directory / "config.json").read_text())
     quant = config.pop("quantization_config", None) or {}
@@ -305,13 +306,14 @@ def check(out_root: Path, tolerance: float | None = None, report: Callable[[str]
           device: str = "cpu", dtype: str = "float32") -> bool:
     """Build every layout under ``out_root``, load each with ``load_causal_lm`` on ``device`` in ``dtype`` and compare
     its logprobs with plain transformers on the dequantized model (the same device and dtype); a quantized layout
-    also kept quantized (worker/quantized_base.py), compared with the dequantized load. True if every one is within
+    also kept quantized (worker/loading/quantized_base.py), compared with the dequantized load. True if every one is
+    within
     ``tolerance`` (default 1e-4 in float32, 5e-2 in a half dtype: the GPU check,
     ``--check --device cuda --dtype bfloat16``)."""
     import torch
 
-    from tinkerq.worker.model_loading import load_causal_lm
-    from tinkerq.worker.quantized_base import keep_checkpoint_quantized
+    from tinkerq.worker.loading.models import load_causal_lm
+    from tinkerq.worker.loading.quantized_base import keep_checkpoint_quantized
 
     limit = tolerance if tolerance is not None else 1e-4 if dtype == "float32" else 5e-2
     ok = True
@@ -340,7 +342,7 @@ def measure_one(directory: Path) -> str:
     import resource
     import time
 
-    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.loading.models import load_causal_lm
 
     started = time.perf_counter()
     model = load_causal_lm(str(directory))

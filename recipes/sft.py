@@ -189,7 +189,7 @@ def open_fleet(settings: Settings, model_dir: str, threads: int | None) -> Itera
         return
     import torch
 
-    from tinkerq.worker.embedded import EmbeddedFleet
+    from tinkerq.worker.core.embedded import EmbeddedFleet
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ from tinkerq.store import MemoryStore
 
 def main() -> None:
     from tinkerq.producer import ServiceClient
-    from tinkerq.worker.embedded import EmbeddedFleet
+    from tinkerq.worker.core.embedded import EmbeddedFleet
 
     calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     recording = threading.Event()

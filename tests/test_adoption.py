@@ -1,6 +1,6 @@
 """Adoption: a SIGKILLed worker's training sessions go on, exactly, on another worker of the model.
 
-The worker holding a session journals every request it applies (worker/service.py); another worker of the
+The worker holding a session journals every request it applies (worker/core/service.py); another worker of the
 model notices the loss, re-makes the session from its automatic snapshot and journal, and the producer sends
 the session's pending requests there (producer/dispatch.py). The final weights equal an uninterrupted run's
 bitwise (CPU, one thread, the same requests).

@@ -110,7 +110,7 @@ def test_a_deterministic_worker_trains_and_samples_with_the_same_numbers(model_d
     import sys
 
     code = ("import torch; from tinkerq.settings import Settings; "
-            "from tinkerq.worker.model_loading import configure_torch; "
+            "from tinkerq.worker.loading.models import configure_torch; "
             "configure_torch(Settings(deterministic=1), 1); print(torch.are_deterministic_algorithms_enabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
@@ -174,7 +174,7 @@ def test_sampling_snapshots_outlive_their_worker_once_snapshotted(model_dir, red
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(30)
         # Answered without the dead owner: a worker that had to ask it to publish the weights would wait
-        # worker/snapshots.py's PUBLISH_WAIT_S (60 s) and answer WorkerError ("did not publish it"), which
+        # worker/sampling/snapshots.py's PUBLISH_WAIT_S (60 s) and answer WorkerError ("did not publish it"), which
         # result() would raise. The timeout is only a hang guard, above that wait.
         after = [s.tokens for s in sampler.sample(prompt, 2, params).result(timeout=120).sequences]
         assert after == before

@@ -105,8 +105,8 @@ def client_of(tc):
 
 def _full_session(model_dir):
     from tests.helpers import load_reference
-    from tinkerq.worker.logprobs import LogprobComputer
-    from tinkerq.worker.session import TrainingSession
+    from tinkerq.worker.training.logprobs import LogprobComputer
+    from tinkerq.worker.training.session import TrainingSession
 
     model = load_reference(model_dir).requires_grad_(True)
     return TrainingSession("a" * 32, model, base_dir=str(model_dir), microbatch_tokens=96,
@@ -115,8 +115,8 @@ def _full_session(model_dir):
 
 def _lora_session(model_dir, name="b" * 32):
     from tests.helpers import load_reference
-    from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.training.logprobs import LogprobComputer
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=96)

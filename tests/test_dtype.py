@@ -1,4 +1,5 @@
-"""The served dtype (worker/dtypes.py): ``auto`` resolved against the checkpoint and the device, the same way by the
+"""The served dtype (worker/loading/dtypes.py): ``auto`` resolved against the checkpoint and the device, the same way
+by the
 worker and the planner; a worker serving bfloat16 answers as plain transformers does in bfloat16; ``fleet up
 --dtype`` reaches every worker process it starts."""
 
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import VOCAB, make_batch, reference_logprobs
 from tinkerq.settings import Settings, SettingsError
-from tinkerq.worker.dtypes import checkpoint_dtype, resolve_dtype
+from tinkerq.worker.loading.dtypes import checkpoint_dtype, resolve_dtype
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,7 +83,7 @@ def test_settings_default_to_auto_and_refuse_other_names():
 
 
 def test_the_planner_resolves_auto_as_the_worker_does_on_its_gpu(tmp_path):
-    from tinkerq.worker import planner
+    from tinkerq.worker.planning import planner
 
     (tmp_path / "config.json").write_text(
         '{"model_type": "llama", "torch_dtype": "float16", "vocab_size": 97, "hidden_size": 32, '
@@ -115,12 +116,12 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def embedded(model_dir: Path, dtype: str) -> Iterator:
-    """An in-process worker (worker/embedded.py: the worker's own assembly) serving ``model_dir`` on the CPU.
+    """An in-process worker (worker/core/embedded.py: the worker's own assembly) serving ``model_dir`` on the CPU.
 
     One per test process: Celery shares the tasks one app registers with every app made later, so a second
     embedded fleet's requests would reach the first one's service."""
     from tinkerq.producer import ServiceClient
-    from tinkerq.worker.embedded import EmbeddedFleet
+    from tinkerq.worker.core.embedded import EmbeddedFleet
 
     with EmbeddedFleet(str(model_dir), Settings(device="cpu", dtype=dtype)) as fleet, \
             ServiceClient(settings=fleet.settings) as sc:
@@ -132,7 +133,7 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 def test_auto_on_the_cpu_serves_a_bf16_checkpoint_in_float32_and_says_why(bf16_dir, caplog):
-    from tinkerq.worker.dtypes import served_dtype
+    from tinkerq.worker.loading.dtypes import served_dtype
 
     with caplog.at_level(logging.INFO, logger="tinkerq.worker"):
         assert served_dtype(str(bf16_dir), "auto", "cpu") == "float32"

@@ -1,4 +1,4 @@
-"""Fairness between tenants on one real worker (worker/scheduler.py): least recently served first.
+"""Fairness between tenants on one real worker (worker/core/scheduler.py): least recently served first.
 
 Tenant A pipelines 40 forward_backward + optim_step pairs (8 x 256 tokens); tenant B then sends one
 16-token forward_backward. B's answer must come after at most 3 of A's steps (forward_backward answers) since

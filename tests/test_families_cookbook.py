@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import make_batch, reference_logprobs
 from tinkerq import types
 from tinkerq.recipes.families import FAMILIES, build_family
-from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.loading.models import load_causal_lm
 from tinkerq.worker.lora.session import LoraBase, LoraSession
-from tinkerq.worker.model_loading import load_causal_lm
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,11 +18,11 @@ from tests.helpers import adamw_step, make_batch, reference_logprobs, reference_
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, build_family, build_model
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(120)
 ADAM = types.AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0, eps=1e-3)
@@ -239,7 +239,7 @@ def test_a_rank_larger_than_a_target_allows_names_the_target():
 
 
 def test_unknown_architecture_is_one_user_error(tmp_path):
-    from tinkerq.worker.model_loading import ModelLoadError, load_causal_lm
+    from tinkerq.worker.loading.models import ModelLoadError, load_causal_lm
 
     build_family("llama", tmp_path)
     config = (tmp_path / "config.json").read_text().replace('"llama"', '"no_such_family"')
@@ -280,7 +280,7 @@ def test_parameter_counts_per_rank_match_tinker_on_real_shapes(name, expected):
 
 def test_a_checkpoint_asking_for_router_logits_is_served_without_them(tmp_path):
     """An auxiliary load-balancing loss is computed over the whole batch: it would couple tenants' rows."""
-    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.loading.models import load_causal_lm
 
     build_family("qwen3_moe", tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
     assert load_causal_lm(str(tmp_path)).config.output_router_logits is False

@@ -72,7 +72,7 @@ def test_flower_shows_the_worker_and_readable_tasks(flower, training_client):
     args = str(tasks[0]["args"])
     assert "seq=" in args and "datums=3" in args and "loss_fn=cross_entropy" in args
     assert "array" not in args and "blob" not in args and len(args) < 300  # never tensor dumps
-    # The result: the reply's metrics and shapes (worker/tasks.py), never its bytes.
+    # The result: the reply's metrics and shapes (worker/transport/tasks.py), never its bytes.
     result = str(tasks[0]["result"])
     assert result.startswith("'ok loss:sum=") and "datums=3" in result and "logprobs (3, " in result, result
     assert "\\x" not in result and len(result) < 300, result
@@ -169,7 +169,7 @@ def test_worker_prometheus_metrics(worker, training_client):
 
 def test_lora_passes_and_samples_reach_their_real_end_in_flower(flower, service, model_dir):
     """A LoRA forward_backward and optim_step, and a sample request, end SUCCESS with a runtime in Flower; the
-    result names the pass or decode batch the request shared (worker/events.py). They used to stay STARTED
+    result names the pass or decode batch the request shared (worker/transport/events.py). They used to stay STARTED
     (LoRA) or not appear at all (sampling)."""
     tc = service.create_lora_training_client(str(model_dir), rank=4, seed=3)
     try:

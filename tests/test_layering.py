@@ -113,7 +113,7 @@ REDIS_PY_ALLOWED = {
     "tinkerq/redis_client.py": "makes the clients (URLs, TLS, Sentinel) and pings a server being started",
     "tinkerq/connection.py": "opens the store, and turns a failed first ping into a clear error",
     "tinkerq/retry.py": "tells redis-py's transient errors from the others",
-    "worker/intake.py": "subclasses kombu's Redis transport (its read path and ack emulation)",
+    "worker/transport/intake.py": "subclasses kombu's Redis transport (its read path and ack emulation)",
 }
 # redis-py calls that bypass the store, wherever its client came from.
 RAW_CALLS = ("pipeline", "pubsub", "register_script", "execute_command")
@@ -161,3 +161,50 @@ def test_the_store_is_generic():
                        if a.name.startswith("tinkerq")})
     assert imported == ["tinkerq.retry"], imported
     assert not _key_literals(tree)
+
+
+# -- the worker's folders (docs/architecture.md, The worker core) ------------------------------------------------
+
+# The engines below the request path: what a session, a pass, a sampler, a checkpoint or an estimate is. They never
+# import the request path (transport, core, recovery) or the planner above them.
+ENGINES = ("training", "lora", "sampling", "sharding", "loss_head", "checkpoints", "loading", "memory")
+REQUEST_PATH = ("transport", "core", "recovery", "planning")
+# Pure decision code: no torch, no Redis, nothing of the worker but its own order.
+PURE = {"worker/core/scheduler.py": {"tinkerq.worker.core.ordering"}, "worker/core/ordering.py": set()}
+
+
+def _worker_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "tinkerq.worker":
+                found += [(node.lineno, f"tinkerq.worker.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def test_worker_engines_do_not_import_the_request_path():
+    offenders = []
+    for folder in ENGINES:
+        for path in sorted((ROOT / "worker" / folder).rglob("*.py")):
+            for line, module in _worker_imports(path):
+                if module.startswith(tuple(f"tinkerq.worker.{up}" for up in REQUEST_PATH)):
+                    offenders.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert not offenders, offenders
+
+
+def test_the_worker_has_no_loose_modules_beside_its_folders():
+    loose = sorted(p.name for p in (ROOT / "worker").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"worker/ modules outside a folder: {loose}"
+
+
+@pytest.mark.parametrize("rel", sorted(PURE))
+def test_the_scheduler_is_pure(rel):
+    allowed = PURE[rel]
+    bad = [f"{line}: {m}" for line, m in _worker_imports(ROOT / rel)
+           if m.split(".")[0] in ("torch", "redis", "celery", "kombu", "transformers")
+           or (m.startswith("tinkerq.worker") and m not in allowed)]
+    assert not bad, bad

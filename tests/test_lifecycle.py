@@ -1,4 +1,4 @@
-"""A worker's lifecycle (worker/lifecycle.py): its parts start in the order their bootsteps require and stop the
+"""A worker's lifecycle (worker/core/lifecycle.py): its parts start in the order their bootsteps require and stop the
 other way, the same for `tinkerq worker` and the embedded fleet; shard-group pings and metrics only where they
 apply. A recording stand-in for the assembled worker: no model, no Redis."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tinkerq.worker.lifecycle import Lifecycle
+from tinkerq.worker.core.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,7 +73,7 @@ def test_the_embedded_fleet_and_the_worker_process_use_the_same_lifecycle():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "worker"
-    for module in ("embedded.py", "runtime.py"):
+    for module in ("core/embedded.py", "core/runtime.py"):
         source = (root / module).read_text()
         assert "Lifecycle(" in source, module
         for part in ("registration.start", "sampling.start", "start_watchdog", "start_pings", "metrics.serve"):

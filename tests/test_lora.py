@@ -17,10 +17,10 @@ from tests.helpers import adamw_step, build_tiny_llama, make_batch, reference_lo
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import validate_lora
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(300)

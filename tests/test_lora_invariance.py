@@ -15,10 +15,10 @@ import torch
 
 from tinkerq import types
 from tinkerq.recipes.families import build_model
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.batch import LossItem, padded_length, plan, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB = 101  # the families' tiny vocabulary

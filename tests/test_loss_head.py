@@ -34,7 +34,7 @@ def test_gradcheck_float64():
 
 
 def test_gradcheck_with_a_low_rank_term_and_a_frozen_weight():
-    """The LoRA output-projection term (worker/logprobs.py): gradients reach hidden, low and low_weight; the
+    """The LoRA output-projection term (worker/training/logprobs.py): gradients reach hidden, low and low_weight; the
     frozen weight gets none (its V x H gradient is never computed)."""
     hidden, weight, targets = _problem(n=11, h=5, v=7)
     weight = weight.detach()
@@ -172,7 +172,7 @@ def _tiny(family: str):
 def test_model_families_match_their_own_logits(family, tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
-    from tinkerq.worker.logprobs import LogprobComputer
+    from tinkerq.worker.training.logprobs import LogprobComputer
 
     _tiny(family).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

@@ -8,7 +8,7 @@ import torch
 
 from tinkerq.errors import ValidationError
 from tinkerq.validation import resolve_loss_config
-from tinkerq.worker.losses import LOSSES, MetricTotals
+from tinkerq.worker.training.losses import LOSSES, MetricTotals
 
 
 def _datums(n: int = 5, *, spread: float = 0.6, seed: int = 0):

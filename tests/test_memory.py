@@ -18,12 +18,12 @@ from tinkerq import types
 from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
 from tinkerq.worker import memory
-from tinkerq.worker.batching import pad_batch
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
-from tinkerq.worker.scheduler import Caller, Request
+from tinkerq.worker.core.ordering import ENTRY_OVERHEAD_BYTES, Ordering, envelope_bytes
+from tinkerq.worker.core.scheduler import Caller, Request
 from tinkerq.worker.sampling import StopRule, sample
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.training.batching import pad_batch
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,12 +22,12 @@ from tests.test_sampling_families import assert_matches_forward, lora_snapshot, 
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.recipes.moe_classes import build_moe_class, built_classes, moe_classes, skipped
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import run_jobs
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,7 +30,7 @@ from tinkerq.launcher.processes import port_problem, redis_binary, start_process
 pytestmark = pytest.mark.timeout(420)
 COLLECTIVE_TIMEOUT_S = 6
 RENDEZVOUS_TIMEOUT_S = 60
-ADOPT_TIMEOUT_S = 20  # how long rank 0 holds a failed group's sessions (worker/recovery.py)
+ADOPT_TIMEOUT_S = 20  # how long rank 0 holds a failed group's sessions (worker/recovery/)
 # Hang detection, not a performance claim: two cores shared with other tests.
 SLACK_S = 60
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)

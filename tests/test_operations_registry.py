@@ -51,7 +51,7 @@ def test_the_registry_says_what_the_old_tables_said():
 
 def test_every_worker_task_is_an_operation_and_every_operation_a_task():
     from tinkerq.celery_app import make_celery
-    from tinkerq.worker.tasks import register_tasks
+    from tinkerq.worker.transport.tasks import register_tasks
 
     app = make_celery(Settings())
     register_tasks(app, service=None)  # type: ignore[arg-type]  # bodies only run on a message
@@ -62,7 +62,7 @@ def test_every_worker_task_is_an_operation_and_every_operation_a_task():
 
 
 def test_the_workers_handlers_are_the_ordered_operations():
-    from tinkerq.worker.operations import Operations
+    from tinkerq.worker.core.operations import Operations
 
     handlers = Operations(Settings(), None, "", "", None, None, vocab_size=8, max_seq_len=8,  # type: ignore[arg-type]
                           position=lambda _: 0, admit_sampler=lambda _: None)
@@ -71,7 +71,9 @@ def test_the_workers_handlers_are_the_ordered_operations():
 
 def test_the_importers_read_the_registrys_tables_not_copies():
     from tinkerq import celery_app
-    from tinkerq.worker import checkpoint_retention, recovery, scheduler
+    from tinkerq.worker import recovery
+    from tinkerq.worker.checkpoints import retention as checkpoint_retention
+    from tinkerq.worker.core import scheduler
 
     assert celery_app.TASK_NAMES is operations.TASK_NAMES
     assert checkpoint_retention.CHECKPOINT_KINDS is operations.CHECKPOINT_KINDS
@@ -80,7 +82,7 @@ def test_the_importers_read_the_registrys_tables_not_copies():
 
 
 def test_retention_names_each_registered_kind():
-    from tinkerq.worker import checkpoint_retention
+    from tinkerq.worker.checkpoints import retention as checkpoint_retention
 
     assert set(operations.CHECKPOINT_KINDS.values()) == {"state", "sampler"}  # the two _checkpoints lists
     for op, kind in operations.CHECKPOINT_KINDS.items():

@@ -224,7 +224,7 @@ def test_answered_requests_leave_kombus_unacked_record(redis_url):
 
     from tinkerq import keys
     from tinkerq.store import RedisStore
-    from tinkerq.worker.registry import drop_answered_unacked
+    from tinkerq.worker.recovery.registry import drop_answered_unacked
 
     client = redis_py.Redis.from_url(redis_url)
     store = RedisStore(client, retry_s=5)

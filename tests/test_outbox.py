@@ -1,5 +1,5 @@
 """The compute loop never waits on the network: bodies are fetched ahead by the transport, writes after compute
-leave on the outbox (worker/outbox.py), in order, batched, and a store outage does not stop the compute."""
+leave on the outbox (worker/core/outbox.py), in order, batched, and a store outage does not stop the compute."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tinkerq.worker.outbox import MAX_BATCH, Outbox, Parcel
-from tinkerq.worker.scheduler import Caller, Request
+from tinkerq.worker.core.outbox import MAX_BATCH, Outbox, Parcel
+from tinkerq.worker.core.scheduler import Caller, Request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_kombus_unacked_records_are_written_off_the_consumers_thread(redis_url):
     from kombu import Connection
 
     from tinkerq import keys
-    from tinkerq.worker.intake import DeferredQoS, GuardedTransport
+    from tinkerq.worker.transport.intake import DeferredQoS, GuardedTransport
 
     r = redis.Redis.from_url(redis_url)
     r.delete(keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX)

@@ -45,12 +45,12 @@ def test_other_top_level_packages_cannot_shadow_tinkerq(tmp_path: Path):
     for folder in FOLDERS:
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text(f"raise RuntimeError('the other {folder} was imported')\n")
-    code = ("import tinkerq.producer, tinkerq.worker.runtime, tinkerq.gateway.app, tinkerq.launcher.main, "
-            "tinkerq.recipes.sft; print(tinkerq.worker.runtime.__file__)")
+    code = ("import tinkerq.producer, tinkerq.worker.core.runtime, tinkerq.gateway.app, tinkerq.launcher.main, "
+            "tinkerq.recipes.sft; print(tinkerq.worker.core.runtime.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    assert Path(out.stdout.strip()) == ROOT / "worker" / "runtime.py"
+    assert Path(out.stdout.strip()) == ROOT / "worker" / "core" / "runtime.py"
     cli = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)})
     assert cli.returncode == 0 and "fleet" in cli.stdout, cli.stderr

@@ -1,5 +1,6 @@
-"""tinkerq plan (worker/planner.py): its figures against what real sessions hold on the CPU, the lineup, the CLI,
-bad input, and admission refusals that say how many shards a session needs (worker/memory.py)."""
+"""tinkerq plan (worker/planning/planner.py): its figures against what real sessions hold on the CPU, the lineup, the
+CLI,
+bad input, and admission refusals that say how many shards a session needs (worker/memory/)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tinkerq import types
 from tinkerq.errors import CapacityError
 from tinkerq.settings import Settings
-from tinkerq.worker import memory, planner
-from tinkerq.worker.batching import pad_batch
-from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker import memory
 from tinkerq.worker.lora.adapter import Adapter, find_targets
-from tinkerq.worker.session import TrainingSession
+from tinkerq.worker.planning import planner
+from tinkerq.worker.training.batching import pad_batch
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import TrainingSession
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -180,8 +182,8 @@ def test_the_lineup_ships_and_every_model_is_planned():
     assert set(planner.LINEUP) == set(PUBLISHED_B) == {p.name for p in planner.LINEUP_DIR.iterdir() if p.is_dir()}
     tomllib = pytest.importorskip("tomllib")
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    for name in planner.LINEUP:  # each config.json ships in the wheel (package data of tinkerq.worker)
-        assert any(fnmatch(f"lineup/{name}/config.json", pattern) for pattern in data["tinkerq.worker"]), name
+    for name in planner.LINEUP:  # each config.json ships in the wheel (package data of tinkerq.worker.planning)
+        assert any(fnmatch(f"lineup/{name}/config.json", pattern) for pattern in data["tinkerq.worker.planning"]), name
     for name in planner.LINEUP:
         p = planner.plan(name, devices=8, device_gb=80)
         print(f"{name}: {p.parameters / 1e9:.2f}B, full {p.full.shards} shards, LoRA {p.lora.shards} shards, "
@@ -201,7 +203,7 @@ def test_the_lineup_ships_and_every_model_is_planned():
 
 
 def test_sharding_divides_the_state_and_not_what_every_shard_holds_whole():
-    from tinkerq.worker.logprobs import chunk_tokens
+    from tinkerq.worker.training.logprobs import chunk_tokens
 
     p1 = planner.plan("llama-3.1-8b", devices=8, device_gb=1000)
     p8 = planner.plan("llama-3.1-8b", devices=8, device_gb=80)
@@ -410,7 +412,7 @@ def _assert_loads_dequantized(out: Path, reference: dict[str, torch.Tensor], exp
     from_pretrained with the method's explicit ``dequantize=True`` both give exactly the dequantized weights."""
     from transformers import AutoModelForCausalLM
 
-    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.loading.models import load_causal_lm
 
     for model in (load_causal_lm(str(out), dtype="float32"),
                   AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, quantization_config=explicit)):

@@ -111,9 +111,9 @@ def test_model_whose_head_cannot_be_fused_uses_its_own_logits(model):
 def test_lora_adapter_rows_including_the_output_projection(model_dir):
     """Rows of different adapters over one base (one adapting the output projection) each get their adapter's
     numbers: those of the base forward routed to that adapter alone."""
-    from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.lora import routing
     from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.training.logprobs import LogprobComputer
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=64)

@@ -141,9 +141,9 @@ def test_model_whose_head_cannot_be_fused_scores_from_its_own_logits(model):
 
 
 def test_lora_adapter_on_the_output_projection(model_dir):
-    from tinkerq.worker.logprobs import LogprobComputer
     from tinkerq.worker.lora import routing
     from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.training.logprobs import LogprobComputer
 
     base = load_reference(model_dir)
     lora = LoraBase(base, LogprobComputer(base, "torch"), model_dir=str(model_dir), microbatch_tokens=64)

@@ -110,7 +110,7 @@ def test_the_serving_proxy_gives_freed_memory_back_periodically(monkeypatch):
 
 def test_trim_heap_returns_freed_memory_on_glibc():
     from tinkerq import allocator
-    from tinkerq.worker.memory_free import rss_bytes
+    from tinkerq.worker.memory.free import rss_bytes
 
     if allocator.GLIBC is None:
         pytest.skip("malloc_trim is glibc's")

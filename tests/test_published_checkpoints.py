@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinkerq.recipes.published import LAYOUTS, build_published
-from tinkerq.worker.checkpoint_reader import read_quantized_tensors
-from tinkerq.worker.model_loading import ModelLoadError, load_causal_lm
+from tinkerq.worker.checkpoints.reader import read_quantized_tensors
+from tinkerq.worker.loading.models import ModelLoadError, load_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +25,8 @@ def built(tmp_path_factory) -> dict[str, Path]:
     return {name: build_published(name, root / name, seed=5) for name in LAYOUTS}
 
 
-# -- reference dequantization, from the formats' definitions (not worker/quant_formats.py) -------------------------
+# -- reference dequantization, from the formats' definitions (not worker/checkpoints/quant_formats.py)
+# -------------------------
 
 def ref_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
     """W[r, c] = fp8[r, c] * scale_inv[r // br, c // bc], element by element (a partial last tile is just

@@ -1,6 +1,6 @@
-"""A LoRA base kept quantized (worker/quantized_base.py) against the same session on the dequantized base.
+"""A LoRA base kept quantized (worker/loading/quantized_base.py) against the same session on the dequantized base.
 
-Each model is a tiny family model whose weights are quantized here with worker/quant_formats.py's quantize_*
+Each model is a tiny family model whose weights are quantized here with worker/checkpoints/quant_formats.py's quantize_*
 functions; the float model is then given the dequantized weights, written back plainly in this file (the
 reference), and a copy of it keeps the stored tensors instead. LoRA logprobs, losses and gradients through
 tinkerq's LoRA sessions (one alone, and a mixed pass of two) must agree within float32 tolerance, sampling must
@@ -25,13 +25,13 @@ from tinkerq import types
 from tinkerq.allocator import trim_heap
 from tinkerq.errors import UserError
 from tinkerq.recipes.families import build_model
-from tinkerq.worker import quant_formats as qf
-from tinkerq.worker import quantized_base
-from tinkerq.worker.logprobs import LogprobComputer
+from tinkerq.worker.checkpoints import quant_formats as qf
+from tinkerq.worker.loading import quantized_base
+from tinkerq.worker.loading.quantized_base import keep_quantized
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
-from tinkerq.worker.quantized_base import keep_quantized
 from tinkerq.worker.sampling import SampleJob, StopRule, run_jobs
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -309,10 +309,10 @@ def memory_check() -> None:
 def test_published_checkpoints_kept_as_stored(tmp_path: Path, layout: str) -> None:
     """The worker's path: a checkpoint in a published layout (recipes/published.py: sharded, per-expert keys,
     DeepSeek's MTP layer) loaded dequantized, then kept from the checkpoint's own stored tensors
-    (worker/checkpoint_reader.py): the same LoRA numbers as the dequantized load."""
+    (worker/checkpoints/reader.py): the same LoRA numbers as the dequantized load."""
     from tinkerq.recipes.published import build_published
-    from tinkerq.worker.checkpoint_reader import read_quantized_tensors
-    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.checkpoints.reader import read_quantized_tensors
+    from tinkerq.worker.loading.models import load_causal_lm
 
     directory = str(build_published(layout, tmp_path / layout))
     model = load_causal_lm(directory, dtype="float32")
@@ -332,7 +332,7 @@ def test_published_checkpoints_kept_as_stored(tmp_path: Path, layout: str) -> No
 def test_planner_plans_a_kept_base_as_stored_plus_one_layer() -> None:
     """`tinkerq plan --quantized-base keep`: the LoRA base at its stored size, one layer's quantized weights
     dequantized as the working set (counted here on the meta model independently), full sessions unchanged."""
-    from tinkerq.worker.planner import KEPT_LAYER_FACTOR, meta_model, plan, read_config, render
+    from tinkerq.worker.planning.planner import KEPT_LAYER_FACTOR, meta_model, plan, read_config, render
 
     deq = plan("gpt-oss-20b", devices=8, device_gb=80, dtype="bfloat16")
     kept = plan("gpt-oss-20b", devices=8, device_gb=80, dtype="bfloat16", quantized_base="keep")
@@ -361,7 +361,7 @@ def test_a_worker_keeps_a_published_fp8_base(tmp_path: Path, redis_url: str) -> 
     from tinkerq.errors import TinkerqError
     from tinkerq.producer import ServiceClient
     from tinkerq.recipes.published import build_published
-    from tinkerq.worker.model_loading import load_causal_lm
+    from tinkerq.worker.loading.models import load_causal_lm
 
     directory = build_published("deepseek_v3-fp8", tmp_path / "ckpt")
     proc = start_named_worker(directory, redis_url, "kept-fp8", tmp_path / "worker.log",

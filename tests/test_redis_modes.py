@@ -31,7 +31,7 @@ from tinkerq.errors import BrokerUnavailableError
 from tinkerq.launcher.processes import wait_for
 from tinkerq.redis_client import SentinelMasterConnection, celery_redis_options, parse_sentinel_url, redis_client
 from tinkerq.settings import Settings, SettingsError
-from tinkerq.worker.intake import GuardedSentinelChannel
+from tinkerq.worker.transport.intake import GuardedSentinelChannel
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""Checkpoint retention per session (worker/checkpoint_retention.py): a save with keep_newest=N keeps the session's N
+"""Checkpoint retention per session (worker/checkpoints/retention.py): a save with keep_newest=N keeps the session's N
 newest checkpoints of its kind and names the ones it deleted; every save's reply gives its size in bytes."""
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionAndFull
 from tests.test_sampling_engine import make_job
 from tinkerq import types
 from tinkerq.recipes.families import FAMILIES, build_model
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import SampleJob, TorchEngine, cache_rows, run_jobs
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 pytestmark = pytest.mark.timeout(120)
 

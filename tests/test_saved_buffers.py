@@ -28,11 +28,11 @@ from tinkerq.launcher.processes import free_port
 from tinkerq.recipes.families import FAMILIES, build_family
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.model_loading import load_causal_lm
-from tinkerq.worker.session import FullSession
-from tinkerq.worker.sessions import SessionFactory
-from tinkerq.worker.snapshots import Snapshots
+from tinkerq.worker.loading.models import load_causal_lm
+from tinkerq.worker.sampling.snapshots import Snapshots
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import FullSession
+from tinkerq.worker.training.sessions import SessionFactory
 
 pytestmark = pytest.mark.timeout(120)
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -115,7 +115,7 @@ def test_saved_weights_reload_to_the_sessions_model(family, families_dir, tmp_pa
     assert not info["missing_keys"], info["missing_keys"]  # nothing re-created as zeros
     assert_logprobs(reloaded.eval(), data, expected)
     assert_same_buffers(reloaded, buffers)
-    assert_same_buffers(load_causal_lm(saved), buffers)  # how a sampler loads the path (worker/snapshots.py)
+    assert_same_buffers(load_causal_lm(saved), buffers)  # how a sampler loads the path (worker/sampling/snapshots.py)
 
     snapshot = session.snapshot()  # what save_weights_and_get_sampling_client() samples
     assert_logprobs(snapshot, data, expected)
@@ -146,7 +146,7 @@ def test_save_state_then_load_state_carries_the_buffers(family, tmp_path):
     snapshot = other.snapshot()  # its blank is a copy of this worker's base: the buffers must be the session's
     assert_same_buffers(snapshot, buffers)
     assert_logprobs(snapshot, data, expected)
-    # Published for another worker of the same base (worker/snapshots.py), it loads with the same buffers.
+    # Published for another worker of the same base (worker/sampling/snapshots.py), it loads with the same buffers.
     store, settings = MemoryStore(), Settings(checkpoint_dir=str(tmp_path / "ckpt"))
     maker = Snapshots(store, settings, "tiny", worker_b.model, worker_id="w1")
     snapshot_id = maker.add(snapshot, other.model_id)

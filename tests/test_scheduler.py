@@ -1,4 +1,4 @@
-"""The scheduler (worker/scheduler.py) fed events: no torch, no Redis, no threads, no wall clock.
+"""The scheduler (worker/core/scheduler.py) fed events: no torch, no Redis, no threads, no wall clock.
 
 Order within a session, which requests share a LoRA pass, least-recently-served fairness between sessions,
 and the compute balance between training and sampling (on a simulated clock: no timing asserted).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tinkerq.errors import MalformedMessageError, WorkerError
-from tinkerq.worker.ordering import Ordering
-from tinkerq.worker.scheduler import Caller, Request, Scheduler, Work
+from tinkerq.worker.core.ordering import Ordering
+from tinkerq.worker.core.scheduler import Caller, Request, Scheduler, Work
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -252,7 +252,7 @@ def test_password_in_argv():
 def test_worker_warns_about_a_password_on_its_command_line(monkeypatch, caplog):
     from tinkerq.launcher import main as launcher_main
     from tinkerq.launcher.main import main
-    from tinkerq.worker import runtime as worker_runtime
+    from tinkerq.worker.core import runtime as worker_runtime
 
     monkeypatch.setattr(launcher_main, "check_broker", lambda settings: None)  # no Redis at that address
     monkeypatch.setattr(worker_runtime, "run_worker", lambda *a, **k: None)

@@ -1,7 +1,7 @@
 """Adoption of sharded sessions: a shard group's training session survives the loss of a shard or of the group.
 
 Real processes: two `tinkerq worker` ranks (gloo on the CPU), a real redis-server, and unsharded workers. The
-group journals every request and snapshots every EVERY optimizer steps (worker/recovery.py). The run submits
+group journals every request and snapshots every EVERY optimizer steps (worker/recovery/). The run submits
 FIRST pairs (forward_backward + optim_step) and waits for them (a snapshot after request 2 * EVERY, and
 journaled requests after it), then submits the rest, pipelined, and kills at once, while they are pending:
 

@@ -23,11 +23,11 @@ from tinkerq import types
 from tinkerq.errors import NonFiniteError
 from tinkerq.launcher.processes import free_port, start_process, worker_command
 from tinkerq.settings import Settings
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sharding.follower import build_host
 from tinkerq.worker.sharding.host import ShardHost
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 pytestmark = pytest.mark.timeout(600)
 

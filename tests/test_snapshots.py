@@ -1,4 +1,4 @@
-"""Published sampling snapshots (worker/snapshots.py): through Redis-sized records and through files, tied
+"""Published sampling snapshots (worker/sampling/snapshots.py): through Redis-sized records and through files, tied
 weights, withdrawal of old ones, and refusals. In-process, with the store the embedded fleet uses."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tinkerq import errors, keys
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
 from tinkerq.wire import messages
-from tinkerq.worker.snapshots import Snapshots
+from tinkerq.worker.sampling.snapshots import Snapshots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +33,8 @@ def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def publisher(store: MemoryStore, owner: Snapshots) -> Iterator[list[str]]:
-    """The owner worker's publisher thread (worker/sample_intake.py): answers publish requests; yields the ids."""
+    """The owner worker's publisher thread (worker/transport/sample_intake.py): answers publish requests; yields the
+    ids."""
     asked: list[str] = []
     stop = threading.Event()
 

@@ -12,9 +12,8 @@ from tinkerq.wire.claimcheck import ClaimCheck
 
 
 def test_ordering_runs_buffers_and_repeats():
-    from tinkerq.worker.ordering import Ordering
-
-    from tinkerq.worker.scheduler import Caller, Request
+    from tinkerq.worker.core.ordering import Ordering
+    from tinkerq.worker.core.scheduler import Caller, Request
 
     o = Ordering()
     assert o.classify(1) == "run" and o.classify(3) == "buffer"
@@ -72,7 +71,7 @@ def test_errors_cross_the_wire_with_their_category():
 def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, ranks):
     import numpy as np
 
-    from tinkerq.worker.batching import rank_plans
+    from tinkerq.worker.training.batching import rank_plans
 
     lengths = np.random.default_rng(n_datums * 10 + ranks).integers(1, 60, n_datums).tolist()
     plans = rank_plans(lengths, ranks, budget_tokens=96)
@@ -92,7 +91,7 @@ def test_rank_plans_cover_every_datum_once_with_equal_pass_counts(n_datums, rank
 def test_metric_totals_merged_across_ranks_equal_one_pass():
     import torch
 
-    from tinkerq.worker.losses import Metric, MetricTotals
+    from tinkerq.worker.training.losses import Metric, MetricTotals
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 5, generator=g)
@@ -120,7 +119,7 @@ def test_a_worker_that_stops_consuming_stops_beating(caplog):
     from tinkerq import keys
     from tinkerq.launcher.processes import wait_for
     from tinkerq.store import MemoryStore
-    from tinkerq.worker.registry import ConsumerLiveness, Registration
+    from tinkerq.worker.recovery.registry import ConsumerLiveness, Registration
 
     class CountingStore(MemoryStore):
         beats = 0
@@ -160,7 +159,7 @@ def test_a_registration_withdrawn_while_a_beat_waits_out_an_outage_is_not_left_a
     failing meanwhile, whose delete failed in the same outage): the model must not be announced again."""
     import threading
 
-    from tinkerq.worker.registry import Registration
+    from tinkerq.worker.recovery.registry import Registration
 
     class OutageStore(MemoryStore):
         def __init__(self) -> None:

@@ -3,7 +3,7 @@ a long-running process whose allocations vary in size (a worker after a large re
 reads of every size) keeps its RSS near its peak, or creeps upward as the heap fragments. ``gc.collect()``
 gets the cycles; glibc's ``malloc_trim(0)`` returns the free pages of every arena (madvise).
 
-No torch here: the worker (worker/memory_release.py) and the proxy (launcher/proxy.py) share it.
+No torch here: the worker (worker/memory/release.py) and the proxy (launcher/proxy.py) share it.
 """
 
 from __future__ import annotations

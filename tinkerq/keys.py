@@ -32,7 +32,7 @@ def sample_queue(worker_id: str) -> str:
 
 
 def publish_queue(worker_id: str) -> str:
-    """Requests from other workers to publish the weights of snapshots this worker made (worker/snapshots.py);
+    """Requests from other workers to publish the weights of snapshots this worker made (worker/sampling/snapshots.py);
     read by a thread of their own, so two workers waiting on each other's snapshots never deadlock."""
     return f"{PREFIX}:publish:{worker_id}"
 

@@ -56,7 +56,7 @@ class _SaveRequired(TypedDict):
 
 class SaveStateRequest(_SaveRequired, total=False):
     overwrite: bool  # absent: True (replace), as before the field existed
-    keep_newest: int  # the gateway's per-key retention (worker/checkpoint_retention.py)
+    keep_newest: int  # the gateway's per-key retention (worker/checkpoints/retention.py)
 
 
 class SaveWeightsRequest(_SaveRequired, total=False):
@@ -184,12 +184,13 @@ class Registry(Mapping[str, Operation]):
 
     @property
     def celery_ops(self) -> tuple[str, ...]:
-        """The operations registered as Celery tasks (worker/tasks.py)."""
+        """The operations registered as Celery tasks (worker/transport/tasks.py)."""
         return self._names(lambda op: op.celery_task)
 
     @property
     def task_names(self) -> Mapping[str, str]:
-        """Celery task name of each operation that travels as one; the worker accepts no other (worker/intake.py)."""
+        """Celery task name of each operation that travels as one; the worker accepts no other
+        (worker/transport/intake.py)."""
         return MappingProxyType({name: self._ops[name].task_name for name in self.celery_ops})
 
     @property
@@ -209,12 +210,12 @@ class Registry(Mapping[str, Operation]):
 
     @property
     def pass_ops(self) -> frozenset[str]:
-        """Loss requests, which LoRA sessions may share a pass for (worker/scheduler.py)."""
+        """Loss requests, which LoRA sessions may share a pass for (worker/core/scheduler.py)."""
         return frozenset(self._names(lambda op: op.loss_pass))
 
     @property
     def checkpoint_kinds(self) -> Mapping[str, CheckpointKind]:
-        """The kind of checkpoint each saving operation writes (worker/checkpoint_retention.py)."""
+        """The kind of checkpoint each saving operation writes (worker/checkpoints/retention.py)."""
         return MappingProxyType({name: op.checkpoint_kind for name, op in self._ops.items()
                                  if op.checkpoint_kind is not None})
 

@@ -2,7 +2,7 @@
 and other workers read back. One module for both sides (no JSON parsed by hand anywhere else).
 
 * :class:`SessionHome` (``keys.session_home``): where a training session lives and how to re-make it; or, for a
-  session released idle (worker/idle_release.py), that it is *parked*: in no worker's memory, restored by
+  session released idle (worker/recovery/idle_release.py), that it is *parked*: in no worker's memory, restored by
   ``worker`` from its automatic snapshot on its next request.
 * :class:`SnapshotRecord` (``keys.auto_snapshot``): the session's latest automatic training snapshot.
 * :class:`JournalEntry` (``keys.journal``, msgpack): a request the session applied since that snapshot.

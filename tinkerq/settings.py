@@ -85,7 +85,7 @@ class Settings:
     # -- worker options ----------------------------------------------------------------------------------
     # torch device and dtype a worker holds its model in. dtype "auto": the checkpoint's own dtype (bfloat16 for
     # the published checkpoints) on a CUDA device with native bfloat16, float32 on the CPU; the worker resolves
-    # it against the checkpoint and device (worker/dtypes.py) and reports what it chose.
+    # it against the checkpoint and device (worker/loading/dtypes.py) and reports what it chose.
     device: str = "cpu"
     dtype: str = "auto"
     # A quantized checkpoint's base (block FP8, MXFP4, INT4): "dequantize" holds it in ``dtype``; "keep" holds
@@ -157,7 +157,7 @@ class Settings:
     microbatch_tokens: int = 16384
     # Operator's cap on the worker process's own memory (RSS), MiB; 0 = no cap. New sessions, sampler
     # snapshots, sample requests and batches that would take it past the cap (or past what the host,
-    # its cgroup or the device has free) are refused before anything is allocated (worker/memory.py).
+    # its cgroup or the device has free) are refused before anything is allocated (worker/memory/).
     memory_limit_mb: int = 0
     # Local state: the demo model, and checkpoints unless checkpoint_dir says otherwise.
     home: str = str(Path.home() / ".cache" / "tinkerq")

@@ -4,7 +4,7 @@ A request's numbers in a mixed pass are bitwise the numbers it gets alone in a p
 outputs, loss, metrics and adapter gradients, dense and MoE models, float32 on the CPU). The layout:
 
 * **Micro-batches per request.** Each request's datums are cut into micro-batches from its own rows only, as if
-  it were alone (:func:`tinkerq.worker.batching.microbatch_ranges` on its own padded lengths). A micro-batch is
+  it were alone (:func:`tinkerq.worker.training.batching.microbatch_ranges` on its own padded lengths). A micro-batch is
   padded to :func:`padded_length` of its longest row: a function of that micro-batch alone (rounded up to a
   bucket, so micro-batches of different requests share a length more often).
 * **Steps stack micro-batches of different requests along the batch dimension.** Micro-batches of the same
@@ -18,8 +18,8 @@ outputs, loss, metrics and adapter gradients, dense and MoE models, float32 on t
   each tile as alone: measured on this CPU); the adapters' products and the experts' dispatch run per request;
   what the stacked rows share unchanged are the operations computed row by row (attention, norms, activations).
 * **Every reduction is per request, in the order it has alone:** its loss and metrics are summed per micro-batch
-  (:func:`tinkerq.worker.losses.score` on its own rows) and merged micro-batch after micro-batch
-  (:class:`tinkerq.worker.training.RequestPart`); its gradients accumulate micro-batch after micro-batch (one
+  (:func:`tinkerq.worker.training.losses.score` on its own rows) and merged micro-batch after micro-batch
+  (:class:`tinkerq.worker.training.engine.RequestPart`); its gradients accumulate micro-batch after micro-batch (one
   backward per step: another request's loss adds nothing to this adapter's gradient).
 
 Each request keeps Tinker's semantics on its own rows: its loss is the sum of its own per-token losses, its
@@ -27,7 +27,7 @@ outputs and metrics are its own, and only its own adapter gets its gradients.
 
 Isolation of failures: a request whose loss is not finite leaves the backward sum; its adapter's fresh
 gradients, and those of a request whose gradients are not finite, are discarded by its engine's
-``commit`` (worker/training.py), which puts back the pending gradients untouched. The other requests in
+``commit`` (worker/training/engine.py), which puts back the pending gradients untouched. The other requests in
 the pass are unaffected: rows never mix.
 """
 
@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
-from tinkerq.worker.batching import microbatch_ranges, pad_batch, rank_share
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.routing import Rows, routed
-from tinkerq.worker.losses import LOSSES, score
-from tinkerq.worker.training import Collectives, RequestPart, SingleProcess, TrainingEngine
+from tinkerq.worker.training.batching import microbatch_ranges, pad_batch, rank_share
+from tinkerq.worker.training.engine import Collectives, RequestPart, SingleProcess, TrainingEngine
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.losses import LOSSES, score
 
 # Padded lengths are rounded up to a multiple of max(PAD_MIN, 2**floor(log2(n)) / PAD_STEPS_PER_OCTAVE): 16 up to
 # 128 tokens, then 8 buckets per doubling (at most 1/8 more tokens), so micro-batches of different requests share
@@ -152,7 +152,7 @@ def run_pass(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCom
 
     On a shard group (``group``; ``root``: the FSDP root that computes the base's logprobs,
     worker/sharding/fsdp.py) every rank runs this with the same items: each computes its share of every request's
-    datums (:func:`tinkerq.worker.batching.rank_share`), in as many steps as the busiest rank (the others join
+    datums (:func:`tinkerq.worker.training.batching.rank_share`), in as many steps as the busiest rank (the others join
     the collectives with idle steps), then each adapter's gradients are summed over the ranks. Raises only on a
     failure of the pass itself (a bug, out of memory, a lost shard): every engine is then put back as it was,
     and the caller fails every item.
@@ -188,7 +188,7 @@ def _cap(model: torch.nn.Module, microbatch_tokens: int) -> int:
 
 
 def _padded(m: Micro, device: torch.device) -> dict[str, Any]:
-    """``m``'s rows as a padded batch of ``m.length`` tokens (:func:`tinkerq.worker.batching.pad_batch`)."""
+    """``m``'s rows as a padded batch of ``m.length`` tokens (:func:`tinkerq.worker.training.batching.pad_batch`)."""
     batch = pad_batch(m.item.data[m.start:m.stop], device)
     extra = m.length - batch["tokens"].shape[1]
     if extra:

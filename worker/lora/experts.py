@@ -68,7 +68,7 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
     """A module holding experts as 3-D parameters (whatever its family; a convolution's 3-D kernel is not)."""
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return False
-    # A base kept quantized (worker/quantized_base.py) has them as properties of the module's class instead.
+    # A base kept quantized (worker/loading/quantized_base.py) has them as properties of the module's class instead.
     return any(p.dim() == 3 for p in module.parameters(recurse=False)) or getattr(module, "_tinkerq_experts", False)
 
 

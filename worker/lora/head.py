@@ -174,7 +174,7 @@ def tiled_target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 def routed_logprobs(routing: lora_routing.Routing, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     real: torch.Tensor, *, backend: str, chunk_tokens: int) -> torch.Tensor:
     """Target logprobs (B, T) (zeros at padding) of a routed pass's final hidden states (B, T, H), each group's real
-    tokens (``real`` (B, T)) in tiles, with its adapter's output-projection term (worker/logprobs.py calls this
+    tokens (``real`` (B, T)) in tiles, with its adapter's output-projection term (worker/training/logprobs.py calls this
     when :meth:`Routing.tiled_head`)."""
     if backend == "apex":
         xentropy = load_apex_xentropy()

@@ -79,7 +79,7 @@ class Routing:
             self.sizes = [b - a for a, b in zip(starts, stops, strict=True)]
 
     def head_groups(self) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor] | None]] | None:
-        """For the fused loss head (worker/logprobs.py): each contiguous group's scaling and output projection
+        """For the fused loss head (worker/training/logprobs.py): each contiguous group's scaling and output projection
         pair (rows: :meth:`split`); None when one group holds the batch and does not adapt the output projection
         (the head then runs once over the batch). Several groups always get one head each: its chunks' products
         then have the shapes they have alone."""

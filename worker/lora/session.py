@@ -1,4 +1,4 @@
-"""LoRA sessions: an adapter trained by the one engine (worker/training.py) over a frozen base shared by all.
+"""LoRA sessions: an adapter trained by the one engine (worker/training/engine.py) over a frozen base shared by all.
 
 :class:`LoraBase` is the worker's base model, hooked for routing once, and what every LoRA session on it
 shares. :class:`LoraSession` implements :class:`worker.session.Session`; its loss requests normally run in
@@ -26,12 +26,12 @@ from transformers import PreTrainedModel
 
 from tinkerq import types
 from tinkerq.worker import checkpoints
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora import experts, routing
 from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, adaptable, find_targets
 from tinkerq.worker.lora.batch import LossItem, run_pass
-from tinkerq.worker.session import Runner, execute
-from tinkerq.worker.training import Collectives, SingleProcess, TrainingEngine
+from tinkerq.worker.training.engine import Collectives, SingleProcess, TrainingEngine
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import Runner, execute
 
 
 class LoraBase:
@@ -159,7 +159,7 @@ class LoraSession:
         return cast(types.OptimStepResponse, self._run("optim_step", adam=adam))
 
     def snapshot(self) -> FrozenAdapter:
-        """The adapter's current weights, frozen, for sampling over the shared base (worker/snapshots.py)."""
+        """The adapter's current weights, frozen, for sampling over the shared base (worker/sampling/snapshots.py)."""
         self._touch()
         return self.adapter.frozen()
 

@@ -53,7 +53,7 @@ class TorchChunkKernel:
 class ChunkedTargetLogprobs(torch.autograd.Function):
     """Logits ``hidden @ weight.T (+ low @ low_weight.T)`` one chunk of tokens at a time, never all at once.
 
-    The optional low-rank term is a LoRA adapter on the output projection (worker/logprobs.py): ``low`` (N, r)
+    The optional low-rank term is a LoRA adapter on the output projection (worker/training/logprobs.py): ``low`` (N, r)
     is ``scaling * hidden @ A.T`` and ``low_weight`` (V, r) is B. Its gradient costs V x r per token, not the
     V x H of the frozen ``weight``, which gets no gradient when it does not require one.
     """

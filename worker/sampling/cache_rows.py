@@ -29,9 +29,9 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from tinkerq.worker.logprobs import fused_head_support
 from tinkerq.worker.sampling.dense_decode import DenseDecode, dense_decode
 from tinkerq.worker.sampling.rules import StopRule
+from tinkerq.worker.training.logprobs import fused_head_support
 
 if TYPE_CHECKING:
     from tinkerq.worker.sampling.torch_engine import Job

@@ -5,7 +5,7 @@ hidden states of that same forward are kept (:func:`final_hidden`, a hook on ``m
 into target logprobs with the output embedding chunk by chunk (worker/loss_head), so a long prompt's (P, V)
 logits never exist; a LoRA adapter on the output projection adds its low-rank term there, as the routing hook
 does for the sampled tokens. Models whose logits are not just ``hidden @ W.T`` (soft-capping, scaling, a bias:
-:func:`tinkerq.worker.logprobs.fused_head_support`) prefill such prompts with every position's logits instead.
+:func:`tinkerq.worker.training.logprobs.fused_head_support`) prefill such prompts with every position's logits instead.
 
 The numbers are float32 at temperature 1, whatever the job's temperature, top-k or top-p: the same ones
 ``forward`` computes for these tokens.
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinkerq.worker.logprobs import chunk_tokens
 from tinkerq.worker.loss_head import target_logprobs_from_hidden
+from tinkerq.worker.training.logprobs import chunk_tokens
 
 
 @contextlib.contextmanager

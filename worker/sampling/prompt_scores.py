@@ -23,9 +23,9 @@ import torch
 
 from tinkerq import types
 from tinkerq.validation import PromptOptions
-from tinkerq.worker.logprobs import chunk_tokens
 from tinkerq.worker.loss_head.chunked import chunk_logits
 from tinkerq.worker.sampling.prompt_logprobs import head_inputs
+from tinkerq.worker.training.logprobs import chunk_tokens
 
 ALT_STREAM = 2**32  # the row index of the alternative tokens' generator (sample rows use 0 .. num_samples - 1)
 

@@ -12,11 +12,11 @@ import os
 
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
-from tinkerq.worker.dtypes import served_dtype
-from tinkerq.worker.logprobs import LogprobComputer
-from tinkerq.worker.model_loading import configure_torch, load_causal_lm
+from tinkerq.worker.loading.dtypes import served_dtype
+from tinkerq.worker.loading.models import configure_torch, load_causal_lm
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
 from tinkerq.worker.sharding.host import ShardHost, from_wire
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 log = logging.getLogger("tinkerq.shards")
 

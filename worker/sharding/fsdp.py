@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) over a model, so a :class:`worker.training.TrainingEngine` trains one shard per rank.
 
 Each parameter, its gradient and its AdamW moments become DTensors sharded along dim 0, so a rank holds
-about 1/N of each. A request's datums are split across the ranks (:func:`tinkerq.worker.batching.rank_plans`);
+about 1/N of each. A request's datums are split across the ranks (:func:`tinkerq.worker.training.batching.rank_plans`);
 FSDP gathers each layer's weights for the forward and reduce-scatters its gradients on the way back.
 """
 
@@ -13,9 +13,9 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
 
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.sharding.group import ShardGroup
-from tinkerq.worker.training import TrainingEngine, model_weights
+from tinkerq.worker.training.engine import TrainingEngine, model_weights
+from tinkerq.worker.training.logprobs import LogprobComputer
 
 
 class LogprobModule(torch.nn.Module):

@@ -21,14 +21,14 @@ from transformers import PreTrainedModel
 from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
-from tinkerq.worker.logprobs import LogprobComputer
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
-from tinkerq.worker.session import FullSession, execute
 from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
 from tinkerq.worker.sharding.sampling import GroupSampling, join_forward
-from tinkerq.worker.training import TrainingEngine, tied_names
+from tinkerq.worker.training.engine import TrainingEngine, tied_names
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import FullSession, execute
 
 log = logging.getLogger("tinkerq.shards")
 
@@ -156,7 +156,7 @@ class ShardHost:
 
     def _failure(self, when: str, exc: BaseException) -> str:
         # The facts only: what becomes of the sessions (held and re-made, handed over, or lost) the worker says
-        # (worker/recovery.py, WorkerService.shard_group_failed).
+        # (worker/recovery/, WorkerService.shard_group_failed).
         return (f"the shard group of this model failed {when}: "
                 f"{describe_failure(exc, self.group.spec.collective_timeout_s)}")
 
@@ -188,7 +188,7 @@ class ShardHost:
         learns of a dead follower before the next request needs it).
 
         ``on_loop(fn)`` runs ``fn`` on the worker's compute loop when it has nothing else to run and says
-        whether it did (worker/service.py ``run_when_idle``): the ping's collectives then never run beside the
+        whether it did (worker/core/service.py ``run_when_idle``): the ping's collectives then never run beside the
         loop's, nor hold its next request back. Without it (a test driving the host alone) the ping runs on
         its own thread whenever the group's lock is free."""
         stop = threading.Event()

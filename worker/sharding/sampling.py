@@ -5,7 +5,7 @@ unsharded worker; only the weights are sharded. Each forward the engine makes (a
 through the FSDP root, which gathers each layer's weights from the ranks as it reaches it; every follower joins
 those collectives with a one-token forward of its own (``ShardHost.execute("sample_forward")``), so a group
 samples with 1/N of the base on each device. The base and every LoRA snapshot of the group's sessions (adapters
-over that base) are sampled this way; a full-parameter snapshot is a whole copy on rank 0 (worker/session.py).
+over that base) are sampled this way; a full-parameter snapshot is a whole copy on rank 0 (worker/training/session.py).
 """
 
 from __future__ import annotations

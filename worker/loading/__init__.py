@@ -1,0 +1,1 @@
+"""loading: see docs/architecture.md (The worker core)."""

@@ -1,0 +1,309 @@
+"""What things need: a request's or a session's memory, estimated from the model's shape (worker/memory/
+admits them against what is free). The estimates are deliberately a little high (activations especially,
+see :func:`batch_bytes`): refusing a request that would just have fitted costs a retry with a smaller one;
+admitting one that does not fit costs the worker.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from tinkerq.worker.memory.free import MiB
+from tinkerq.worker.training.batching import microbatch_ranges
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimators need to know about a model: its bytes and its transformer dimensions."""
+
+    param_bytes: int  # every distinct parameter (tied ones once), in their own dtypes
+    buffer_bytes: int  # non-parameter tensors a copy of the model carries (rotary tables...)
+    dtype_bytes: int  # bytes per element of activations and of the KV cache (the parameters' dtype)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    # What FSDP gathers as one unit on a sharded worker (worker/sharding/fsdp.py), at full size: the largest
+    # decoder layer's parameters, and the root's (everything outside the decoder layers: the embeddings, the
+    # final norm, the output weight). 0 where a shape is written by hand.
+    largest_layer_bytes: int = 0
+    root_bytes: int = 0
+    parameters: int = 0  # the number of distinct parameters (tied ones once), full size
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        """The shape of ``model`` (computed once per model object)."""
+        shape = _shapes.get(model)
+        if shape is None:
+            shape = _shapes[model] = cls._measure(model)
+        return shape
+
+    @classmethod
+    def _measure(cls, model: torch.nn.Module) -> ModelShape:
+        params = list(model.parameters())  # parameters() yields tied tensors once
+        config: Any = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        lm: Any = model  # a transformers model, when it has input embeddings
+        embeddings = lm.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else params[0]
+        vocab, hidden = (int(x) for x in embeddings.shape[-2:])
+        heads = int(getattr(text, "num_attention_heads", 0) or 1)
+        from tinkerq.worker.sharding.fsdp import decoder_layers  # what fully_shard wraps one by one
+
+        full_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
+        layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters())
+                       for layer in decoder_layers(cast(Any, model))] if hasattr(model, "base_model") else []
+        return cls(
+            param_bytes=sum(_local(p).numel() * p.element_size() for p in params),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+            dtype_bytes=params[0].element_size(),
+            layers=int(getattr(text, "num_hidden_layers", 0) or 1),
+            hidden=int(getattr(text, "hidden_size", 0) or hidden),
+            intermediate=_active_intermediate(text, hidden),
+            heads=heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", 0) or heads),
+            head_dim=int(getattr(text, "head_dim", 0) or hidden // heads),
+            vocab=int(getattr(text, "vocab_size", 0) or vocab),
+            largest_layer_bytes=max(layer_bytes, default=0),
+            root_bytes=full_bytes - sum(layer_bytes),
+            parameters=sum(p.numel() for p in params),
+        )
+
+
+def _active_intermediate(text: Any, hidden: int) -> int:
+    """The MLP width a token goes through: a dense layer's ``intermediate_size``, or on a mixture of experts the
+    routed experts' widths times how many a token uses, plus the shared experts' (the larger of the two, for
+    models with both kinds of layers). Unknown: the classic 4 x hidden (an over- rather than an under-estimate)."""
+    dense = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    if not top_k:
+        return dense
+    expert = int(getattr(text, "moe_intermediate_size", 0) or dense)  # gpt-oss: intermediate_size is the expert's
+    shared = int(getattr(text, "n_shared_experts", 0) or 0) * expert
+    shared += int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    return max(dense, top_k * expert + shared)
+
+
+_shapes: weakref.WeakKeyDictionary[torch.nn.Module, ModelShape] = weakref.WeakKeyDictionary()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a sharded (DTensor) tensor; a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# A LoRA adapter's training state: float32 weights, pending gradients, AdamW exp_avg and exp_avg_sq.
+LORA_BYTES_PER_PARAMETER = 16
+
+
+def session_state_parts(shape: ModelShape, shards: int = 1) -> dict[str, int]:
+    """A training session's state per shard, part by part (:func:`session_state_bytes` is their sum)."""
+    return {"weights": shape.param_bytes // shards + shape.buffer_bytes, "gradients": shape.param_bytes // shards,
+            "adamw": 2 * shape.param_bytes // shards}
+
+
+def session_state_bytes(shape: ModelShape, shards: int = 1) -> int:
+    """What a training session keeps for its whole life (see worker/training/engine.py), per shard.
+
+    A full session's engine holds a deep copy of the model (parameters + buffers), ``p.grad`` for every
+    parameter (the pending gradients, allocated at once), and AdamW's ``exp_avg`` and ``exp_avg_sq``
+    (same shape and dtype; allocated at the session's first optim_step) plus a 0-dim float32 ``step``
+    per parameter (negligible, not counted):
+
+        state = weights + buffers + 3 x weights   (grad, exp_avg, exp_avg_sq)
+
+    A sharded session holds 1/shards of each (buffers whole).
+    """
+    return sum(session_state_parts(shape, shards).values())
+
+
+def training_working_bytes(shape: ModelShape, shards: int = 1) -> int:
+    """What one forward_backward needs on top of the session's state for gradients, per shard.
+
+    ``run_loss`` sets the pending gradients aside and lets ``backward`` fill fresh ones (one copy of the
+    weights), which are checked and then added; autograd's own temporaries while accumulating a tied or
+    later micro-batch gradient take up to one more; optim_step's temporaries (AdamW's foreach
+    ``sqrt(exp_avg_sq)`` on CUDA, one copy) fit in the same room:
+
+        working = 2 x weights
+
+    Only one request runs at a time (one slot per worker), so every session shares this room.
+    """
+    return (2 * shape.param_bytes) // shards
+
+
+def snapshot_bytes(shape: ModelShape) -> int:
+    """A sampler snapshot: one copy of the model, frozen (no gradients, no optimizer state).
+
+        snapshot = weights + buffers
+
+    A snapshot is made (or loaded) before an older one may be evicted (worker/sampling/snapshots.py), so this much
+    must be free for a moment.
+    """
+    return shape.param_bytes + shape.buffer_bytes
+
+
+def unallocated_state_bytes(sessions: Iterable[Any]) -> int:
+    """AdamW moments that open sessions will allocate at their first optim_step (2 x their weights).
+
+    Counted against a new session or snapshot: admitting one into memory that an existing session has
+    been promised would make that session's first optim_step run out of memory instead.
+    """
+    return sum(session.unallocated_state_bytes() for session in sessions)
+
+
+def sample_bytes(shape: ModelShape, prompt_tokens: int, max_tokens: int, num_samples: int, *,
+                 device_type: str = "cpu") -> int:
+    """A sample request's share of the running batch (worker/sampling/): its KV cache, logits rows, prompt pass.
+
+    Its ``S = num_samples`` rows end at ``T = prompt + max_tokens`` cache positions each (the engine prefills
+    the prompt once and copies its cache, so ``prompt`` below is an upper bound):
+
+        kv     = 2 (K and V) x layers x kv_heads x head_dim x T x S x dtype_bytes
+        grow   = kv / layers  on CUDA (the cache grows by torch.cat: one layer's old and new K/V coexist)
+               = 2.5 x kv     on the CPU (glibc rarely reuses the freed, smaller buffer for the next,
+                              larger one: a decode-only request measured up to 3.1 x kv over 19 runs)
+        logits = 8 x S x V x 4    (float32 rows: logits, .float(), log_softmax, softmax, top-k/top-p
+                                   masks and sorts: a handful of (S, V) tensors, 8 to be safe)
+        prompt = S x P x (4 x hidden + 4 x intermediate) x dtype_bytes x (2 on the CPU)
+                 (the no-grad prompt pass over S x P tokens: one layer's temporaries at a time; on the
+                 CPU the freed ones fragment the heap, measured up to 6.6 x (hidden + intermediate))
+        fixed  = 8 MiB            (per-step temporaries, sampling bookkeeping)
+    """
+    T, S = prompt_tokens + max_tokens, num_samples
+    cpu = device_type != "cuda"
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * T * S * shape.dtype_bytes
+    grow = 5 * kv // 2 if cpu else kv // shape.layers
+    logits = 8 * S * shape.vocab * 4
+    prompt = S * prompt_tokens * (4 * shape.hidden + 4 * shape.intermediate) * shape.dtype_bytes * (2 if cpu else 1)
+    return kv + grow + logits + prompt + 8 * MiB
+
+
+# Per token, bytes a request's own data takes in the worker: the request bytes (~20 per token:
+# int64 tokens, int64 targets, float32 weights), the decoded numpy arrays (~20), the padded micro-batch
+# copies, the two float32 outputs (logprobs, elementwise_loss) and the packed reply (~16).
+REQUEST_BYTES_PER_TOKEN = 96
+# Per datum: Python objects (Datum, ModelInput, dicts, numpy headers) on the way in and out.
+REQUEST_BYTES_PER_DATUM = 4096
+
+
+def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, int]]:
+    """(rows, longest row) of each micro-batch run_loss will make of a batch (worker/training/batching.py)."""
+    return [(stop - start, max(lengths[start:stop])) for start, stop in microbatch_ranges(lengths, microbatch_tokens)]
+
+
+def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
+                chunk_tokens: int | None, shards: int = 1, lora: bool = False) -> int:
+    """A forward (backward=False) or forward_backward request: the largest micro-batch's peak + the data.
+
+        batch  = activations (:func:`activation_bytes`) + grads + data (:func:`request_bytes`)
+        grads  = training_working_bytes    (backward only: the request's gradient buffers; none for a LoRA
+                                            request: its adapter's gradient buffers are in its state)
+
+    A sharded worker splits datums across ranks, so rank 0's micro-batches are no larger than these.
+    """
+    grads = training_working_bytes(shape, shards) if backward and not lora else 0
+    return (activation_bytes(shape, lengths, microbatch_tokens=microbatch_tokens, backward=backward,
+                             chunk_tokens=chunk_tokens) + grads + request_bytes(lengths))
+
+
+def request_bytes(lengths: list[int]) -> int:
+    """The request and reply themselves, whole request: ``data = 96 x tokens + 4096 x datums``."""
+    return REQUEST_BYTES_PER_TOKEN * sum(lengths) + REQUEST_BYTES_PER_DATUM * len(lengths)
+
+
+def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
+                     chunk_tokens: int | None) -> int:
+    """The largest micro-batch's activations and loss head, of a batch of rows of these lengths.
+
+    Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
+    per layer (measured on Llama: ~7 x hidden + ~4.6 x intermediate values per token, plus the attention
+    mask; rounded up; ``intermediate`` is the width a token goes through, top-k experts on a MoE):
+
+        layer  = N x (10 x hidden + 6 x intermediate) x dtype_bytes + 2 x B x L x L x 4   (mask, float32)
+        acts   = (layers + 1) x layer      backward: every layer saved + one layer's gradients in flight
+               = 2 x layer                 forward only: nothing is saved; one layer's temporaries at a time
+        head   = 2 x C x V x 4 + 4 x N x hidden x dtype_bytes
+                 (the chunked loss head holds one (C, V) float32 chunk of logits and its softmax, C =
+                 chunk_tokens, and keeps the final hidden states; without the chunked head
+                 (chunk_tokens None) C = N: full (B, L, V) logits, 3 copies: logits, float, grad)
+
+    No activation checkpointing: a LoRA backward saves the same activations as a full one.
+    """
+    largest = 0
+    for rows, longest in microbatches(lengths, microbatch_tokens):
+        n = rows * longest
+        layer = n * (10 * shape.hidden + 6 * shape.intermediate) * shape.dtype_bytes + 2 * rows * longest * longest * 4
+        acts = (shape.layers + 1) * layer if backward else 2 * layer
+        logits = 3 * n * shape.vocab * 4 if chunk_tokens is None else 2 * min(chunk_tokens, n) * shape.vocab * 4
+        head = logits + 4 * n * shape.hidden * shape.dtype_bytes
+        largest = max(largest, acts + head)
+    return largest
+
+
+# -- sharded groups (worker/sharding/) and LoRA tenants (worker/lora/) --------------------------------------------
+
+
+def gather_bytes(shape: ModelShape, shards: int, *, weight_grads: bool) -> int:
+    """FSDP's transient room on each shard of a group (worker/sharding/fsdp.py); 0 on one worker.
+
+    ``fully_shard`` wraps every decoder layer and a root (the embeddings, the final norm, the output weight).
+    A layer is all-gathered whole for its forward and again for its backward, and the next one is prefetched
+    while it runs; the root's parameters stay gathered from the forward through the backward:
+
+        gather = root + 2 x largest layer                  (full-size parameters, the model's dtype)
+               x 2 when the weights train                  (their unsharded gradients, before reduce-scatter)
+
+    The 1/shards piece a shard holds anyway is not subtracted (a little high, as every estimate here).
+    """
+    if shards <= 1:
+        return 0
+    room = shape.root_bytes + 2 * shape.largest_layer_bytes
+    return 2 * room if weight_grads else room
+
+
+def full_session_bytes(shape: ModelShape, shards: int = 1) -> int:
+    """What a new full-parameter session needs per shard besides its requests' activations (admission's figure):
+
+        full = session_state_bytes + training_working_bytes + gather_bytes(weights train)
+    """
+    return (session_state_bytes(shape, shards) + training_working_bytes(shape, shards)
+            + gather_bytes(shape, shards, weight_grads=True))
+
+
+def lora_state_bytes(parameters: int) -> int:
+    """One LoRA tenant's adapter: float32 weights, pending gradients, AdamW's two moments (16 B per parameter).
+
+    On a shard group each rank holds the whole adapter (replicated: a request's datums are split across ranks,
+    every rank trains the same A and B), so this is per shard too and more shards do not make it smaller.
+    """
+    return LORA_BYTES_PER_PARAMETER * parameters
+
+
+def lora_base_bytes(shape: ModelShape, shards: int = 1) -> int:
+    """The frozen base LoRA tenants share, per shard: sharded once over the group, no gradients, no optimizer
+    state (``base = weights / shards + buffers``; on one worker, :func:`snapshot_bytes`)."""
+    return shape.param_bytes // shards + shape.buffer_bytes
+
+
+def rank_lengths(lengths: list[int], shards: int) -> list[int]:
+    """The datums the fullest rank of a group gets: contiguous runs whose sizes differ by at most one
+    (worker/training/batching.py's ``rank_plans``); the longest ones, to be safe."""
+    per_rank = -(-len(lengths) // max(1, shards))
+    return sorted(lengths, reverse=True)[:per_rank]
+
+
+def shards_needed(need: Callable[[int], int], room: int, *, start: int = 1, limit: int = 4096) -> int | None:
+    """The fewest shards ``n >= start`` with ``need(n) <= room``, or None when no count up to ``limit`` fits (a
+    part every shard holds whole, such as a LoRA adapter or FSDP's gather room, is larger than ``room``)."""
+    for n in range(max(1, start), limit + 1):
+        if need(n) <= room:
+            return n
+    return None

@@ -1,0 +1,1 @@
+"""planning: see docs/architecture.md (The worker core)."""

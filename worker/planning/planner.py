@@ -1,0 +1,451 @@
+"""What fits where: ``tinkerq plan`` (docs/planning.md).
+
+For a model (a Hugging Face model directory, a config.json, or a name from the lineup shipped in
+``worker/planning/lineup/``) and a kind of device, it says how many shards a full-parameter session and a LoRA group
+need,
+the memory of each shard part by part, and how many LoRA tenants fit. The model is built from its config on the
+meta device (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``): every parameter is counted
+exactly, module by module, and no weight is read or allocated.
+
+Every figure comes from worker/memory/estimates.py, the estimates the worker's admission uses
+(worker/memory/); this module only picks the shard counts and lays the figures out.
+
+The lineup's config.json files are written by hand from the public model cards' config.json (hyperparameters
+only; nothing is downloaded). Kimi-K2's card says ``model_type: kimi_k2`` with custom code: its architecture is
+DeepSeek-V3's, so its file says ``deepseek_v3``, which transformers knows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinkerq import types
+from tinkerq.errors import UserError
+from tinkerq.settings import Settings
+from tinkerq.worker.loading.dtypes import resolve_dtype
+from tinkerq.worker.memory.estimates import (
+    ModelShape,
+    activation_bytes,
+    gather_bytes,
+    lora_base_bytes,
+    lora_state_bytes,
+    rank_lengths,
+    request_bytes,
+    session_state_parts,
+    shards_needed,
+    snapshot_bytes,
+    training_working_bytes,
+)
+
+LINEUP_DIR = Path(__file__).resolve().parent / "lineup"
+# The order of the lineup's tables (docs/planning.md): dense, then mixtures of experts, small to large.
+LINEUP = ("llama-3.1-8b", "qwen3-8b", "llama-3.3-70b", "gpt-oss-20b", "qwen3-30b-a3b", "gpt-oss-120b",
+          "qwen3-235b-a22b", "deepseek-v3.1", "kimi-k2-thinking")
+GiB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARDS = 4096
+
+
+class PlanError(UserError):
+    """The planner cannot answer: no config, an architecture transformers does not know, a bad number."""
+
+
+# -- the model, from its config alone ----------------------------------------------------------------------------
+
+
+def read_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """(a name for it, its config.json as a dict) for a lineup name, a model directory or a config.json file."""
+    path = Path(spec)
+    if spec in LINEUP or (not path.exists() and (LINEUP_DIR / spec / "config.json").is_file()):
+        path, name = LINEUP_DIR / spec / "config.json", spec
+    elif path.is_dir():
+        name, path = path.name, path / "config.json"
+        if not path.is_file():
+            raise PlanError(f"{spec} has no config.json: pass a Hugging Face model directory, a config.json, or "
+                            f"a lineup name ({', '.join(LINEUP)})")
+    elif path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+    else:
+        raise PlanError(f"--model {spec}: no such directory or file, and not a lineup name "
+                        f"({', '.join(LINEUP)})")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {path} as JSON: {exc}") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise PlanError(f"{path} is not a model config: it has no model_type")
+    return name, config
+
+
+def meta_model(config: dict[str, Any], dtype: str = "bfloat16") -> torch.nn.Module:
+    """The causal LM of ``config`` on the meta device, its parameters in ``dtype`` (no memory, no weights).
+
+    A ``quantization_config`` is left out: the model is planned as a worker serves it, dequantized to ``dtype``
+    on load (:func:`quantized_checkpoint` says what the checkpoint itself holds)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    model_type = fields.pop("model_type")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise PlanError(f"unknown architecture {model_type!r}: transformers {transformers.__version__} has no "
+                        f"config for it ({str(exc).splitlines()[0]})") from None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[dtype])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanError(f"transformers {transformers.__version__} cannot build a causal LM of "
+                        f"{model_type!r} from this config: {str(exc).splitlines()[0]}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _load(spec: str, dtype: str) -> tuple[str, dict[str, Any], torch.nn.Module]:
+    """(name, config, meta model) of ``spec``, kept for the next plan of the same model (other device sizes)."""
+    name, config = read_config(spec)
+    return name, config, meta_model(config, dtype)
+
+
+def lora_parameters(model: torch.nn.Module, rank: int) -> int:
+    """A rank-``rank`` adapter's parameters on every target (Tinker's defaults: attention, MLP, output)."""
+    from tinkerq.worker.lora.adapter import find_targets
+
+    return rank * sum(t.parameters_per_rank() for t in find_targets(model, types.LoraConfig(rank=1)))
+
+
+# -- quantized checkpoints (docs/planning.md#quantized-checkpoints) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Quantized:
+    method: str  # the config's quant_method
+    what: str  # which tensors the checkpoint keeps quantized
+    bits: float  # stored bits per quantized parameter, scales included
+    parameters: int  # how many parameters are quantized
+    checkpoint_bytes: int  # the whole model as the checkpoint stores it (the rest in the planned dtype)
+    dequantized_bytes: int  # the whole model dequantized on load (what the planner plans by default)
+    layer_bytes: int = 0  # the largest decoder layer's quantized weights dequantized: a kept base's working set
+
+
+def _routed_expert(name: str, p: torch.Tensor) -> bool:
+    # shared_experts are "_experts."; the experts' biases (2-D: one row per expert) stay unquantized
+    return ".experts." in name and p.dim() >= 2 and not name.endswith("bias")
+
+
+def _layer_matrix(name: str, p: torch.Tensor) -> bool:
+    return (".layers." in name and p.dim() >= 2 and not name.endswith("bias")
+            and not name.endswith("mlp.gate.weight"))  # not the router
+
+
+# method: (what, predicate, bits per parameter with scales). MXFP4: 4-bit values + one 8-bit (E8M0) scale per 32.
+# FP8 (DeepSeek): 1 byte + one float32 scale per 128 x 128 block. INT4 (compressed-tensors pack-quantized,
+# Kimi-K2-Thinking): 4 bits + one bfloat16 scale per group of 32.
+_QUANTIZED: dict[str, tuple[str, Callable[[str, torch.Tensor], bool], float]] = {
+    "mxfp4": ("routed experts' matrices", _routed_expert, 4 + 8 / 32),
+    "fp8": ("every matrix in the decoder layers but the router", _layer_matrix, 8 + 32 / (128 * 128)),
+    "compressed-tensors": ("routed experts' matrices", _routed_expert, 4 + 16 / 32),
+}
+
+
+def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quantized | None:
+    """What a quantized checkpoint stores, against the dequantized model the worker holds; None if not quantized."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    method = str(quant.get("quant_method", "?"))
+    what, chosen, bits = _QUANTIZED.get(method, ("unknown tensors (not counted)", lambda n, p: False, 0.0))
+    if method == "compressed-tensors":  # the group size and bits are in the config
+        groups: dict[str, Any] = quant.get("config_groups") or {}
+        first: dict[str, Any] = next(iter(groups.values()), {})
+        weights: dict[str, Any] = first.get("weights") or {}
+        bits = float(weights.get("num_bits", 4)) + 16 / float(weights.get("group_size", 32))
+    quantized = whole = 0
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        whole += p.numel() * p.element_size()
+        if chosen(name, p):
+            quantized += p.numel()
+            layer = re.search(r"\.layers\.\d+\.", name)
+            key = layer.group(0) if layer else name
+            per_layer[key] = per_layer.get(key, 0) + p.numel() * p.element_size()
+    size = next(model.parameters()).element_size()
+    return Quantized(method, what, bits, quantized, whole - quantized * size + math.ceil(quantized * bits / 8), whole,
+                     max(per_layer.values(), default=0))
+
+
+# A kept base's working set per layer, in units of that layer's dequantized weights: the weights built for the
+# forward (or rebuilt in the backward) and the dequantization's temporaries beside them (docs/quantized.md: 70-76
+# MiB peak for 24 MiB layers on the CPU, activations included).
+KEPT_LAYER_FACTOR = 2
+
+
+def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: int) -> dict[str, int]:
+    """A LoRA worker whose base is kept quantized (--quantized-base keep, one process): the base as stored, one
+    layer dequantized at a time, and the batch's activations."""
+    lengths = workload.lengths()
+    return {
+        "frozen base as stored (shared)": q.checkpoint_bytes + shape.buffer_bytes,
+        "one layer dequantized (working)": KEPT_LAYER_FACTOR * q.layer_bytes,
+        "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
+                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+    }
+
+
+# -- the plan ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch_tokens: int = 8192  # one forward_backward's tokens, split over the ranks
+    seq_len: int = 2048  # the length of its datums
+    microbatch_tokens: int = Settings.microbatch_tokens  # TINKERQ_MICROBATCH_TOKENS
+    lora_rank: int = 32
+
+    def lengths(self) -> list[int]:
+        full, rest = divmod(self.batch_tokens, self.seq_len)
+        return [self.seq_len] * full + ([rest] if rest else [])
+
+
+@dataclass
+class KindPlan:
+    kind: str  # "full" | "lora"
+    shards: int | None  # the fewest that fit (None: no count up to MAX_SHARDS does)
+    fits: bool  # within --devices
+    at: int  # the shard count the parts are given for: ``shards``, else --devices
+    parts: dict[str, int]  # per shard, at ``at``
+    total: int  # per shard: the sum of parts (LoRA: with one tenant)
+    host_bytes: int  # host memory per rank besides the device's (a sharded rank loads the base on the CPU)
+    adapter_bytes: int = 0  # LoRA: one tenant's adapter, on every shard
+    tenants: int = 0  # LoRA: how many tenants fit at ``at``
+    tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
+    longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
+
+
+@dataclass
+class Plan:
+    model: str
+    architecture: str
+    dtype: str
+    parameters: int
+    param_bytes: int
+    devices: int
+    device_bytes: int
+    usable_bytes: int
+    workload: Workload
+    lora_parameters: int
+    full: KindPlan
+    lora: KindPlan
+    quantized: Quantized | None = None
+    quantized_base: str = "dequantize"  # "keep": the LoRA column plans the base as stored (kept_lora_parts)
+    max_lora_sessions: int = Settings.max_lora_sessions
+    notes: list[str] = field(default_factory=list)
+
+
+def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -> dict[str, int]:
+    """A full session's memory on each of ``shards`` devices, part by part."""
+    lengths = rank_lengths(workload.lengths(), shards)
+    return {
+        # One worker holds the base model on its device beside the session's copy; a shard group keeps it on the
+        # CPU (docs/sharding.md#memory).
+        "base model (worker's copy)": snapshot_bytes(shape) if shards == 1 else 0,
+        **{f"session {k}": v for k, v in session_state_parts(shape, shards).items()},
+        "forward_backward working": training_working_bytes(shape, shards),
+        "FSDP gather room": gather_bytes(shape, shards, weight_grads=True),
+        "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
+                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+    }
+
+
+def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -> dict[str, int]:
+    """A LoRA group's memory on each of ``shards`` devices, without its tenants' adapters."""
+    lengths = rank_lengths(workload.lengths(), shards)
+    return {
+        "frozen base (shared)": lora_base_bytes(shape, shards),
+        "FSDP gather room": gather_bytes(shape, shards, weight_grads=False),
+        "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
+                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+    }
+
+
+def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
+         workload: Workload | None = None, quantized_base: str = "dequantize") -> Plan:
+    """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
+    ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
+    ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
+    served by one process); full sessions are still planned dequantized (they need float weights)."""
+    from tinkerq.worker.training.logprobs import chunk_tokens
+
+    workload = workload or Workload()
+    for what, value in (("--devices", devices), ("--device-memory", device_gb), ("--batch-tokens",
+                        workload.batch_tokens), ("--seq-len", workload.seq_len),
+                        ("--microbatch-tokens", workload.microbatch_tokens), ("--lora-rank", workload.lora_rank)):
+        if not value > 0:
+            raise PlanError(f"{what} must be positive, not {value}")
+    if not 0 <= headroom_gb < device_gb:
+        raise PlanError(f"--headroom {headroom_gb} must be at least 0 and less than --device-memory {device_gb}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise PlanError(f"--dtype {dtype}: auto or one of {', '.join(DTYPES)}")
+    # "auto" as a worker resolves it on the GPU planned for (one with bfloat16): the planner and the worker agree.
+    dtype = resolve_dtype(dtype, read_config(spec)[1], "cuda", bf16_supported=True)
+    name, config, model = _load(spec, dtype)
+    shape = ModelShape.of(model)
+    chunk = chunk_tokens(shape.vocab)
+    device_bytes = int(device_gb * GiB)
+    usable = device_bytes - int(headroom_gb * GiB)
+
+    def full_total(n: int) -> int:
+        return sum(full_parts(shape, n, workload, chunk).values())
+
+    def longest_datum(fixed: int) -> int:
+        """The most tokens one datum may have for its activations to fit beside ``fixed`` bytes (a datum is never
+        split: it runs alone in a micro-batch when longer than the budget)."""
+        lo, hi = 0, 1 << 22
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            acts = activation_bytes(shape, [mid], microbatch_tokens=workload.microbatch_tokens, backward=True,
+                                    chunk_tokens=chunk) + request_bytes([mid])
+            lo, hi = (mid, hi) if fixed + acts <= usable else (lo, mid - 1)
+        return lo
+
+    n_full = shards_needed(full_total, usable, limit=MAX_SHARDS)
+    at = n_full if n_full is not None and n_full <= devices else devices
+    parts = full_parts(shape, at, workload, chunk)
+    every = full_parts(shape, devices, workload, chunk)
+    full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
+                    host_bytes=2 * snapshot_bytes(shape) if at > 1 else 0,
+                    longest_datum=longest_datum(sum(every.values()) - every["activations"]))
+
+    adapter_parameters = lora_parameters(model, workload.lora_rank)
+    adapter = max(1, lora_state_bytes(adapter_parameters))
+
+    def tenants(n: int) -> int:
+        return max(0, (usable - sum(lora_parts(shape, n, workload, chunk).values())) // adapter)
+
+    n_lora = shards_needed(lambda n: sum(lora_parts(shape, n, workload, chunk).values()) + adapter, usable,
+                           limit=MAX_SHARDS)
+    at = n_lora if n_lora is not None and n_lora <= devices else devices
+    parts = lora_parts(shape, at, workload, chunk)
+    every = lora_parts(shape, devices, workload, chunk)
+    lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
+                    host_bytes=snapshot_bytes(shape) if at > 1 else 0, adapter_bytes=adapter, tenants=tenants(at),
+                    tenants_all_devices=tenants(devices),
+                    longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]))
+    quantized = quantized_checkpoint(config, model)
+    if quantized_base not in ("dequantize", "keep"):
+        raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
+    if quantized_base == "keep" and quantized is not None:
+        parts = kept_lora_parts(shape, quantized, workload, chunk)
+        fixed = sum(parts.values())
+        fits = fixed + adapter <= usable
+        room = max(0, (usable - fixed) // adapter)
+        lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
+                        adapter_bytes=adapter, tenants=room, tenants_all_devices=room,
+                        longest_datum=longest_datum(fixed + adapter - parts["activations"]))
+    architecture = (config.get("architectures") or [type(model).__name__])[0]
+    return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
+                workload, adapter_parameters, full, lora, quantized, quantized_base)
+
+
+# -- output --------------------------------------------------------------------------------------------------------
+
+
+def gb(nbytes: int) -> str:
+    return f"{nbytes / GiB:,.1f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+
+
+def _shards(kind: KindPlan) -> str:
+    if kind.shards is None:
+        return f">{MAX_SHARDS} (never fits)"
+    return f"{kind.shards}" + ("" if kind.fits else " (more than --devices)")
+
+
+def render(p: Plan) -> str:
+    """The human-readable table of one plan (in GiB; in MiB for devices under 8 GiB)."""
+    w = p.workload
+    unit, size = ("GiB", GiB) if p.device_bytes >= 8 * GiB else ("MiB", 1 << 20)
+
+    def gb(nbytes: int) -> str:
+        return f"{nbytes / size:,.1f}"
+
+    lines = [
+        f"model {p.model} ({p.architecture}): {_count(p.parameters)} parameters, {gb(p.param_bytes)} {unit} in "
+        f"{p.dtype}",
+        f"devices: {p.devices} x {gb(p.device_bytes)} {unit} ({gb(p.usable_bytes)} {unit} usable after the headroom)",
+        f"batch: {w.batch_tokens} tokens in datums of {w.seq_len}, split over the shards; micro-batches of up to "
+        f"{w.microbatch_tokens} tokens; LoRA rank {w.lora_rank} on attention, MLP and output "
+        f"({p.lora_parameters / 1e6:,.1f}M parameters)",
+    ]
+    if p.quantized:
+        q = p.quantized
+        kept = p.quantized_base == "keep"
+        lines.append(f"checkpoint: {q.method}, {q.what} ({_count(q.parameters)} parameters at {q.bits:g} bits): "
+                     f"{gb(q.checkpoint_bytes)} {unit} as stored; dequantized to {p.dtype} on load: "
+                     f"{gb(q.dequantized_bytes)} {unit} (planned below"
+                     + ("; the LoRA column keeps the base as stored, on one device, each layer dequantized when "
+                        f"used: {gb(q.layer_bytes)} {unit} for the largest; --quantized-base keep)" if kept
+                        else "; --quantized-base keep plans the LoRA base as stored)"))
+    rows: list[tuple[str, str, str]] = [("", "full session", "LoRA group")]
+    rows.append(("shards needed", _shards(p.full), _shards(p.lora)))
+    rows.append(("per shard at", f"{p.full.at} shard(s)", f"{p.lora.at} shard(s)"))
+    labels = list(dict.fromkeys([*p.full.parts, *p.lora.parts]))
+    for label in labels:
+        full = p.full.parts.get(label)
+        lora = p.lora.parts.get(label)
+        rows.append((f"  {label}", "-" if full is None else gb(full), "-" if lora is None else gb(lora)))
+    rows.append(("  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
+    rows.append((f"  total, {unit} (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
+    rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
+                                               f"{p.lora.tenants_all_devices:,} at {p.devices}"))
+    rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
+                 f"{p.lora.longest_datum:,} (one tenant)"))
+    rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines.append("")
+    lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
+    lines.append("")
+    lines.append(f"({unit}; the worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
+                 f"Host RAM: a shard group's ranks each load the base on the CPU; a full session's copy is made "
+                 f"there before it is sharded. docs/planning.md)")
+    return "\n".join(lines)
+
+
+def render_markdown(plans: list[Plan]) -> str:
+    """One markdown table row per plan (the lineup's table in docs/planning.md)."""
+    if not plans:
+        return ""
+    p0 = plans[0]
+    head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
+            f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
+            f"{p0.workload.lora_rank}.\n\n")
+    lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
+             "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
+             "longest datum, tokens (full; LoRA) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in plans:
+        fixed = p.lora.total - p.lora.adapter_bytes
+        lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
+                     f"{gb(p.full.total)} | {_shards(p.lora)} | {gb(fixed)} | {gb(p.lora.adapter_bytes)} | "
+                     f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
+                     f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} |")
+    return head + "\n".join(lines)
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+    out = asdict(p)
+    out["workload"]["lengths"] = p.workload.lengths()
+    return out
+

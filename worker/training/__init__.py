@@ -1,0 +1,1 @@
+"""training: see docs/architecture.md (The worker core)."""

@@ -1,0 +1,121 @@
+"""The training sessions a worker holds: how each kind is made, admitted, counted and closed.
+
+The one place that knows session kinds (full-parameter on this process, full-parameter on a shard group,
+LoRA over the shared frozen base, on this process or sharded once over a shard group); everything else sees
+the :class:`worker.session.Session` protocol.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from tinkerq import types
+from tinkerq.errors import CapacityError
+from tinkerq.settings import Settings
+from tinkerq.validation import validate_lora
+from tinkerq.worker import memory
+from tinkerq.worker.loading.quantized_base import refuse_full_session
+from tinkerq.worker.lora.adapter import find_targets
+from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
+from tinkerq.worker.sharding.host import LeaderSession, ShardHost
+from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.session import Session, TrainingSession
+
+log = logging.getLogger("tinkerq.worker")
+
+
+@dataclass
+class Slot:
+    """A session and its recovery state (worker/recovery/); its requests and order are the scheduler's."""
+
+    session: Session
+    steps_since_snapshot: int = 0  # optimizer steps since the latest automatic snapshot
+    journal_len: int = 0  # entries in the session's journal (requests applied since that snapshot)
+    snapshot_due: bool = False  # auto_snapshot_steps reached: snapshot once the current request is journaled
+    snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
+    snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
+    adopted_from: str | None = None  # the lost worker this session was adopted from
+    unjournaled: int = 0  # of those, the journal entries not written yet (counted towards journal_max_entries)
+
+
+class SessionFactory:
+    def __init__(self, settings: Settings, model: PreTrainedModel, model_dir: str, logprobs: LogprobComputer,
+                 base_model: str, worker_id: str, shards: ShardHost | None,
+                 evictable: Callable[[dict[str, float], float, float], str | None]) -> None:
+        self.settings = settings
+        self.model = model
+        self.model_dir = model_dir
+        self.logprobs = logprobs
+        self.base_model = base_model
+        self.worker_id = worker_id
+        self.shards = shards
+        self.evictable = evictable  # the scheduler's choice of a session to make room (Scheduler.evictable)
+        self.lora_base: LoraBase | None = None  # made on the first LoRA session (docs/lora.md)
+
+    def make(self, model_id: str, lora: dict[str, Any] | types.LoraConfig | None, slots: dict[str, Slot],
+             close: Callable[[str], None]) -> Session:
+        """A new session (``lora``: its config, else full-parameter), after its kind's count limit (at it, a broken
+        session of the kind is closed, or an idle one given to ``close``: the service releases it, parked, when
+        it can come back: worker/recovery/idle_release.py) and memory admission."""
+        if isinstance(lora, dict):
+            lora = types.LoraConfig(**lora)
+        if lora is None:
+            refuse_full_session(self.model)  # a base kept quantized trains LoRA adapters only
+            self._make_room("full", slots, close)
+            memory.admit_session(self.model, self.settings, [slot.session for slot in slots.values()])
+            if self.shards is not None:
+                return LeaderSession(self.shards, model_id)
+            # Every weight of the copy trains (the shared model itself is frozen once LoRA sessions use it).
+            return TrainingSession(model_id, copy.deepcopy(self.model).requires_grad_(True),
+                                   base_dir=self.model_dir, microbatch_tokens=self.settings.microbatch_tokens,
+                                   logprobs=self.logprobs, blank_model=lambda: copy.deepcopy(self.model))
+        validate_lora(lora, max_rank=self.settings.max_lora_rank)
+        if lora.seed is None:  # Tinker: no seed, a random one; kept so the session can be told and re-made
+            lora = types.LoraConfig(**{**config_dict(lora), "seed": secrets.randbits(63)})
+        # A shard group's base is sharded by its first LoRA session, on every rank: counted here on the whole one.
+        targets = find_targets(self.model, lora) if self.shards is not None else self.lora().targets(lora)
+        self._make_room("lora", slots, close)
+        parameters = lora.rank * sum(t.parameters_per_rank() for t in targets)
+        memory.admit_lora_session(parameters, self.settings, [slot.session for slot in slots.values()], self.model,
+                                  sharded_base=self.shards is not None and not self.shards.has_lora_base)
+        if self.shards is not None:  # the adapter and its AdamW state on every rank, over the base sharded once
+            return self.shards.open_lora(model_id, lora, base_model=self.base_model)
+        return LoraSession(model_id, self.lora(), lora, base_model=self.base_model)
+
+    def lora(self) -> LoraBase:
+        if self.lora_base is None:
+            self.lora_base = LoraBase(self.model, self.logprobs, model_dir=self.model_dir,
+                                      microbatch_tokens=self.settings.microbatch_tokens)
+        return self.lora_base
+
+    def admit_sampler(self, session: Session, slots: dict[str, Slot]) -> None:
+        """Refuse (CapacityError) a sampler whose weights copy would not fit; a LoRA sampler is its adapter only."""
+        if session.kind == "full":
+            memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
+
+    def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
+        """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
+        same = {mid: s for mid, s in slots.items() if s.session.kind == kind}
+        limit, setting = ((self.settings.max_lora_sessions, "TINKERQ_MAX_LORA_SESSIONS") if kind == "lora"
+                          else (self.settings.max_sessions, "TINKERQ_MAX_SESSIONS"))
+        if len(same) < limit:
+            return
+        chosen = self.evictable({mid: s.session.last_used for mid, s in same.items()}, time.monotonic(),
+                                self.settings.session_idle_ttl_s)
+        if chosen is not None:  # a broken session first, else the longest idle
+            log.warning("session %s (broken or idle) makes room for a new one", chosen)
+            close(chosen)
+            return
+        raise CapacityError(
+            f"worker {self.worker_id} already holds {len(same)} {'LoRA' if kind == 'lora' else 'full-parameter'} "
+            f"training sessions ({setting}); close unused training clients (tc.close()) or start another worker "
+            f"for this model"
+        )

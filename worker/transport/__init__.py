@@ -1,0 +1,1 @@
+"""transport: see docs/architecture.md (The worker core)."""

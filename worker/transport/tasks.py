@@ -1,0 +1,66 @@
+"""The Celery tasks: one per operation, each a thin shell that hands its request to the worker's scheduler.
+
+Every message reaching a task has passed :mod:`tinkerq.worker.transport.intake`. A task answers at once only what needs
+no compute (a repeat from the kept replies, a refusal); otherwise it queues the request
+(:meth:`worker.service.WorkerService.submit`) and raises ``Ignore``: Celery acknowledges the message, and the
+compute loop answers the request when it has run, reporting its real end and runtime to Celery's event
+stream (worker/transport/events.py). The producer keeps every request until it is answered and sends again what a lost
+worker owed (producer/dispatch.py), so acknowledging at hand-off loses nothing.
+
+What a task returns is only what Flower shows as its result: a one-line summary of the reply, never the
+tensors. Likewise remote control (`celery inspect active`, `tinkerq fleet status`) describes a running request
+by its summary, never by its body (:class:`SummarisedRequest`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery.exceptions import Ignore
+from celery.worker.request import Request
+
+from tinkerq.operations import OPERATIONS
+from tinkerq.wire.messages import REPLY_HEADER
+from tinkerq.worker.transport.events import SUMMARY_CHARS, describe, reply_summary
+
+if TYPE_CHECKING:
+    from tinkerq.worker.core.service import WorkerService
+
+__all__ = ["SUMMARY_CHARS", "SummarisedRequest", "describe", "register_tasks", "reply_summary"]
+
+
+def register_tasks(app: Celery, service: WorkerService) -> None:
+    """A task for every operation of the registry (tinkerq/operations.py) that travels as one."""
+    for op in OPERATIONS.values():
+        if op.celery_task:
+            _register(app, service, op.name)
+
+
+def _register(app: Celery, service: WorkerService, op: str) -> None:
+    def run(task: Any, envelope: Any) -> str:
+        request = task.request
+        inbox = getattr(request, REPLY_HEADER, None)
+        inbox = inbox if isinstance(inbox, str) else None
+        label = getattr(request, "argsrepr", None)
+        reply = service.submit(op, envelope, task_id=request.id, inbox=inbox,
+                               label=label if isinstance(label, str) else "")
+        if reply is None:  # queued: answered (and its end reported) by the compute loop
+            raise Ignore()
+        service.answer(request.id, inbox, reply)
+        return reply_summary(reply)
+
+    run.__name__ = op
+    run.__qualname__ = op
+    app.task(name=OPERATIONS[op].task_name, bind=True, acks_late=True, ignore_result=True,
+             Request=SummarisedRequest)(run)
+
+
+class SummarisedRequest(Request):
+    """Celery's request, shown to remote control (inspect active, reserved, query_task) by its summary.
+
+    Celery would send the arguments themselves unless the caller asks for ``safe``: the envelope, whose body is
+    the request's msgpack bytes (up to the claim-check threshold, base64 in the stock CLI's JSON)."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        return dict(super().info(safe=True))
