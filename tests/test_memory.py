@@ -446,6 +446,9 @@ def test_worker_rss_returns_near_its_baseline_after_large_requests(model_dir, re
         print(f"\nworker RSS: baseline {baseline / MiB:.0f} MiB, after each large request "
               f"{[round(a / MiB) for a in after]} MiB; growth {growth / MiB:.0f} MiB, of which kept replies "
               f"{kept / MiB:.0f} MiB")
-        assert growth <= kept + 48 * MiB, "worker RSS did not come back after large requests"
+        # Beyond the kept replies, allocator fragmentation: 53-64 MiB measured on 2026-12-03 (this tree and the
+        # session's first commit alike; 50 MiB the day before). Leaking the five decoded bodies (~36 MiB each as
+        # Python lists) would hold ~180 MiB: the bound is between the two.
+        assert growth <= kept + 96 * MiB, "worker RSS did not come back after large requests"
     finally:
         stop(proc.pid, timeout=20)

@@ -49,7 +49,7 @@ def factory(model_dir: Path, checkpoint_dir: Path) -> SessionFactory:
     """What a worker makes its sessions with: the model loaded as the worker loads it."""
     model = load_causal_lm(str(model_dir))
     return SessionFactory(Settings(checkpoint_dir=str(checkpoint_dir)), model, str(model_dir),
-                          LogprobComputer(model, "torch"), "tiny", "w", None)
+                          LogprobComputer(model, "torch"), "tiny", "w", None, evictable=lambda *_: None)
 
 
 def full_session(make: SessionFactory, model_id: str = "a" * 32) -> FullSession:

@@ -60,7 +60,7 @@ class ComputeHost(Protocol):
 
     def take_body(self, request: Request) -> tuple[bytes, Any]: ...
     def applied(self, slot: Slot, request: Request, raw: bytes | None, outcome: Outcome, *, runtime: float = ...,
-                shared: str = ..., discard: Any = ..., release: bool = ...) -> None: ...
+                shared: str = ..., discard: Any = ...) -> None: ...
     def finish(self, request: Request, outcome: Outcome, *, runtime: float = ..., shared: str = ...,
                discard: Any = ...) -> None: ...
     def open_session(self, model_id: str, lora: Any) -> Slot: ...
@@ -78,6 +78,7 @@ class ComputeLoop:
         self._cond = service.cond
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._large = False  # the unit of work that ran held a large request or reply
         self.current: Work | None = None  # what runs now (`inspect stats`, `tinkerq fleet status`)
         self.passes = 0  # LoRA passes run, and the requests they held (metrics, tests, benchmarks)
         self.pass_requests = 0
@@ -122,6 +123,11 @@ class ComputeLoop:
                 self.run(work)
             except Exception:  # run() answers every request itself; this is a last resort
                 log.exception("the compute loop failed on a %s", work.kind)
+            if self._large:
+                # A large request or reply: once its answer is out and this loop no longer holds its body (the
+                # outbox is FIFO, and run() has returned), give the freed memory back to the OS, off this loop.
+                self._large = False
+                self.service.outbox.put(memory.release_memory)
             with self._cond:
                 self.current = None
                 self.scheduler.finished(work, "sample" if work.kind == "sample" else "train",
@@ -231,13 +237,14 @@ class ComputeLoop:
                 broken = (f"session {slot.session.model_id} is unusable since {op} seq {seq_id} failed in the "
                           f"worker ({type(exc).__name__}: {exc}); create a new training client")
                 outcome = ("error", WorkerError(broken, session_broken=True).to_wire(), timing)
-        runtime, large = time.time() - started, memory.is_large(ref, outcome)  # large: give freed buffers back
+        runtime = time.time() - started
+        self._large |= memory.is_large(ref, outcome)  # give freed buffers back once it is done with
         if op == "close_model" and outcome[0] == "ok":  # its records go before the answer does (the outbox's order)
             service.close_session(slot.session.model_id)
             service.metrics.observe(op, outcome[0], outcome[2])
             service.finish(request, outcome, runtime=runtime)
             return
-        service.applied(slot, request, raw, outcome, runtime=runtime, discard=discard, release=large)
+        service.applied(slot, request, raw, outcome, runtime=runtime, discard=discard)
         if broken:  # state may be half-changed: every request of the session after this one is refused
             service.break_session(slot.session.model_id, broken, WorkerError)
 
@@ -313,8 +320,9 @@ class ComputeLoop:
 
     def _settle(self, request: Request, slot: Slot, raw: bytes | None, outcome: Outcome, started: float,
                 shared: str = "", discard: Any = None) -> None:
+        self._large |= memory.is_large(request.envelope.get("payload"), outcome)
         self.service.applied(slot, request, raw, outcome, runtime=time.time() - started, shared=shared,
-                             discard=discard, release=memory.is_large(request.envelope.get("payload"), outcome))
+                             discard=discard)
 
     # -- sampling ----------------------------------------------------------------------------------------------
 

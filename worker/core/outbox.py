@@ -43,7 +43,6 @@ class Parcel:
     slot: Slot | None = None  # with ``entry``: the session whose journal gets it
     entry: bytes | None = None  # its journal entry (worker/recovery/), written before the answer
     discard: Any = None  # a claim-check reference whose body is no longer needed
-    release: bool = False  # a large request or reply: give freed memory back to the OS afterwards
     sent: threading.Event = field(default_factory=threading.Event)
 
 
@@ -51,7 +50,7 @@ class Outbox:
     def __init__(self, deliver: Callable[[list[Parcel]], None], name: str = "tinkerq-outbox") -> None:
         self._deliver = deliver
         self._name = name
-        self._queue: deque[Parcel | Callable[[], None]] = deque()
+        self._queue: deque[Parcel | Callable[[], object]] = deque()
         self._cond = threading.Condition()
         self._busy = False
         self._stopping = False
@@ -66,7 +65,7 @@ class Outbox:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def put(self, parcel: Parcel | Callable[[], None]) -> None:
+    def put(self, parcel: Parcel | Callable[[], object]) -> None:
         """Queue ``parcel`` (or a function to call in its turn: a write that must follow those queued before it);
         delivered here and now when the outbox is not running (stopped, or never started)."""
         with self._cond:
@@ -109,7 +108,7 @@ class Outbox:
                 if not self._queue:
                     return
                 head = self._queue.popleft()
-                batch: list[Parcel] | Callable[[], None]
+                batch: list[Parcel] | Callable[[], object]
                 if isinstance(head, Parcel):  # and the parcels queued right behind it
                     parcels = [head]
                     while self._queue and isinstance(self._queue[0], Parcel) and len(parcels) < MAX_BATCH:
@@ -123,7 +122,7 @@ class Outbox:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _deliver_one(self, batch: list[Parcel] | Callable[[], None]) -> None:
+    def _deliver_one(self, batch: list[Parcel] | Callable[[], object]) -> None:
         if not isinstance(batch, list):
             try:
                 batch()

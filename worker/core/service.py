@@ -38,7 +38,6 @@ from tinkerq.errors import (
 from tinkerq.operations import TASK_NAMES, UNORDERED, task_name
 from tinkerq.store import Push, Reply
 from tinkerq.wire import codec, messages
-from tinkerq.worker import memory
 from tinkerq.worker.core.compute import ComputeLoop
 from tinkerq.worker.core.metrics import WorkerMetrics
 from tinkerq.worker.core.operations import Operations
@@ -255,10 +254,10 @@ class WorkerService:
         return body
 
     def applied(self, slot: Slot, request: Request, raw: bytes | None, outcome: Outcome, *, runtime: float = 0.0,
-                shared: str = "", discard: Any = None, release: bool = False) -> None:
+                shared: str = "", discard: Any = None) -> None:
         """A request of ``slot`` ran (the compute loop): record it in its session's order now, so the next one can
         run; its journal entry and answer go out on the outbox, in order (``discard``: a claim-checked body to
-        drop then; ``release``: give freed memory back to the OS after it). When the automatic snapshot is due,
+        drop then). When the automatic snapshot is due,
         the outbox is drained first, then the snapshot is taken here, before this request is answered (its answer
         names the snapshot a lost worker's client resumes from)."""
         seq = request.seq_id
@@ -280,7 +279,7 @@ class WorkerService:
         if entry is not None:
             with self.cond:
                 slot.unjournaled += 1
-        self.outbox.put(Parcel(request, outcome, runtime, shared, slot, entry, discard, release))
+        self.outbox.put(Parcel(request, outcome, runtime, shared, slot, entry, discard))
 
     def finish(self, request: Request, outcome: Outcome, *, runtime: float = 0.0, shared: str = "",
                discard: Any = None) -> None:
@@ -336,8 +335,6 @@ class WorkerService:
         for parcel in parcels:
             if parcel.discard is not None:
                 self.claim_check.discard(parcel.discard)
-        if any(parcel.release for parcel in parcels):
-            memory.release_memory()
 
     def run_control(self, fn: Any) -> Any:
         """Run ``fn`` on the compute loop before any other work and wait for it (adoption, dropping a session)."""
