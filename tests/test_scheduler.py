@@ -358,10 +358,8 @@ def test_gaps_break_the_session_after_the_timeout_only():
 
 
 def _balance(s: Scheduler, clock: FakeClock, units: dict[str, float], until: float) -> dict[str, int]:
-    """Training (a session with endless requests) and sampling (an engine that always has rows) both want the
+    """Training (session "t", opened by the caller, with endless requests) and sampling (an engine that always has rows) both want the
     compute; each unit takes its simulated seconds. Returns units done per side."""
-    if not s.holds("t"):
-        s.open("t")
     done = dict.fromkeys(units, 0)
     rows = 1 if "sample" in units else 0
     s.finished(Work("sample"), "sample", 0.0, sampling_rows=rows)  # the engine holds rows (or not)
@@ -384,6 +382,7 @@ def test_training_and_sampling_share_the_compute_whatever_their_unit_sizes():
     clock = FakeClock()
     s = Scheduler(half_life_s=5.0, clock=clock)
     # Training requests of 0.5 s against decode steps of 10 ms: neither starves the other.
+    s.open("t")
     done = _balance(s, clock, {"train": 0.5, "sample": 0.01}, until=20.0)
     share = s.seconds["sample"] / (s.seconds["sample"] + s.seconds["train"])
     assert 0.4 < share < 0.6, (s.seconds, done)
@@ -393,6 +392,7 @@ def test_training_and_sampling_share_the_compute_whatever_their_unit_sizes():
 def test_one_side_alone_gets_every_turn_and_comes_back_with_bounded_credit():
     clock = FakeClock()
     s = Scheduler(half_life_s=5.0, max_credit_s=1.0, clock=clock)
+    s.open("t")
     _balance(s, clock, {"sample": 0.05}, until=30.0)  # a long sampling phase, no training
     assert s.seconds["train"] == 0.0 and s.seconds["sample"] == pytest.approx(30.0, abs=0.06)
     start = dict(s.seconds)

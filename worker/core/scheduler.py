@@ -161,9 +161,6 @@ class Scheduler:
         """A session was re-made (its shard group re-formed): its loss requests share passes with this group."""
         self._lanes[model_id].pass_group = pass_group
 
-    def holds(self, model_id: str) -> bool:
-        return model_id in self._lanes
-
     def close(self, model_id: str) -> list[Request]:
         """Forget a session; returns the requests that were waiting in its lane (to be answered). What it held in
         memory is free now: deferred work may fit."""
