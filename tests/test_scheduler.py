@@ -358,8 +358,8 @@ def test_gaps_break_the_session_after_the_timeout_only():
 
 
 def _balance(s: Scheduler, clock: FakeClock, units: dict[str, float], until: float) -> dict[str, int]:
-    """Training (session "t", opened by the caller, with endless requests) and sampling (an engine that always has rows) both want the
-    compute; each unit takes its simulated seconds. Returns units done per side."""
+    """Training (session "t", opened by the caller, with endless requests) and sampling (an engine that always
+    has rows) both want the compute; each unit takes its simulated seconds. Returns units done per side."""
     done = dict.fromkeys(units, 0)
     rows = 1 if "sample" in units else 0
     s.finished(Work("sample"), "sample", 0.0, sampling_rows=rows)  # the engine holds rows (or not)
