@@ -38,12 +38,12 @@ log = logging.getLogger("tinkerq.gateway")
 PROTOBUF = "application/x-protobuf"
 AUTH_CACHE_S = 1.0  # a revoked key stops working within this long
 
-# What /client/config tells the SDK: no JWT exchange, uncompressed protobuf forward_backward bodies, the
-# SDK's default chunking, and the plain sampling path (no retrieve_futures / join_sampling_session).
+# What /client/config tells the SDK besides the token exchange and the transport (those come from settings):
+# uncompressed protobuf forward_backward bodies, the SDK's default chunking, and the plain sampling path (no
+# retrieve_futures / join_sampling_session).
 CLIENT_CONFIG = {
-    "pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
-    "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False, "sample_join_sampling_session": False,
-    "custom_loss_server_side": False,
+    "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False,
+    "sample_join_sampling_session": False, "custom_loss_server_side": False,
 }
 
 
@@ -190,7 +190,9 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
 
     @app.post(f"{v1}/client/config")
     async def client_config(_t: str = Tenant) -> dict[str, Any]:
-        return {**CLIENT_CONFIG, "pjwt_auth_enabled": bool(gateway().settings.gateway_token_exchange)}
+        settings = gateway().settings
+        return {**CLIENT_CONFIG, "pjwt_auth_enabled": bool(settings.gateway_token_exchange),
+                "use_pyqwest_transport": bool(settings.gateway_sdk_pyqwest)}
 
     @app.post(f"{v1}/auth/token")
     async def auth_token(request: Request) -> dict[str, Any]:

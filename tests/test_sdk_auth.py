@@ -47,12 +47,14 @@ def _gateway(redis_url: str, log: Path, env: dict[str, str]) -> tuple[subprocess
 
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, redis_url: str, checkpoint_dir: Path, tmp_path_factory) -> Iterator[dict]:
-    """A worker; a gateway with the token exchange on (the default) and one with it off; three tenants."""
+    """A worker; a gateway with the defaults (token exchange on, the SDK on httpx) and one with the token exchange
+    off and the SDK on its pyqwest transport; three tenants."""
     logs = tmp_path_factory.mktemp("auth-logs")
     worker = start_named_worker(model_dir, redis_url, NAME, logs / "worker.log",
                                 env={"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir)})
     on, url = _gateway(redis_url, logs / "gateway-on.log", {})
-    off, plain_url = _gateway(redis_url, logs / "gateway-off.log", {"TINKERQ_GATEWAY_TOKEN_EXCHANGE": "0"})
+    off, plain_url = _gateway(redis_url, logs / "gateway-off.log", {"TINKERQ_GATEWAY_TOKEN_EXCHANGE": "0",
+                                                                       "TINKERQ_GATEWAY_SDK_PYQWEST": "1"})
     api_keys = ApiKeys.open(Settings(broker_url=redis_url))
     names = {t: f"{t}-{uuid.uuid4().hex[:6]}" for t in ("alice", "bob", "carol")}
     made = {t: api_keys.create(name) for t, name in names.items()}
@@ -96,9 +98,11 @@ def test_the_sdk_trains_through_exchanged_tokens(fleet, model_dir, monkeypatch):
     config = requests.post(f"{fleet['url']}/api/v1/client/config", json={"sdk_version": "0.38.0"},
                            headers={"X-API-Key": fleet["keys"]["alice"]}, timeout=30).json()
     assert config["pjwt_auth_enabled"] is True
+    assert config["use_pyqwest_transport"] is False
     plain = requests.post(f"{fleet['plain_url']}/api/v1/client/config", json={"sdk_version": "0.38.0"},
                           headers={"X-API-Key": fleet["keys"]["alice"]}, timeout=30).json()
     assert plain["pjwt_auth_enabled"] is False
+    assert plain["use_pyqwest_transport"] is True  # so the SDK's training below runs over both of its transports
 
     batch = make_batch(np.random.default_rng(4), 3, max_len=12)
     rest = tinker.RestClient(base_url=fleet["url"], api_key=fleet["keys"]["alice"])

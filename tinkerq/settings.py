@@ -56,6 +56,10 @@ class Settings:
     # 1: the gateway's client/config turns the SDK's token exchange on (pjwt_auth_enabled): the SDK trades its API key
     # for a short-lived signed token (POST auth/token) and sends that instead; `whoami` reads it. 0: API keys only.
     gateway_token_exchange: int = 1
+    # 1: client/config lets the SDK use its pyqwest (Rust) HTTP transport. 0 (default): httpx. pyqwest 0.12 can abort
+    # the SDK's process at exit (SIGABRT, about 1 run in 60 of `tinker` commands on a loaded machine: its tokio thread
+    # hands a reply to an interpreter that is finalising), it ignores SSL_CERT_FILE, and it measured no faster here.
+    gateway_sdk_pyqwest: int = 0
     max_datums: int = 8192
     max_batch_tokens: int = 4 * 1024 * 1024
     # Seconds a producer waits for the broker to answer before failing.
