@@ -35,50 +35,35 @@ from tinkerq.store import Push
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
 from tinkerq.worker.recovery.group_outage import GroupHold
+from tinkerq.worker.recovery.host import SessionsHost
 from tinkerq.worker.recovery.registry import LOST_AFTER_BEATS, reap_dead_workers
 from tinkerq.worker.training.session import Session
 from tinkerq.worker.training.sessions import Slot
 
 if TYPE_CHECKING:
-    from tinkerq.connection import Connection
     from tinkerq.errors import ServerError
-    from tinkerq.settings import Settings
-    from tinkerq.worker.core.metrics import WorkerMetrics
     from tinkerq.worker.core.operations import Operations
-    from tinkerq.worker.core.scheduler import Scheduler
     from tinkerq.worker.core.service import Outcome
     from tinkerq.worker.recovery.idle_release import IdleRelease
-    from tinkerq.worker.sampling.snapshots import Snapshots
     from tinkerq.worker.sharding.host import ShardHost
     from tinkerq.worker.training.sessions import SessionFactory
 
 log = logging.getLogger("tinkerq.worker")
 
 
-class RecoveryHost(Protocol):
+class RecoveryHost(SessionsHost, Protocol):
     """What recovery (with its shard-group holds, worker/recovery/group_outage.py) uses of the worker that owns it
     (worker/core/service.py passes itself); nothing else."""
 
-    settings: Settings
-    connection: Connection
-    base_model: str
-    worker_id: str
-    cond: threading.Condition
-    scheduler: Scheduler
-    slots: dict[str, Slot]
     shards: ShardHost | None
     factory: SessionFactory
     operations: Operations
-    snapshots: Snapshots
-    metrics: WorkerMetrics
     idle: IdleRelease
     redis_back_at: float
 
     def open_session(self, model_id: str, lora: Any) -> Slot: ...
     def drop_session(self, model_id: str) -> Slot | None: ...
-    def close_session(self, model_id: str) -> None: ...
     def break_session(self, model_id: str, reason: str, error: type[ServerError] = ...) -> None: ...
-    def run_control(self, fn: Any) -> Any: ...
     def expire_gaps(self) -> int: ...
     def unpack(self, raw: bytes) -> Any: ...
 

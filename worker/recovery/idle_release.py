@@ -31,38 +31,22 @@ from tinkerq.errors import CapacityError, TinkerqError, UnknownModelError, Worke
 from tinkerq.records import JournalEntry, SessionHome
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints, memory
+from tinkerq.worker.recovery.host import SessionsHost
 from tinkerq.worker.training.sessions import Slot
 
 if TYPE_CHECKING:
-    from tinkerq.connection import Connection
-    from tinkerq.settings import Settings
-    from tinkerq.worker.core.metrics import WorkerMetrics
-    from tinkerq.worker.core.scheduler import Scheduler
     from tinkerq.worker.core.service import Outcome
     from tinkerq.worker.recovery import Recovery
-    from tinkerq.worker.sampling.snapshots import Snapshots
 
 log = logging.getLogger("tinkerq.worker")
 
 REMEMBERED = 4096  # sessions released here whose returning requests get the reason (journaling off)
 
 
-class IdleHost(Protocol):
+class IdleHost(SessionsHost, Protocol):
     """What idle release uses of the worker that owns it (worker/core/service.py passes itself); nothing else."""
 
-    settings: Settings
-    connection: Connection
-    base_model: str
-    worker_id: str
-    cond: threading.Condition
-    scheduler: Scheduler
-    slots: dict[str, Slot]
     recovery: Recovery
-    snapshots: Snapshots
-    metrics: WorkerMetrics
-
-    def close_session(self, model_id: str) -> None: ...
-    def run_control(self, fn: Any) -> Any: ...
 
 
 class IdleRelease:
