@@ -31,7 +31,7 @@ from tinkerq.operations import OPERATIONS, PASS_OPS, PLOTTED
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
-    from tinkerq.gateway.service import Gateway
+    from tinkerq.gateway.parts import JobParts
     from tinkerq.gateway.training_runs import Run
 
 # The worker session of run M is uuid5(RUN_SESSIONS, M): a create re-run by another gateway (its first runner died
@@ -42,7 +42,7 @@ QUOTA_RETRY_S = 1.0
 
 
 class Jobs:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: JobParts) -> None:
         self.gw = gateway
         self._decoded: dict[str, Any] = {}  # request id -> the request as its accepting gateway decoded it
 

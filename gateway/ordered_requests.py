@@ -24,13 +24,13 @@ from tinkerq.validation import UNDEFINED_BY_SDK, validate_adam
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
-    from tinkerq.gateway.service import Gateway
+    from tinkerq.gateway.parts import OrderedParts
 
 log = logging.getLogger("tinkerq.gateway")
 
 
 class OrderedRequests:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: OrderedParts) -> None:
         self.gw = gw
 
     def accept(self, tenant: str, model_id: Any, seq_id: Any, kind: str,

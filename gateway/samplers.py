@@ -19,7 +19,7 @@ from tinkerq.gateway.training_runs import ClientCache
 from tinkerq.producer.sampling import SamplingClient
 
 if TYPE_CHECKING:
-    from tinkerq.gateway.service import Gateway
+    from tinkerq.gateway.parts import SamplerParts
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Sampler:
 
 
 class Samplers:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: SamplerParts) -> None:
         self.gw = gw
         self._samplers: ClientCache[Sampler] = ClientCache()
 
