@@ -18,7 +18,8 @@ attention, MLP and output projections (``train_attn``/``train_mlp``/``train_unem
   batch-invariant), and measures, as the ceiling batching can reach on this machine without any LoRA code, the
   same tokens through a plain trainable copy of the base (same loss head): one (16, 128) forward + backward vs
   16 of (1, 128). Diagnostics: the same pass with its products stacked over the tenants
-  (``routing.PER_GROUP_PRODUCTS = False``: faster, no longer bitwise), and with ``--before REV`` the pass of
+  (``routing.PRODUCTS = "stacked"``: faster, no longer bitwise), the other bitwise layout, fixed-shape tiles
+  (``routing.PRODUCTS = "tiles"``), mixed and one at a time, and with ``--before REV`` the pass of
   ``worker/lora/batch.py`` at git revision REV (imported from ``git show``; run with the products stacked, which
   is how that code ran, e.g. 42d3d33, before batch invariance). ``--varied``: datum lengths drawn in 64..192
   instead of 128 (micro-batches of different padded lengths do not share a forward).
@@ -211,8 +212,8 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         with stacked_products():
             return pass_over(pairs, module)
 
-    def per_group(fn: Callable[[], list[float]]) -> list[float]:
-        with products("groups"):
+    def in_tiles(fn: Callable[[], list[float]]) -> list[float]:
+        with products("tiles"):
             return fn()
 
     # The ceiling batching can reach on this machine without any LoRA code: a trainable copy of the base, the
@@ -248,9 +249,8 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         f"no LoRA, trainable base: one fb of {TENANTS} datums": lambda: plain_way(True),
         f"no LoRA, trainable base: {TENANTS} fb of 1 datum": lambda: plain_way(False),
         "diagnostic: mixed, products stacked (not bitwise)": stacked,
-        "products per group (before tiles): mixed": lambda: per_group(lambda: pass_over(pairs)),
-        "products per group (before tiles): one at a time": lambda: per_group(
-            lambda: [pass_over([p])[0] for p in pairs]),
+        "products in tiles: mixed": lambda: in_tiles(lambda: pass_over(pairs)),
+        "products in tiles: one at a time": lambda: in_tiles(lambda: [pass_over([p])[0] for p in pairs]),
     }
     if before is not None:
         ways[f"before ({args.before}): one run_pass of {TENANTS} requests"] = lambda: stacked(before)
@@ -292,11 +292,11 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
     for name in diagnostics:
         print(f"{name}: {baseline / median(times[name]):.2f}x one-at-a-time tokens/s; the mixed pass takes "
               f"{median(times[mixed_name]) / median(times[name]):.2f}x its time")
-    groups_mixed, groups_seq = (n for n in ways if n.startswith("products per group"))
-    g_mixed, g_seq = median(times[groups_mixed]), median(times[groups_seq])
-    print(f"products per group (the layout before tiles): mixed {g_seq / g_mixed:.2f}x its one at a time; tiles "
-          f"against it: mixed {g_mixed / median(times[mixed_name]):.2f}x, one at a time {g_seq / baseline:.2f}x its "
-          f"speed; mixed in tiles {g_seq / median(times[mixed_name]):.2f}x one at a time per group")
+    tiles_mixed, tiles_seq = (n for n in ways if n.startswith("products in tiles"))
+    t_mixed, t_seq = median(times[tiles_mixed]), median(times[tiles_seq])
+    print(f"products in tiles (routing.PRODUCTS = 'tiles'): mixed {t_seq / t_mixed:.2f}x its one at a time; against "
+          f"products per group (the default): mixed {median(times[mixed_name]) / t_mixed:.2f}x, one at a time "
+          f"{baseline / t_seq:.2f}x their speed")
     best = min(times[seq_name]) / min(times[mixed_name])
     print(f"RATIO mixed/one-at-a-time tokens/s: median {ratio:.2f}x, best-of {best:.2f}x "
           f"(target >= {TARGET_MIXED}x: {'met' if ratio >= TARGET_MIXED else 'NOT met'})")

@@ -100,6 +100,13 @@ def run(base: LoraBase, sessions: list[LoraSession], data: list[list[types.Datum
     return out
 
 
+@pytest.fixture(params=["groups", "tiles"])
+def layout(request, monkeypatch):
+    """Each bitwise layout of a pass's products (routing.PRODUCTS): per group (the default) and in tiles."""
+    monkeypatch.setattr(routing, "PRODUCTS", request.param)
+    return request.param
+
+
 def assert_bitwise(mixed, alone) -> None:
     (out, grads), (solo, solo_grads) = mixed, alone
     assert out.metrics == solo.metrics  # exact floats: loss:sum and every metric
@@ -111,7 +118,7 @@ def assert_bitwise(mixed, alone) -> None:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_mixed_pass_is_bitwise_each_tenant_alone(name):
+def test_a_mixed_pass_is_bitwise_each_tenant_alone(name, layout):
     base = lora_base(name)
     sessions = tenants(base)
     data = requests(1, MODELS[name][2])
@@ -129,6 +136,7 @@ def test_small_tiles_and_chunks_stay_bitwise(name, monkeypatch):
     """Tiles of 16 tokens and loss-head chunks of 40 (the defaults, 128 and the vocabulary's, leave these tiny
     passes one tile a product): every group's tokens span several tiles and a shorter last one, tiles of several
     sizes share one chunk and a chunk cuts through groups; each tenant still gets its numbers alone."""
+    monkeypatch.setattr(routing, "PRODUCTS", "tiles")
     monkeypatch.setattr(routing, "TILE_ROWS", 16)
     base = lora_base(name)
     monkeypatch.setattr(base.logprobs, "chunk_tokens", 40)
@@ -150,7 +158,7 @@ def _alone(base, session, data, loss, backward):
     return out
 
 
-def test_training_in_mixed_passes_equals_training_alone():
+def test_training_in_mixed_passes_equals_training_alone(layout):
     """Three forward_backward + optim_step rounds (AdamW, eps 1e-12, which magnifies any last-bit difference of a
     gradient): a tenant trained in mixed passes ends with the weights of the same tenant trained alone."""
     base = lora_base("qwen3_moe")
@@ -238,10 +246,11 @@ def test_the_plan_keeps_each_tenants_micro_batches_and_order():
     assert padded_length(250, cap=240) == 250 and padded_length(230, cap=240) == 240
 
 
-def test_products_over_the_batch_run_in_tiles():
+def test_products_over_the_batch_run_in_tiles(monkeypatch):
     """A frozen weight's products over the batch's rows or flattened tokens run in tiles of TILE_ROWS tokens per
     group (then one shorter tile), each tile as a product of its own; a weight that takes a gradient (an adapter's)
     runs per group; a group's own tokens run whole."""
+    monkeypatch.setattr(routing, "PRODUCTS", "tiles")
     a, b = object(), object()
     linear = torch.nn.functional.linear
     x, w, bias = torch.randn(5, 4, 3), torch.randn(6, 3), torch.randn(6)
@@ -267,7 +276,8 @@ def test_products_over_the_batch_run_in_tiles():
 def test_a_tile_computes_as_alone_whatever_shares_its_product():
     """The property tiles rest on, on this CPU: a group's rows get the same bits from ``tiled_linear`` whatever
     groups share the call (shapes where plain products do not: rows of a (M, 1024) x (1024, 256) product differ
-    by M with MKL on 2 threads), forward and the gradient of the input, 1 and 2 threads."""
+    by M with MKL on 2 threads, and so did a 128-row tile's inside a ``torch.bmm`` of 7 tiles against the same tile
+    alone on 2026-12-03's CPU), forward and the gradient of the input, 1 and 2 threads."""
     gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     try:

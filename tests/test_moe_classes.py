@@ -229,6 +229,7 @@ def test_llama4_lora_merged_weights_reload_to_the_sessions_logprobs(tmp_path) ->
             want = reference_logprobs(reloaded, d).numpy()
             moved = max(moved, float(np.abs(want - reference_logprobs(model, d).numpy()).max()))
         # x (W + s B A)^T against x W^T + s (x A^T) B^T in float32 over 6 layers, B at 0.1: up to 6.3e-5 measured
-        # (the reloaded model equals the in-memory merged reference of test_lora_fb_... exactly)
-        np.testing.assert_allclose(o["logprobs"].to_numpy(), want, atol=1e-4)
+        # with products in tiles, 1.2e-4 with the default layout (the reloaded model equals the in-memory merged
+        # reference of test_lora_fb_... exactly); a wrong merge is off by the adapter's effect, > 1e-3 (below)
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), want, atol=2.5e-4)
     assert moved > 1e-3  # the adapter changed the model

@@ -11,12 +11,11 @@ outputs, loss, metrics and adapter gradients, dense and MoE models, float32 on t
   padded length (and the same "has padding or not", which decides the model's attention-mask path) run as one
   forward, at most one micro-batch per request per step, each request's micro-batches in their own order, and
   at most ``microbatch_tokens`` padded tokens per step (a micro-batch that fills the budget runs alone).
-* **Every product a request's rows go through computes them as alone** (worker/lora/routing.py,
-  worker/lora/head.py, worker/lora/experts.py): the base's matrix products on token rows, and the loss head's, run
-  over every request's tokens in fixed-shape tiles, one batched product per tile size (a BLAS picks its kernel,
-  and on several threads how it splits the sum, by the number of rows of a product; a batched product computes
-  each tile as alone: measured on this CPU); the adapters' products and the experts' dispatch run per request;
-  what the stacked rows share unchanged are the operations computed row by row (attention, norms, activations).
+* **Every product a request's rows go through is its own** (worker/lora/routing.py, worker/lora/experts.py):
+  the base's matrix products on token rows run per request (a BLAS picks its kernel, and on several threads how
+  it splits the sum, by the shape of a product: measured on this CPU), so do the experts' dispatch and the loss
+  head; what the stacked rows share are the operations computed row by row (attention, norms, activations).
+  (``routing.PRODUCTS = "tiles"`` runs them in fixed-shape tiles instead, worker/lora/head.py: bitwise too.)
 * **Every reduction is per request, in the order it has alone:** its loss and metrics are summed per micro-batch
   (:func:`tinkerq.worker.training.losses.score` on its own rows) and merged micro-batch after micro-batch
   (:class:`tinkerq.worker.training.engine.RequestPart`); its gradients accumulate micro-batch after micro-batch (one

@@ -4,10 +4,10 @@ The output projection is the largest product of a pass (V x H per token, three t
 backward's recomputed logits and the hidden states' gradient). Batch invariance (worker/lora/routing.py) needs each
 request's tokens to get the bits they get alone; rather than a head per request, this head cuts each group's
 tokens into tiles (:data:`routing.TILE_ROWS` tokens, then one shorter tile) and computes the frozen weight's
-products for the tiles of one size as one ``torch.bmm``, whose items each come out as alone. Everything else a
-tile needs runs per tile, on the tile's own rows: its adapter's low-rank term ``(s h A^T) B^T``, the per-token
-kernel (log-sum-exp, its gradient), and the adapter's gradient, accumulated tile after tile in the group's order.
-A tile's numbers then depend on its own tokens only, wherever it sits, and with whom.
+product for each tile on its own, with the shape it has alone. Everything else a tile needs runs per tile, on the
+tile's own rows: its adapter's low-rank term ``(s h A^T) B^T``, the per-token kernel (log-sum-exp, its gradient),
+and the adapter's gradient, accumulated tile after tile in the group's order. A tile's numbers then depend on its
+own tokens only, wherever it sits, and with whom.
 
 Chunks of consecutive tiles (at most ``chunk_tokens`` tokens, as :mod:`tinkerq.worker.loss_head.chunked`) bound the
 logits held at once; the backward recomputes each chunk's logits.
@@ -63,22 +63,13 @@ def chunks(cut: list[Tile], chunk_tokens: int) -> list[list[Tile]]:
 
 
 def tiled_products(x: torch.Tensor, w: torch.Tensor, chunk: list[Tile], x_start: int) -> torch.Tensor:
-    """``x[rows] @ w`` for the chunk's rows -> (C, M); x (rows, K) holds tokens from ``x_start`` on, w (K, M). The
-    tiles of one size run as one bmm: each item computed as alone."""
-    k, m = w.shape
+    """``x[rows] @ w`` for the chunk's rows -> (C, M); x (rows, K) holds tokens from ``x_start`` on, w (K, M). Each
+    tile is its own product, of the shape it has wherever it sits: its rows get the bits they get alone."""
     lo, hi = chunk[0].start - x_start, chunk[-1].start + chunk[-1].rows - x_start
-    sizes = {t.rows for t in chunk}
-    if len(sizes) == 1:  # one size: the chunk's tokens are the stacked tiles already (a view)
-        (rows,) = sizes
-        n = len(chunk)
-        return torch.bmm(x[lo:hi].view(n, rows, k), w.expand(n, k, m)).view(hi - lo, m)
-    out = torch.empty(hi - lo, m, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
-    for rows in sizes:
-        mine = [t for t in chunk if t.rows == rows]
-        stacked = torch.stack([x[t.start - x_start:t.start - x_start + rows] for t in mine])  # (n, rows, K)
-        for t, piece in zip(mine, torch.bmm(stacked, w.expand(len(mine), k, m)).unbind(0), strict=True):
-            at = t.start - x_start - lo
-            out[at:at + rows] = piece
+    out = torch.empty(hi - lo, w.shape[1], dtype=x.dtype, device=x.device)
+    for t in chunk:
+        at = t.start - x_start
+        torch.mm(x[at:at + t.rows], w, out=out[at - lo:at - lo + t.rows])
     return out
 
 

@@ -13,16 +13,15 @@ in the sampling engine, whose rows of many snapshots interleave. A module that s
 A hooked Linear may carry several adapters on parts of its output rows (a fused q/k/v projection: Tinker adapts
 its parts separately; worker/lora/adapter.py); fused experts add their deltas in worker/lora/experts.py.
 
-Batch invariance (worker/lora/batch.py): while contiguous groups share a forward (one group too: a request alone
-takes the same path), every ``torch.nn.functional.linear`` of a frozen weight over the batch's rows (B, ...) or tokens
-(B * T, ...) runs over fixed-shape tiles (:func:`tiled_linear`): each group's rows cut into tiles of ``TILE_ROWS``
-and one shorter last tile, tiles of one size stacked into one ``torch.bmm``. A BLAS chooses its kernel, and on
-several threads how it splits a sum, by the number of rows of a product (measured with MKL on 2 threads: a 128-row
-product's rows differ in the last bits from the same rows inside a 2,048-row one); a batched product computes each
-item as the same kernel on the item's shape, whatever the batch count (measured: every tile bitwise alone, 1 and 2
-threads), so a request's rows get the bits they get alone while the base's products run over every request's rows
-at once. Products whose weight takes a gradient (the adapters' own, already on one group's rows) run per group;
-the experts dispatch per group, and the loss head runs in tiles too (worker/lora/head.py, :meth:`Routing.tiled_head`).
+Batch invariance (worker/lora/batch.py): while contiguous groups of several requests share a forward, every
+``torch.nn.functional.linear`` over the batch's rows (B, ...) or tokens (B * T, ...) runs once per group, on that
+group's rows (:class:`_PerGroupProducts`), the experts dispatch per group, and the loss head runs per group
+(:meth:`Routing.head_groups`). A BLAS chooses its kernel, and on several threads how it splits a sum, by the shape of
+a product (measured with MKL on 2 threads: a 128-row product's rows differ in the last bits from the same rows
+inside a 2,048-row one, and on 2026-12-03's CPU a 128-row tile's inside a ``torch.bmm`` of 7 tiles from the same tile
+alone), so a request's products must have the shapes they have alone. ``PRODUCTS = "tiles"`` cuts each group's rows
+into fixed-shape tiles instead (:func:`tiled_linear`, one product per tile, and the loss head in tiles,
+worker/lora/head.py), bitwise too, and measured slower.
 """
 
 from __future__ import annotations
@@ -41,14 +40,16 @@ from tinkerq.worker.lora.adapter import Part, adaptable
 
 _local = threading.local()
 
-# How a routed pass's products over the rows of several contiguous groups run: "tiles" (fixed-shape row tiles in
-# batched products, :func:`tiled_linear`; bitwise each group alone), "groups" (one product per group: bitwise too, the
-# layout before tiles) or "stacked" (one product over every row: not bitwise). Only benchmarks/lora.py changes it,
-# to measure what each costs.
-PRODUCTS = "tiles"
+# How a routed pass's products over the rows of several contiguous groups run: "groups" (one product per group,
+# each of the shape it has alone; a request alone runs whole), "tiles" (fixed-shape row tiles, one product each,
+# :func:`tiled_linear`, and the loss head in tiles, worker/lora/head.py; a request alone takes the same path) or
+# "stacked" (one product over every row: not bitwise). "groups" and "tiles" are both bitwise each group alone;
+# "groups" is the default because it measured faster, at 1 and 2 threads (docs/benchmarks.md §22). Only
+# benchmarks/lora.py and the tests change it.
+PRODUCTS = "groups"
 # Rows of one tile of a frozen weight's product (a group's rows: whole tiles, then one shorter tile). Every group of
-# one 128-token row, the common case, is one tile; bucketed lengths are multiples of 16, so the last tiles of a
-# step's groups (one length) share a size and one product.
+# one 128-token row is one tile; bucketed lengths are multiples of 16, so the last tiles of a step's groups (one
+# length) share a size.
 TILE_ROWS = 128
 
 
@@ -266,36 +267,19 @@ _ELEMENTWISE = frozenset({torch.sigmoid, torch.Tensor.sigmoid, torch.special.exp
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``x`` (S, ..., in) in groups of ``sizes`` rows along its first dimension,
     computed in tiles: each group's (rows x ..., in) tokens cut into tiles of ``TILE_ROWS`` and one shorter last
-    tile, the tiles of one size stacked (T_s, s, in) into one ``torch.bmm`` with ``weight`` broadcast. A token's
-    output then depends only on its group's tokens (batch invariance, above); the backward's product for ``x``
-    runs on the same tiles. ``weight`` must take no gradient (its gradient would be summed over the tiles)."""
+    tile, each tile its own product. A tile's product has the same shape wherever the tile sits and whoever shares
+    the pass, so its tokens get the same bits (batch invariance, above); the backward's product for ``x`` runs on
+    the same tiles. ``weight`` must take no gradient (its gradient would be summed over the tiles)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)  # (M, in): every group's tokens, in order
     per_row = flat.shape[0] // sum(sizes)
-    tiles: list[tuple[int, int]] = []  # (first token, tokens)
+    pieces: list[torch.Tensor] = []
     at = 0
     for n in sizes:
-        n *= per_row
-        full, rest = divmod(n, TILE_ROWS)
-        tiles += [(at + i * TILE_ROWS, TILE_ROWS) for i in range(full)]
-        if rest:
-            tiles.append((at + full * TILE_ROWS, rest))
-        at += n
-    by_size: dict[int, list[int]] = {}
-    for i, (_, rows) in enumerate(tiles):
-        by_size.setdefault(rows, []).append(i)
-    wt = weight.t()  # (in, out)
-    if len(by_size) == 1:  # every tile one size: the tokens are the stacked tiles already (a view)
-        ((rows, _),) = by_size.items()
-        out = torch.bmm(flat.view(len(tiles), rows, k), wt.expand(len(tiles), *wt.shape))  # (T, rows, out)
-        out = out.view(*x.shape[:-1], wt.shape[1])
-        return out + bias if bias is not None else out
-    pieces: list[torch.Tensor] = [flat] * len(tiles)  # placeholders, each replaced by its tile's output below
-    for rows, index in by_size.items():
-        stacked = torch.stack([flat[tiles[i][0]:tiles[i][0] + rows] for i in index])  # (T_s, rows, in)
-        for i, piece in zip(index, torch.bmm(stacked, wt.expand(len(index), *wt.shape)).unbind(0), strict=True):
-            pieces[i] = piece
-    out = torch.cat(pieces).view(*x.shape[:-1], wt.shape[1])
+        end = at + n * per_row
+        pieces += [F.linear(flat[lo:min(lo + TILE_ROWS, end)], weight) for lo in range(at, end, TILE_ROWS)]
+        at = end
+    out = torch.cat(pieces).view(*x.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
 
 
