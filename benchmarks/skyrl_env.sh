@@ -15,7 +15,11 @@ VENV="${1:-${SKYRL_VENV:-/work/skyrl-venv}}"
 PY="${SKYRL_PYTHON:-}"
 if [ -z "$PY" ]; then
   for candidate in "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
-    if [ -n "$candidate" ] && [ -x "$candidate" ]; then PY="$candidate"; break; fi
+    # (a pyenv shim exists whether or not it can run: ask it)
+    if [ -n "$candidate" ] && [ -x "$candidate" ] \
+        && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      PY="$candidate"; break
+    fi
   done
 fi
 [ -n "$PY" ] || { echo "no Python >= 3.12 found: set SKYRL_PYTHON" >&2; exit 1; }

@@ -352,3 +352,30 @@ def test_the_tiled_head_is_the_full_logits_head():
     want_grads = torch.autograd.grad((want * weights).sum(), inputs)
     for g, v in zip(grads, want_grads, strict=True):
         assert torch.allclose(g, v, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_one_adapter_over_every_row_is_the_row_index_route(name):
+    """A sampling forward whose rows all hold one snapshot (row-index routing, worker/sampling/forwards.py) adds
+    the delta to the whole output, without the gather and scatter: bitwise what the gather and scatter give, for
+    hooked Linears over the batch's rows and over its flattened tokens (a MoE block's), and the head over a strided
+    view (the last position of each row, as a prefill keeps)."""
+    base = lora_base(name)
+    session = tenants(base)[0]
+    adapter = session.adapter.frozen()
+    ids = torch.randint(0, VOCAB, (5, 7), generator=torch.Generator().manual_seed(3))
+    out = []
+    for fast in (True, False):
+        with torch.no_grad(), routing.routed([(adapter, torch.arange(5))], batch=5) as route:
+            assert route.one_adapter
+            route.one_adapter = fast
+            out.append([base.model(input_ids=ids).logits, base.model(input_ids=ids, logits_to_keep=1).logits])
+    with torch.no_grad():
+        plain = base.model(input_ids=ids).logits
+    for fast, gathered in zip(*out, strict=True):
+        assert torch.equal(fast, gathered)
+    assert not torch.equal(out[0][0], plain)  # the adapter changed the rows
+    with routing.routed([(adapter, torch.tensor([0, 2, 1]))], batch=3) as route:
+        assert not route.one_adapter  # not in order
+    with routing.routed([(adapter, torch.arange(4))], batch=5) as route:
+        assert not route.one_adapter  # a row without the adapter

@@ -72,6 +72,11 @@ class Routing:
         self.suspended = 0  # inside :meth:`whole`
         self._token_groups: tuple[int, tuple[list[AdapterWeights | None], torch.Tensor]] | None = None
         self.contiguous = all(isinstance(rows, slice) for _, rows in groups)
+        # Row-index groups where one adapter holds every row, in order (a sampling batch of one snapshot): its delta
+        # then adds to the whole output, the bits the gather and scatter give, without them.
+        self.one_adapter = (not self.contiguous and len(groups) == 1 and batch is not None
+                            and _is_every_row(groups[0][1], batch))
+        self._deltas: dict[int, list[_Delta | None]] = {}  # id(parts) -> each group's delta on those parts
         if self.contiguous:  # then the groups must cover the batch, in order
             starts = [rows.start or 0 for _, rows in groups]  # type: ignore[union-attr]
             stops = [rows.stop for _, rows in groups]  # type: ignore[union-attr]
@@ -133,9 +138,19 @@ class Routing:
 
         Some modules see the batch flattened to tokens (N = B * T, in) (a MoE block's shared expert): their rows are
         then tokens, row-major over (B, T)."""
-        deltas = [_Delta(parts, adapter, out.shape[-1]) if adapter is not None else None for adapter, _ in self.groups]
+        deltas = self._deltas.get(id(parts))
+        if deltas is None:  # once per Linear and pass (a decode step calls each Linear once; a pass can reuse one)
+            deltas = [_Delta(parts, adapter, out.shape[-1]) if adapter is not None else None
+                      for adapter, _ in self.groups]
+            self._deltas[id(parts)] = deltas
         if not any(d is not None and d.active for d in deltas):
             return None
+        if self.one_adapter:  # sampling, every row (or token) one adapter's: no gradients needed
+            delta = deltas[0]
+            assert delta is not None
+            # contiguous as the gather's copy would be: a product's last bits can depend on its input's strides
+            # (the head's input after the prefill is the last position of each row, a strided view)
+            return out + delta(x.contiguous())
         if not self.contiguous:  # sampling: no gradients needed
             result = out.clone()
             index = [rows for _, rows in self.groups]
@@ -190,6 +205,13 @@ class Routing:
     def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``t`` (B, ...) cut into the groups' rows (contiguous routings only)."""
         return torch.split(t, self.sizes)
+
+
+def _is_every_row(rows: Rows, batch: int) -> bool:
+    """Whether ``rows`` are 0 .. batch - 1 in order."""
+    if not isinstance(rows, torch.Tensor) or rows.numel() != batch:
+        return False
+    return bool(torch.equal(rows.cpu(), torch.arange(batch)))
 
 
 def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
