@@ -13,6 +13,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
 
+from tinkerq.worker.loading.layers import decoder_layers
 from tinkerq.worker.sharding.group import ShardGroup
 from tinkerq.worker.training.engine import TrainingEngine, model_weights
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -35,14 +36,6 @@ class LogprobModule(torch.nn.Module):
             return self.lm(**sample)
         assert tokens is not None and mask is not None and targets is not None
         return self.logprobs(self.lm, tokens, mask, targets)  # (B, T)
-
-
-def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """The repeated blocks of the backbone (the first ModuleList under it), each sharded on its own."""
-    for child in model.base_model.children():
-        if isinstance(child, torch.nn.ModuleList):
-            return list(child)
-    return []
 
 
 def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer) -> LogprobModule:
