@@ -68,6 +68,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # spinning. Spinning threads on busy cores cost a decode step 10-40x (docs/benchmarks.md section 21).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = _settings(args, device=args.device, dtype=args.dtype, quantized_base=args.quantized_base,
+                         activation_checkpointing=args.activation_checkpointing,
                          max_sessions=args.max_sessions,
                          memory_limit_mb=args.memory_limit_mb,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
@@ -229,7 +230,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tables = []
     for gb in args.device_memory:
         plans = [plan(m, devices=args.devices, device_gb=gb, dtype=args.dtype, headroom_gb=args.headroom,
-                      workload=workload, quantized_base=args.quantized_base) for m in models]
+                      workload=workload, quantized_base=args.quantized_base,
+                      activation_checkpointing=args.activation_checkpointing) for m in models]
         tables.append(plans)
     if args.json:
         print(json.dumps([to_json(p) for plans in tables for p in plans], indent=2))
@@ -279,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a quantized checkpoint (FP8, MXFP4, INT4): dequantize it on load (default: "
                         "TINKERQ_QUANTIZED_BASE, else dequantize), or keep it as stored, each layer dequantized when "
                         "used: LoRA sessions and sampling only (docs/quantized.md)")
+    w.add_argument("--activation-checkpointing", choices=["auto", "on", "off"],
+                   help="checkpoint each decoder layer in forward_backward (one more forward, far less memory): "
+                        "auto only for a batch that would not fit otherwise, on always, off never (default: "
+                        "TINKERQ_ACTIVATION_CHECKPOINTING, else auto; docs/planning.md)")
     w.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own dtype, bfloat16 for "
                         "published checkpoints, on a CUDA device with bfloat16; float32 on the CPU, where "
@@ -393,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--quantized-base", choices=["dequantize", "keep"], default="dequantize",
                     help="a quantized checkpoint's LoRA base: dequantized on load (default), or kept as stored on "
                          "one device, each layer dequantized when used (the worker's --quantized-base keep)")
+    pn.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
+                    help="the worker's TINKERQ_ACTIVATION_CHECKPOINTING: auto (default) plans a batch checkpointed "
+                         "where it would not fit otherwise, on always, off never")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

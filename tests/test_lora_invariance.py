@@ -86,8 +86,8 @@ def requests(seed: int, lengths: list[list[int]] = VARIED) -> list[list[types.Da
 
 
 def run(base: LoraBase, sessions: list[LoraSession], data: list[list[types.Datum]],
-        backward: bool) -> list[tuple[types.ForwardBackwardOutput, list[torch.Tensor]]]:
-    items = [LossItem(s, d, loss, PPO if loss == "ppo" else None)
+        backward: bool, checkpointing: bool = False) -> list[tuple[types.ForwardBackwardOutput, list[torch.Tensor]]]:
+    items = [LossItem(s, d, loss, PPO if loss == "ppo" else None, checkpointing=checkpointing)
              for s, d, (_, _, loss) in zip(sessions, data, TENANTS, strict=True)]
     run_pass(items, base.model, base.logprobs, head=base.head, microbatch_tokens=base.microbatch_tokens,
              device=base.device, backward=backward)

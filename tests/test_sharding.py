@@ -455,3 +455,34 @@ def test_shard_flags_are_checked(model_dir, redis_url, tmp_path):
                          (["--shards", "2", "--rank", "2", "--rendezvous", "tcp://127.0.0.1:1"], "ranks are 0..1")):
         rc, out = _exits_with(extra, model_dir, redis_url, tmp_path / "flags.log", {}, timeout=30)
         assert rc == 2 and words in out, out
+
+
+def test_a_group_with_checkpointing_on_trains_as_one_worker(service, model_dir, redis_url, checkpoint_dir,
+                                                            tmp_path_factory, worker):
+    """Two shards with ``--activation-checkpointing on`` (each decoder layer recomputed inside FSDP's gathered
+    layer in the backward; a rank without datums joins with an idle pass): a full session and a LoRA tenant train
+    as on the unsharded worker, and rank 0 says it checkpointed."""
+    name = "ckpt-sharded-model"
+    group = ShardGroup(model_dir, redis_url, tmp_path_factory.mktemp("ckpt-shard-logs"), checkpoint_dir, name)
+    group.start(1, ("--activation-checkpointing", "on"))
+    time.sleep(1.0)
+    group.start(0, ("--activation-checkpointing", "on"))
+    try:
+        group.wait_serving(service.connection)
+        rng = np.random.default_rng(72)
+        batches = [make_batch(rng, n) for n in BATCH_SIZES[:3]]
+        for make in (lambda where: service.create_training_client(where),
+                     lambda where: service.create_lora_training_client(where, rank=4, seed=11).result(timeout=120)):
+            two, one = make(name), make(str(model_dir))
+            try:
+                for batch in batches:
+                    out2, out1 = two.forward_backward(batch), one.forward_backward(batch)
+                    _assert_same_outputs(out1.result(timeout=120), out2.result(timeout=120), len(batch))
+                    m2, m1 = two.optim_step(ADAM).result(timeout=60), one.optim_step(ADAM).result(timeout=60)
+                    assert m2.metrics["grad_norm:mean"] == pytest.approx(m1.metrics["grad_norm:mean"], rel=1e-5)
+            finally:
+                two.close()
+                one.close()
+    finally:
+        group.stop()
+    assert "decoder layers checkpointed" in (group.logs / f"{name}-rank0.log").read_text()

@@ -159,6 +159,9 @@ class Settings:
     loss_backend: str = "auto"
     # Padded tokens per forward/backward pass; larger batches run as several micro-batches (gradients sum).
     microbatch_tokens: int = 16384
+    # Activation checkpointing per decoder layer in forward_backward (one more forward, far less memory): "auto"
+    # only for a batch whose activations would not fit otherwise, "on" always, "off" never (docs/planning.md).
+    activation_checkpointing: str = "auto"
     # Operator's cap on the worker process's own memory (RSS), MiB; 0 = no cap. New sessions, sampler
     # snapshots, sample requests and batches that would take it past the cap (or past what the host,
     # its cgroup or the device has free) are refused before anything is allocated (worker/memory/).
@@ -249,6 +252,9 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.role not in ("trainer", "sampler"):
             raise SettingsError(f"TINKERQ_ROLE must be trainer or sampler, got {self.role!r}")
+        if self.activation_checkpointing not in ("auto", "on", "off"):
+            raise SettingsError(f"TINKERQ_ACTIVATION_CHECKPOINTING must be auto, on or off, got "
+                                f"{self.activation_checkpointing!r}")
         if self.quantized_base not in ("dequantize", "keep"):
             raise SettingsError(f"TINKERQ_QUANTIZED_BASE must be dequantize or keep, got {self.quantized_base!r}")
         if self.quantized_base == "keep" and self.shards > 1:

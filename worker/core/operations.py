@@ -81,9 +81,13 @@ class Operations:
         data, loss_fn, config = messages.decode_loss_request(body)
         validate_loss_request(data, loss_fn, config, limits=self.limits, vocab_size=self.vocab_size,
                               max_seq_len=self.max_seq_len)
-        memory.admit_batch(self.model, self.settings, [d.model_input.length for d in data], backward=backward,
-                           logprobs=self.logprobs, lora=lora)
-        return LossItem(None, data, loss_fn, config)  # type: ignore[arg-type]
+        checkpointing = memory.admit_batch(self.model, self.settings, [d.model_input.length for d in data],
+                                           backward=backward, logprobs=self.logprobs, lora=lora)
+        if checkpointing:
+            log.info("forward_backward of %d datum(s), %d tokens: decoder layers checkpointed (activation "
+                     "checkpointing %s)", len(data), sum(d.model_input.length for d in data),
+                     self.settings.activation_checkpointing)
+        return LossItem(None, data, loss_fn, config, checkpointing=checkpointing)  # type: ignore[arg-type]
 
     def loss_alone(self, session: Session, body: Any, *, backward: bool) -> bytes:
         """A LoRA loss request replayed by an adopter: the same pass code as it ran in, one request alone
@@ -97,7 +101,8 @@ class Operations:
 
     def loss(self, session: Session, body: Any, *, backward: bool) -> tuple[bytes, int]:
         item = self.checked_loss(body, backward=backward)
-        out = session.run_loss(item.data, item.loss_fn, item.config, backward=backward)
+        out = session.run_loss(item.data, item.loss_fn, item.config, backward=backward,
+                               checkpointing=item.checkpointing)
         return codec.packb(messages.encode_forward_backward_output(out)), tokens_of(item)
 
     def optim_step(self, session: Session, body: Any) -> tuple[bytes, int]:

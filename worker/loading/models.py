@@ -28,6 +28,7 @@ from tinkerq.worker.checkpoints.reader import (
     has_safetensors,
     open_checkpoint,
 )
+from tinkerq.worker.training import checkpointing
 
 log = logging.getLogger("tinkerq.worker")
 
@@ -72,6 +73,9 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
         model.config.output_router_logits = False
     # Dropout off: the same request must give the same gradients on every worker and on every retry.
     model.eval()
+    # Its decoder layers can be checkpointed (when a request needs it: worker/training/checkpointing.py); copies
+    # made of it (full sessions, a shard group's LoRA base) can too.
+    checkpointing.install(model)
     return model
 
 

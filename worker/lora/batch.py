@@ -42,6 +42,7 @@ from tinkerq import types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.worker.lora.routing import Rows, routed
+from tinkerq.worker.training import checkpointing as activation_checkpointing
 from tinkerq.worker.training.batching import microbatch_ranges, pad_batch, rank_share
 from tinkerq.worker.training.engine import Collectives, RequestPart, SingleProcess, TrainingEngine
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -76,6 +77,7 @@ class LossItem:
     error: TinkerqError | None = None
     problem: str | None = None
     part: RequestPart = field(default_factory=RequestPart)
+    checkpointing: bool = False  # its pass checkpoints the decoder layers (worker/training/checkpointing.py)
 
 
 @dataclass
@@ -206,36 +208,46 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
     if group.world > 1:  # every rank runs as many forwards (and backwards) as the busiest: each joins collectives
         (most,) = group.all_reduce([float(len(steps))], op="max")
         steps += [None] * (int(most) - len(steps))
+    # One request that needs its layers checkpointed (worker/memory/ admit_batch) checkpoints its whole pass: the
+    # numbers are the same either way, only the memory differs.
+    checkpointed = backward and any(item.checkpointing for item in items)
     for step in steps:
-        if step is None:
-            _idle_step(forward, device, backward)
-            continue
-        batches = [_padded(m, device) for m in step]
-        tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
-                                 for k in ("tokens", "mask", "target_tokens"))
-        groups: list[tuple[Any, Rows]] = []
-        at = 0
-        for m in step:
-            groups.append((m.item.target.adapter, slice(at, at + m.rows)))
-            at += m.rows
-        with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
-            lp = forward(tokens, mask.long(), targets)  # (B, T)
-        total = None
-        lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back
-        for m, batch, lp_m in zip(step, batches, lps, strict=True):
-            item = m.item
-            with torch.set_grad_enabled(backward):
-                scored = score(lp_m, batch, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
-            if not torch.isfinite(scored.loss):
-                if item.problem is None:
-                    item.problem = f"{item.loss_fn} loss is {scored.loss.item()} on datums {m.start}..{m.stop - 1}"
-            elif backward and item.problem is None:
-                total = scored.loss if total is None else total + scored.loss
-            item.part.add(m.start, scored, batch["lengths"])
-        if backward and total is None and group.world > 1:  # every row's loss failed: still join the backward
-            total = lp.sum() * 0.0
-        if backward and total is not None:
-            total.backward()
+        with activation_checkpointing.enabled(checkpointed):
+            _run_step(step, forward, head, device, backward, group)
+
+
+def _run_step(step: list[Micro] | None, forward: Any, head: str, device: torch.device, backward: bool,
+              group: Collectives) -> None:
+    """One forward (and backward) of a pass: its micro-batches stacked, each routed to its own adapter."""
+    if step is None:
+        _idle_step(forward, device, backward)
+        return
+    batches = [_padded(m, device) for m in step]
+    tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
+                             for k in ("tokens", "mask", "target_tokens"))
+    groups: list[tuple[Any, Rows]] = []
+    at = 0
+    for m in step:
+        groups.append((m.item.target.adapter, slice(at, at + m.rows)))
+        at += m.rows
+    with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
+        lp = forward(tokens, mask.long(), targets)  # (B, T)
+    total = None
+    lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back
+    for m, batch, lp_m in zip(step, batches, lps, strict=True):
+        item = m.item
+        with torch.set_grad_enabled(backward):
+            scored = score(lp_m, batch, LOSSES[item.loss_fn], resolve_loss_config(item.loss_fn, item.config))
+        if not torch.isfinite(scored.loss):
+            if item.problem is None:
+                item.problem = f"{item.loss_fn} loss is {scored.loss.item()} on datums {m.start}..{m.stop - 1}"
+        elif backward and item.problem is None:
+            total = scored.loss if total is None else total + scored.loss
+        item.part.add(m.start, scored, batch["lengths"])
+    if backward and total is None and group.world > 1:  # every row's loss failed: still join the backward
+        total = lp.sum() * 0.0
+    if backward and total is not None:
+        total.backward()
 
 
 def _idle_step(forward: Any, device: torch.device, backward: bool) -> None:

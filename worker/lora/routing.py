@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from tinkerq.worker.lora import experts
 from tinkerq.worker.lora.adapter import Part, adaptable
+from tinkerq.worker.training import checkpointing
 
 _local = threading.local()
 
@@ -273,6 +274,25 @@ def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = 
             yield routing
     finally:
         _local.routing = previous
+
+
+@contextlib.contextmanager
+def restored(route: Routing | None) -> Iterator[None]:
+    """``route`` this thread's routing again for the block (a checkpointed layer's recomputation in the backward,
+    worker/training/checkpointing.py, runs after :func:`routed` has ended); nothing when it still is."""
+    if route is None or current() is route:
+        yield
+        return
+    previous = current()
+    _local.routing = route
+    try:
+        with _PerGroupProducts(route) if route.per_group() else contextlib.nullcontext():
+            yield
+    finally:
+        _local.routing = previous
+
+
+checkpointing.carry(lambda: restored(current()))
 
 
 # Elementwise functions whose CPU kernels give an element's last bits by its place in the tensor. ATen's CPU loops

@@ -150,8 +150,9 @@ class LoraSession:
         return self._run_command(op, **args)
 
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
-                 backward: bool) -> types.ForwardBackwardOutput:
-        out = self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward)
+                 backward: bool, checkpointing: bool = False) -> types.ForwardBackwardOutput:
+        out = self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward,
+                        checkpointing=checkpointing)
         assert out is not None
         return out
 

@@ -221,14 +221,36 @@ def admit_sample(model: torch.nn.Module, settings: Any, prompt_tokens: int, max_
 
 
 def admit_batch(model: torch.nn.Module, settings: Any, lengths: list[int], *, backward: bool,
-                logprobs: Any, lora: bool = False) -> None:
-    """Refuse a forward / forward_backward batch whose largest micro-batch would not fit."""
+                logprobs: Any, lora: bool = False) -> bool:
+    """Refuse a forward / forward_backward batch whose largest micro-batch would not fit; returns whether its
+    decoder layers are to be checkpointed (worker/training/checkpointing.py): ``TINKERQ_ACTIVATION_CHECKPOINTING``
+    on, or auto and the batch fits only with it."""
     chunk = getattr(logprobs, "chunk_tokens", None) if getattr(logprobs, "backend", "") != "model-logits" else None
-    needed = batch_bytes(ModelShape.of(model), lengths, microbatch_tokens=settings.microbatch_tokens,
-                         backward=backward, chunk_tokens=chunk, shards=settings.shards, lora=lora)
+    mode = settings.activation_checkpointing if backward else "off"  # a forward saves nothing for a backward
+
+    def needed(checkpointing: bool) -> int:
+        return batch_bytes(ModelShape.of(model), lengths, microbatch_tokens=settings.microbatch_tokens,
+                           backward=backward, chunk_tokens=chunk, shards=settings.shards, lora=lora,
+                           checkpointing=checkpointing)
+
     op = "forward_backward" if backward else "forward"
-    require(needed, f"{op} on {len(lengths)} datum(s), {sum(lengths)} tokens, longest {max(lengths, default=0)} "
-            f"(activations of micro-batches of up to {settings.microbatch_tokens} padded tokens)",
-            settings.device, limit_mb=settings.memory_limit_mb,
-            advice="send a smaller batch (split it into several forward_backward calls; gradients add up), "
-                   "shorter sequences, or ask the operator to lower TINKERQ_MICROBATCH_TOKENS")
+    what = (f"{op} on {len(lengths)} datum(s), {sum(lengths)} tokens, longest {max(lengths, default=0)} "
+            f"(activations of micro-batches of up to {settings.microbatch_tokens} padded tokens")
+    advice = ("send a smaller batch (split it into several forward_backward calls; gradients add up), "
+              "shorter sequences, or ask the operator to lower TINKERQ_MICROBATCH_TOKENS")
+
+    def admit(checkpointing: bool) -> None:
+        require(needed(checkpointing), what + (", decoder layers checkpointed)" if checkpointing else ")"),
+                settings.device, limit_mb=settings.memory_limit_mb,
+                advice=advice if checkpointing or mode == "auto" or not backward
+                else advice + ", or turn activation checkpointing on (TINKERQ_ACTIVATION_CHECKPOINTING=auto)")
+
+    if mode != "auto":
+        admit(mode == "on")
+        return mode == "on"
+    try:
+        admit(False)
+        return False
+    except CapacityError:
+        admit(True)  # raises when it does not fit even so
+        return True

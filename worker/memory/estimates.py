@@ -55,7 +55,7 @@ class ModelShape:
         embeddings = lm.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else params[0]
         vocab, hidden = (int(x) for x in embeddings.shape[-2:])
         heads = int(getattr(text, "num_attention_heads", 0) or 1)
-        from tinkerq.worker.sharding.fsdp import decoder_layers  # what fully_shard wraps one by one
+        from tinkerq.worker.loading.layers import decoder_layers  # what fully_shard wraps one by one
 
         full_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
         layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -200,7 +200,7 @@ def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, 
 
 
 def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                chunk_tokens: int | None, shards: int = 1, lora: bool = False) -> int:
+                chunk_tokens: int | None, shards: int = 1, lora: bool = False, checkpointing: bool = False) -> int:
     """A forward (backward=False) or forward_backward request: the largest micro-batch's peak + the data.
 
         batch  = activations (:func:`activation_bytes`) + grads + data (:func:`request_bytes`)
@@ -211,7 +211,7 @@ def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int
     """
     grads = training_working_bytes(shape, shards) if backward and not lora else 0
     return (activation_bytes(shape, lengths, microbatch_tokens=microbatch_tokens, backward=backward,
-                             chunk_tokens=chunk_tokens) + grads + request_bytes(lengths))
+                             chunk_tokens=chunk_tokens, checkpointing=checkpointing) + grads + request_bytes(lengths))
 
 
 def request_bytes(lengths: list[int]) -> int:
@@ -220,7 +220,7 @@ def request_bytes(lengths: list[int]) -> int:
 
 
 def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                     chunk_tokens: int | None) -> int:
+                     chunk_tokens: int | None, checkpointing: bool = False) -> int:
     """The largest micro-batch's activations and loss head, of a batch of rows of these lengths.
 
     Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
@@ -229,19 +229,30 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
 
         layer  = N x (10 x hidden + 6 x intermediate) x dtype_bytes + 2 x B x L x L x 4   (mask, float32)
         acts   = (layers + 1) x layer      backward: every layer saved + one layer's gradients in flight
+               = layers x N x hidden x dtype_bytes + 3 x layer
+                                           backward with activation checkpointing (worker/training/
+                                           checkpointing.py): each layer's input saved; in the backward one
+                                           layer recomputed, its saved activations and gradients in flight,
+                                           and on the CPU the last layer's freed ones not yet reused (measured
+                                           about 2.7 x layer over the inputs: tests/test_checkpointing.py)
                = 2 x layer                 forward only: nothing is saved; one layer's temporaries at a time
         head   = 2 x C x V x 4 + 4 x N x hidden x dtype_bytes
                  (the chunked loss head holds one (C, V) float32 chunk of logits and its softmax, C =
                  chunk_tokens, and keeps the final hidden states; without the chunked head
                  (chunk_tokens None) C = N: full (B, L, V) logits, 3 copies: logits, float, grad)
 
-    No activation checkpointing: a LoRA backward saves the same activations as a full one.
+    A LoRA backward saves the same activations as a full one.
     """
     largest = 0
     for rows, longest in microbatches(lengths, microbatch_tokens):
         n = rows * longest
         layer = n * (10 * shape.hidden + 6 * shape.intermediate) * shape.dtype_bytes + 2 * rows * longest * longest * 4
-        acts = (shape.layers + 1) * layer if backward else 2 * layer
+        if not backward:
+            acts = 2 * layer
+        elif checkpointing:
+            acts = shape.layers * n * shape.hidden * shape.dtype_bytes + 3 * layer
+        else:
+            acts = (shape.layers + 1) * layer
         logits = 3 * n * shape.vocab * 4 if chunk_tokens is None else 2 * min(chunk_tokens, n) * shape.vocab * 4
         head = logits + 4 * n * shape.hidden * shape.dtype_bytes
         largest = max(largest, acts + head)

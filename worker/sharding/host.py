@@ -126,8 +126,8 @@ class ShardHost:
         """A mixed LoRA pass: rank 0 passes its items; a follower makes the same from the command."""
         items = args.get("items")
         if items is None:
-            items = [LossItem(self.lora_sessions[str(r["model_id"])], r["data"], r["loss_fn"], r["config"])
-                     for r in args["requests"]]
+            items = [LossItem(self.lora_sessions[str(r["model_id"])], r["data"], r["loss_fn"], r["config"],
+                              checkpointing=r["checkpointing"]) for r in args["requests"]]
         self.lora_base().pass_here(items, bool(args["backward"]))
 
     def drop_sessions(self) -> None:
@@ -276,14 +276,15 @@ def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
     """A command's arguments as the followers receive them (msgpack: our own types are encoded)."""
     if op == "run_loss":
         request = messages.encode_loss_request(args["data"], args["loss_fn"], args["config"])
-        args = {"model_id": args["model_id"], "backward": args["backward"], "request": request}
+        args = {"model_id": args["model_id"], "backward": args["backward"], "request": request,
+                "checkpointing": bool(args.get("checkpointing", False))}
     elif op == "optim_step":
         args = {**args, "adam": messages.encode_adam(args["adam"])}
     elif op == "sample_forward":
         args = {}  # rank 0's forward stays on rank 0
     elif op == "lora_pass":
         args = {"backward": args["backward"], "requests": [
-            {"model_id": item.target.model_id,
+            {"model_id": item.target.model_id, "checkpointing": item.checkpointing,
              "request": messages.encode_loss_request(item.data, item.loss_fn, item.config)} for item in args["items"]]}
     return args
 
@@ -293,13 +294,14 @@ def from_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
     if op == "run_loss":
         data, loss_fn, config = messages.decode_loss_request(args["request"])
         args = {"model_id": args["model_id"], "backward": args["backward"], "data": data, "loss_fn": loss_fn,
-                "config": config}
+                "config": config, "checkpointing": bool(args.get("checkpointing", False))}
     elif op == "optim_step":
         args = {**args, "adam": messages.decode_adam(args["adam"])}
     elif op == "lora_pass":
         requests = []
         for r in args["requests"]:
             data, loss_fn, config = messages.decode_loss_request(r["request"])
-            requests.append({"model_id": r["model_id"], "data": data, "loss_fn": loss_fn, "config": config})
+            requests.append({"model_id": r["model_id"], "data": data, "loss_fn": loss_fn, "config": config,
+                             "checkpointing": bool(r.get("checkpointing", False))})
         args = {"backward": args["backward"], "requests": requests}
     return args

@@ -34,6 +34,7 @@ from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.wire import codec
 from tinkerq.worker.checkpoints import SavedState, optimizer_entries
+from tinkerq.worker.training import checkpointing as activation_checkpointing
 from tinkerq.worker.training.batching import pad_batch, rank_plans
 from tinkerq.worker.training.losses import LOSSES, MetricTotals, ScoredBatch, score
 
@@ -118,8 +119,10 @@ class TrainingEngine:
     # -- forward / forward_backward ----------------------------------------------------------------------
 
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
-                 backward: bool) -> types.ForwardBackwardOutput | None:
-        """This rank's part of the request; the merged output on the leader, None elsewhere."""
+                 backward: bool, checkpointing: bool = False) -> types.ForwardBackwardOutput | None:
+        """This rank's part of the request; the merged output on the leader, None elsewhere. ``checkpointing``:
+        the decoder layers' activations are computed again in the backward instead of kept
+        (worker/training/checkpointing.py; every rank of a group gets the same)."""
         loss_impl = LOSSES[loss_fn]
         resolved = resolve_loss_config(loss_fn, config)
         plan = rank_plans([d.model_input.length for d in data], self.group.world, self.microbatch_tokens)
@@ -128,11 +131,11 @@ class TrainingEngine:
         pending = self.set_aside() if backward else None
         for span in plan[self.group.rank]:
             if span is None:
-                self._idle_pass(backward)
+                self._idle_pass(backward, checkpointing)
                 continue
             start, stop = span
             batch = pad_batch(data[start:stop], self.device)
-            with torch.set_grad_enabled(backward):
+            with torch.set_grad_enabled(backward), activation_checkpointing.enabled(checkpointing):
                 logprobs = self.forward(batch["tokens"], batch["mask"].long(), batch["target_tokens"])  # (B, T)
                 scored = score(logprobs, batch, loss_impl, resolved)
             if problem is None and not torch.isfinite(scored.loss):
@@ -148,10 +151,10 @@ class TrainingEngine:
             self.group.agree(NonFiniteError(f"{problem}; {_NOTHING_APPLIED}") if problem else None)
         return part.merged(self.group, len(data), loss_fn)
 
-    def _idle_pass(self, backward: bool) -> None:
+    def _idle_pass(self, backward: bool, checkpointing: bool = False) -> None:
         """A pass over one dummy token whose loss counts zero: it joins the collectives of a real pass."""
         one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), activation_checkpointing.enabled(checkpointing):
             loss = self.forward(one, torch.ones_like(one), one).sum() * 0.0
         if backward:
             loss.backward()

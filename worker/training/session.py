@@ -51,7 +51,7 @@ class Session(Protocol):
     def steps(self) -> int: ...
 
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
-                 backward: bool) -> types.ForwardBackwardOutput: ...
+                 backward: bool, checkpointing: bool = False) -> types.ForwardBackwardOutput: ...
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse: ...
 
@@ -77,7 +77,8 @@ class Session(Protocol):
 def execute(engine: TrainingEngine, op: str, args: dict[str, Any], tied: dict[str, str]) -> Any:
     """Run one engine command on this rank (every rank of a group runs the same ones, in the same order)."""
     if op == "run_loss":
-        return engine.run_loss(args["data"], args["loss_fn"], args["config"], backward=bool(args["backward"]))
+        return engine.run_loss(args["data"], args["loss_fn"], args["config"], backward=bool(args["backward"]),
+                               checkpointing=bool(args.get("checkpointing", False)))
     if op == "optim_step":
         return engine.optim_step(args["adam"])
     if op == "gather_weights":
@@ -150,8 +151,9 @@ class FullSession:
         return self._run_command(op, **args)
 
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
-                 backward: bool) -> types.ForwardBackwardOutput:
-        return self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward)
+                 backward: bool, checkpointing: bool = False) -> types.ForwardBackwardOutput:
+        return self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward,
+                         checkpointing=checkpointing)
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
         return self._run("optim_step", adam=adam)
