@@ -486,3 +486,33 @@ def test_a_block_fp8_checkpoint_with_per_expert_tensors_loads_dequantized(tmp_pa
     _, config = planner.read_config(str(out))
     q = planner.quantized_checkpoint(config, planner.meta_model(config, "float32"))
     assert q is not None and q.method == "fp8" and q.parameters == sum(v.numel() for v in reference.values())
+
+
+def test_activation_checkpointing_is_planned_where_a_batch_would_not_fit_otherwise():
+    """Under auto (the worker's default) a plan checkpoints the decoder layers only where the plain activations do
+    not fit, as the worker's admission does; that is what puts Qwen3-235B's LoRA group on one node of 141 GiB
+    devices and every full session up to 120B parameters on 16; on and off are planned as asked."""
+    from tinkerq.worker.training.logprobs import chunk_tokens
+
+    node = dict(devices=8, device_gb=141)
+    auto, off = (planner.plan("qwen3-235b-a22b", **node, activation_checkpointing=m) for m in ("auto", "off"))
+    assert not off.lora.fits and not off.lora.checkpointing and off.lora.shards == 9
+    assert auto.lora.fits and auto.lora.checkpointing and auto.lora.shards < off.lora.shards
+    assert auto.lora.tenants >= 1 and auto.lora.longest_datum >= 2048
+    shape = memory.ModelShape.of(planner._load("qwen3-235b-a22b", "bfloat16")[2])
+    lengths = planner.rank_lengths(auto.workload.lengths(), auto.lora.at)
+    assert auto.lora.parts["activations"] == memory.activation_bytes(
+        shape, lengths, microbatch_tokens=auto.workload.microbatch_tokens, backward=True,
+        chunk_tokens=chunk_tokens(shape.vocab), checkpointing=True) + planner.request_bytes(lengths)
+    # A model whose batch fits plainly is planned plainly under auto; "on" checkpoints it anyway, leaving more room.
+    small = {m: planner.plan("llama-3.1-8b", **node, activation_checkpointing=m) for m in ("auto", "on")}
+    assert not small["auto"].lora.checkpointing and small["on"].lora.checkpointing
+    assert small["on"].lora.tenants >= small["auto"].lora.tenants
+    assert small["on"].lora.parts["activations"] < small["auto"].lora.parts["activations"]
+    for name in ("llama-3.3-70b", "gpt-oss-120b"):  # full fine-tuning within 16 devices
+        p = planner.plan(name, devices=16, device_gb=141)
+        assert p.full.fits and p.full.checkpointing, name
+        assert not planner.plan(name, devices=16, device_gb=141, activation_checkpointing="off").full.fits or \
+            name == "gpt-oss-120b"
+    text = planner.render(auto)
+    assert "decoder layers checkpointed" in text and "activation checkpointing auto" in text

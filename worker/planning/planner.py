@@ -189,7 +189,8 @@ def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quan
 KEPT_LAYER_FACTOR = 2
 
 
-def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: int) -> dict[str, int]:
+def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: int,
+                    checkpointing: bool = False) -> dict[str, int]:
     """A LoRA worker whose base is kept quantized (--quantized-base keep, one process): the base as stored, one
     layer dequantized at a time, and the batch's activations."""
     lengths = workload.lengths()
@@ -197,7 +198,8 @@ def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: 
         "frozen base as stored (shared)": q.checkpoint_bytes + shape.buffer_bytes,
         "one layer dequantized (working)": KEPT_LAYER_FACTOR * q.layer_bytes,
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+        + request_bytes(lengths),
     }
 
 
@@ -229,6 +231,7 @@ class KindPlan:
     tenants: int = 0  # LoRA: how many tenants fit at ``at``
     tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
     longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
+    checkpointing: bool = False  # the activations at ``at`` are planned with each decoder layer checkpointed
 
 
 @dataclass
@@ -248,10 +251,12 @@ class Plan:
     quantized: Quantized | None = None
     quantized_base: str = "dequantize"  # "keep": the LoRA column plans the base as stored (kept_lora_parts)
     max_lora_sessions: int = Settings.max_lora_sessions
+    activation_checkpointing: str = "auto"  # the worker's TINKERQ_ACTIVATION_CHECKPOINTING planned for
     notes: list[str] = field(default_factory=list)
 
 
-def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -> dict[str, int]:
+def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
+               checkpointing: bool = False) -> dict[str, int]:
     """A full session's memory on each of ``shards`` devices, part by part."""
     lengths = rank_lengths(workload.lengths(), shards)
     return {
@@ -262,27 +267,33 @@ def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -
         "forward_backward working": training_working_bytes(shape, shards),
         "FSDP gather room": gather_bytes(shape, shards, weight_grads=True),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+        + request_bytes(lengths),
     }
 
 
-def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int) -> dict[str, int]:
+def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
+               checkpointing: bool = False) -> dict[str, int]:
     """A LoRA group's memory on each of ``shards`` devices, without its tenants' adapters."""
     lengths = rank_lengths(workload.lengths(), shards)
     return {
         "frozen base (shared)": lora_base_bytes(shape, shards),
         "FSDP gather room": gather_bytes(shape, shards, weight_grads=False),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk) + request_bytes(lengths),
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+        + request_bytes(lengths),
     }
 
 
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
-         workload: Workload | None = None, quantized_base: str = "dequantize") -> Plan:
+         workload: Workload | None = None, quantized_base: str = "dequantize",
+         activation_checkpointing: str = "auto") -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
     ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
     ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
-    served by one process); full sessions are still planned dequantized (they need float weights)."""
+    served by one process); full sessions are still planned dequantized (they need float weights).
+    ``activation_checkpointing``: the worker's setting; "auto" plans a batch's activations checkpointed where they
+    would not fit otherwise, as the worker's admission decides (worker/memory/ admit_batch)."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
     workload = workload or Workload()
@@ -293,6 +304,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
             raise PlanError(f"{what} must be positive, not {value}")
     if not 0 <= headroom_gb < device_gb:
         raise PlanError(f"--headroom {headroom_gb} must be at least 0 and less than --device-memory {device_gb}")
+    if activation_checkpointing not in ("auto", "on", "off"):
+        raise PlanError(f"--activation-checkpointing {activation_checkpointing}: auto, on or off")
     if dtype != "auto" and dtype not in DTYPES:
         raise PlanError(f"--dtype {dtype}: auto or one of {', '.join(DTYPES)}")
     # "auto" as a worker resolves it on the GPU planned for (one with bfloat16): the planner and the worker agree.
@@ -303,57 +316,76 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     device_bytes = int(device_gb * GiB)
     usable = device_bytes - int(headroom_gb * GiB)
 
-    def full_total(n: int) -> int:
-        return sum(full_parts(shape, n, workload, chunk).values())
+    def checkpointed(parts: Callable[[bool], dict[str, int]], extra: int = 0) -> tuple[dict[str, int], bool]:
+        """The parts, and whether a batch's layers are checkpointed in them: always (on), never (off), or when
+        the plain parts (with ``extra`` more) do not fit (auto)."""
+        if activation_checkpointing != "auto":
+            on = activation_checkpointing == "on"
+            return parts(on), on
+        plain = parts(False)
+        if sum(plain.values()) + extra <= usable:
+            return plain, False
+        return parts(True), True
 
     def longest_datum(fixed: int) -> int:
         """The most tokens one datum may have for its activations to fit beside ``fixed`` bytes (a datum is never
-        split: it runs alone in a micro-batch when longer than the budget)."""
+        split: it runs alone in a micro-batch when longer than the budget), checkpointed unless that is off."""
+        on = activation_checkpointing != "off"
         lo, hi = 0, 1 << 22
         while lo < hi:
             mid = (lo + hi + 1) // 2
             acts = activation_bytes(shape, [mid], microbatch_tokens=workload.microbatch_tokens, backward=True,
-                                    chunk_tokens=chunk) + request_bytes([mid])
+                                    chunk_tokens=chunk, checkpointing=on) + request_bytes([mid])
             lo, hi = (mid, hi) if fixed + acts <= usable else (lo, mid - 1)
         return lo
 
-    n_full = shards_needed(full_total, usable, limit=MAX_SHARDS)
+    def full_at(n: int) -> tuple[dict[str, int], bool]:
+        return checkpointed(lambda on: full_parts(shape, n, workload, chunk, on))
+
+    n_full = shards_needed(lambda n: sum(full_at(n)[0].values()), usable, limit=MAX_SHARDS)
     at = n_full if n_full is not None and n_full <= devices else devices
-    parts = full_parts(shape, at, workload, chunk)
+    parts, on = full_at(at)
     every = full_parts(shape, devices, workload, chunk)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
                     host_bytes=2 * snapshot_bytes(shape) if at > 1 else 0,
-                    longest_datum=longest_datum(sum(every.values()) - every["activations"]))
+                    longest_datum=longest_datum(sum(every.values()) - every["activations"]), checkpointing=on)
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
     adapter = max(1, lora_state_bytes(adapter_parameters))
 
-    def tenants(n: int) -> int:
-        return max(0, (usable - sum(lora_parts(shape, n, workload, chunk).values())) // adapter)
+    def lora_at(n: int) -> tuple[dict[str, int], bool]:
+        return checkpointed(lambda on: lora_parts(shape, n, workload, chunk, on), adapter)
 
-    n_lora = shards_needed(lambda n: sum(lora_parts(shape, n, workload, chunk).values()) + adapter, usable,
-                           limit=MAX_SHARDS)
+    def tenants(n: int) -> int:
+        """Adapters that fit beside the base and a batch; the batch checkpointed unless that is off (under auto the
+        worker checkpoints a batch once the tenants leave too little room for it plainly)."""
+        parts = lora_parts(shape, n, workload, chunk, activation_checkpointing != "off")
+        return max(0, (usable - sum(parts.values())) // adapter)
+
+    n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter, usable, limit=MAX_SHARDS)
     at = n_lora if n_lora is not None and n_lora <= devices else devices
-    parts = lora_parts(shape, at, workload, chunk)
+    parts, on = lora_at(at)
     every = lora_parts(shape, devices, workload, chunk)
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
                     host_bytes=snapshot_bytes(shape) if at > 1 else 0, adapter_bytes=adapter, tenants=tenants(at),
                     tenants_all_devices=tenants(devices),
-                    longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]))
+                    longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]),
+                    checkpointing=on)
     quantized = quantized_checkpoint(config, model)
     if quantized_base not in ("dequantize", "keep"):
         raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
     if quantized_base == "keep" and quantized is not None:
-        parts = kept_lora_parts(shape, quantized, workload, chunk)
+        parts, on = checkpointed(lambda c: kept_lora_parts(shape, quantized, workload, chunk, c), adapter)
         fixed = sum(parts.values())
         fits = fixed + adapter <= usable
         room = max(0, (usable - fixed) // adapter)
         lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
                         adapter_bytes=adapter, tenants=room, tenants_all_devices=room,
-                        longest_datum=longest_datum(fixed + adapter - parts["activations"]))
+                        longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on)
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
-                workload, adapter_parameters, full, lora, quantized, quantized_base)
+                workload, adapter_parameters, full, lora, quantized, quantized_base,
+                activation_checkpointing=activation_checkpointing)
 
 
 # -- output --------------------------------------------------------------------------------------------------------
@@ -413,11 +445,15 @@ def render(p: Plan) -> str:
     rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
                  f"{p.lora.longest_datum:,} (one tenant)"))
     rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
+    rows.append(("decoder layers checkpointed", "yes" if p.full.checkpointing else "no",
+                 "yes" if p.lora.checkpointing else "no"))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines.append("")
     lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
     lines.append("")
-    lines.append(f"({unit}; the worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
+    lines.append(f"({unit}; activation checkpointing {p.activation_checkpointing}: TINKERQ_ACTIVATION_CHECKPOINTING; "
+                 f"the longest datum is planned checkpointed unless it is off. "
+                 f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
                  f"Host RAM: a shard group's ranks each load the base on the CPU; a full session's copy is made "
                  f"there before it is sharded. docs/planning.md)")
     return "\n".join(lines)
@@ -430,17 +466,18 @@ def render_markdown(plans: list[Plan]) -> str:
     p0 = plans[0]
     head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
-            f"{p0.workload.lora_rank}.\n\n")
+            f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
-             "longest datum, tokens (full; LoRA) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
         lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
                      f"{gb(p.full.total)} | {_shards(p.lora)} | {gb(fixed)} | {gb(p.lora.adapter_bytes)} | "
                      f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
-                     f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} |")
+                     f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} | "
+                     f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} |")
     return head + "\n".join(lines)
 
 
