@@ -27,7 +27,9 @@ asserts on timings. Models come from ``tinkerq.recipes.families`` (random weight
   gpt-oss-20b, DeepSeek-V3) built on the meta device, and Llama-3.2-1B next to the cookbook's published
   figures (attn 212,992; mlp 491,520; unembed 130,304 per rank).
 * **real-small** (``--shape real-small``, meant for ``--device cuda --dtype bfloat16``): the ``REAL_SMALL``
-  shapes (real width, 4 layers): full fb, LoRA fb and base fb tokens/s, MFU, sampling tokens/s and peak memory
+  shapes (real width, 4 layers): full fb, LoRA fb (without and with activation checkpointing, "ckpt": each decoder
+  layer recomputed in the backward, worker/training/checkpointing.py) and base fb tokens/s, MFU, sampling tokens/s
+  and peak memory
   (``torch.cuda.max_memory_allocated``, reset before each call, so it includes what stays resident: the base and
   the full session's copy; on CPU the process's peak RSS is printed once).
   8 datums x 1024 tokens, 64 prompts of 16 tokens x 128 new tokens. ``--layers N`` and ``--shrink K`` (widths,
@@ -71,6 +73,7 @@ from tinkerq.worker.lora import experts as fused
 from tinkerq.worker.lora.adapter import Target, find_targets, parameters_per_rank
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import SampleJob, StopRule, TorchEngine, run_jobs
+from tinkerq.worker.training import checkpointing
 from tinkerq.worker.training.logprobs import LogprobComputer
 from tinkerq.worker.training.session import TrainingSession
 
@@ -260,6 +263,7 @@ def active_adapter_params(targets: list[Target], rank: int, top_k: int | None) -
 
 def build(family: str, overrides: dict[str, Any], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     model = build_model(family, 0, **overrides)  # float32 on the CPU (the recipe's seed), then moved
+    checkpointing.install(model)  # as a worker's loaded model: its layers can be checkpointed when asked
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -495,6 +499,8 @@ def run_real_small(families: list[str], args: argparse.Namespace, device: torch.
         runner = Runner({
             "full fb": lambda full=full, data=data: full.run_loss(data, "cross_entropy", None, backward=True),
             "LoRA fb": lambda lora=lora, data=data: lora.run_loss(data, "cross_entropy", None, backward=True),
+            "LoRA fb ckpt": lambda lora=lora, data=data: lora.run_loss(data, "cross_entropy", None, backward=True,
+                                                                       checkpointing=True),
             "base fb": lambda base=base, batch=batch: base_fb(base, batch),
             "sample": lambda model=model, prompts=prompts: sample(model, prompts, new_tokens),
         }, device)
@@ -503,7 +509,10 @@ def run_real_small(families: list[str], args: argparse.Namespace, device: torch.
         n_active = active_params(model)
         r_active = active_adapter_params(base.targets(lora.config), args.rank,
                                          getattr(model.config, "num_experts_per_tok", None))
-        flops = {"full fb": 6 * n_active, "LoRA fb": 4 * n_active + 6 * r_active, "base fb": 4 * n_active}
+        # Checkpointed, the layers' forward runs twice: the same model FLOPs, more hardware FLOPs (MFU counts the
+        # model's, as is usual; its time shows the recomputation's cost).
+        flops = {"full fb": 6 * n_active, "LoRA fb": 4 * n_active + 6 * r_active, "base fb": 4 * n_active,
+                 "LoRA fb ckpt": 4 * n_active + 6 * r_active}
 
         def mfu(kind: str, runner: Runner = runner, flops: dict[str, float] = flops) -> str:
             s = runner.median(kind)
@@ -516,6 +525,8 @@ def run_real_small(families: list[str], args: argparse.Namespace, device: torch.
                      f"{lora.num_parameters() / 1e6:.2f}M",
                      runner.cell("full fb", lambda s: f"{tokens / s:,.0f}"), mfu("full fb"), mem("full fb"),
                      runner.cell("LoRA fb", lambda s: f"{tokens / s:,.0f}"), mfu("LoRA fb"), mem("LoRA fb"),
+                     runner.cell("LoRA fb ckpt", lambda s: f"{tokens / s:,.0f}"), mfu("LoRA fb ckpt"),
+                     mem("LoRA fb ckpt"),
                      runner.cell("base fb", lambda s: f"{tokens / s:,.0f}"), mfu("base fb"),
                      runner.cell("sample", lambda s: f"{n_prompts * new_tokens / s:,.0f}"), mem("sample")))
         runner.kinds = {}  # let the models go before the next family's are built
@@ -530,7 +541,8 @@ def run_real_small(families: list[str], args: argparse.Namespace, device: torch.
           f"torch.cuda.max_memory_allocated during the call, everything resident included (the base, the full "
           f"session's copy and its gradients; no optim_step is run)")
     print_table(["family", "shape of", "params", "active", "LoRA params", "full fb tok/s", "MFU", "GiB",
-                 "LoRA fb tok/s", "MFU", "GiB", "base fb tok/s", "MFU", "sample tok/s", "GiB"], rows)
+                 "LoRA fb tok/s", "MFU", "GiB", "LoRA ckpt tok/s", "MFU", "GiB", "base fb tok/s", "MFU",
+                 "sample tok/s", "GiB"], rows)
     print_errors(runners)
     if device.type != "cuda":
         print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")

@@ -31,6 +31,7 @@ def test_real_small_path_shrunk_for_the_cpu():
                  "--prompts", "2", "--new-tokens", "4", "--reps", "1", "--warmup", "0", "--peak-tflops", "1")
     rows = [line.split()[0] for line in out.split("[real-small]")[1].splitlines()[3:6]]
     assert rows == ["llama", "qwen3_moe", "gpt_oss"], out
+    assert "LoRA ckpt tok/s" in out  # LoRA forward_backward with activation checkpointing too (issue 30)
 
 
 def test_counts_match_the_cookbook_for_llama_1b():
