@@ -8,7 +8,8 @@ row's outputs, and its adapter's gradients, do not depend on the other rows in t
 plain base.
 
 Groups are contiguous row ranges in training passes (slices are views: no gather) and row index tensors
-in the sampling engine, whose rows of many snapshots interleave. A module that sees the batch flattened to
+in the sampling engine, whose rows of many snapshots interleave (one snapshot holding every row adds its delta to
+the whole output: the same bits as gathering and scattering them). A module that sees the batch flattened to
 (B * T) tokens (a MoE block's experts and shared experts) is routed by token (:meth:`Routing.token_groups`).
 A hooked Linear may carry several adapters on parts of its output rows (a fused q/k/v projection: Tinker adapts
 its parts separately; worker/lora/adapter.py); fused experts add their deltas in worker/lora/experts.py.
