@@ -199,7 +199,8 @@ def test_fleet_up_status_down_with_two_models(tmp_path, model_dir, monkeypatch, 
 
 
 def test_fleet_up_with_a_sharded_worker(tmp_path):
-    """Two shards of a model with tied embeddings (stored once): saved weights and states round-trip."""
+    """Two shards of a model with tied embeddings (stored once): saved weights and states round-trip. Its layers are
+    checkpointed (``--activation-checkpointing on`` reaches both ranks): the step it trains is still the reference's."""
     from tests.helpers import load_reference, reference_logprobs
     from tinkerq import types
     from tinkerq.producer import ServiceClient
@@ -213,7 +214,8 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
     pids: list[int] = []
     try:
         up = _tinkerq("fleet", "up", "--fleet", "s", "--model", str(model_dir), "--shards", "2", "--broker-from-env",
-                      "--flower-port", "0", "--threads", "1", env={**env, "TINKERQ_BROKER_URL": broker})
+                      "--flower-port", "0", "--threads", "1", "--activation-checkpointing", "on",
+                      env={**env, "TINKERQ_BROKER_URL": broker})
         assert up.returncode == 0, up.stderr[-3000:]
         pids = [w["pid"] for w in json.loads((tmp_path / "home" / "fleet" / "s" / "state.json").read_text())["workers"]]
         assert "fleet 's' is up: 1 worker (2 shard processes) for 1 model;" in up.stdout  # a worker, not 2
@@ -255,6 +257,8 @@ def test_fleet_up_with_a_sharded_worker(tmp_path):
     assert not any(alive(pid) for pid in pids)  # rank 1 stopped with rank 0 (or by down itself)
     logs = sorted((tmp_path / "home" / "fleet" / "s" / "logs").glob("worker-*-rank1.log"))
     assert logs and "rank 0 stopped; rank 1 stops too" in logs[0].read_text()
+    rank0 = sorted((tmp_path / "home" / "fleet" / "s" / "logs").glob("worker-*-rank0.log"))
+    assert rank0 and "decoder layers checkpointed" in rank0[0].read_text()
 
 
 def test_fleet_up_with_two_gateways_behind_the_proxy(tmp_path, model_dir):

@@ -93,6 +93,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--quantized-base", choices=["dequantize", "keep"],
                     help="the workers' quantized checkpoints: dequantized on load (default: TINKERQ_QUANTIZED_BASE, "
                          "else dequantize) or kept as stored, LoRA and sampling only (docs/quantized.md)")
+    up.add_argument("--activation-checkpointing", choices=["auto", "on", "off"],
+                    help="the workers' activation checkpointing per decoder layer (default: "
+                         "TINKERQ_ACTIVATION_CHECKPOINTING, else auto: only for a batch that would not fit otherwise; "
+                         "docs/planning.md)")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the workers' parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own, "
                          "bfloat16 for published ones, on a GPU with bfloat16; float32 on the CPU)")

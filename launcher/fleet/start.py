@@ -188,6 +188,8 @@ def start_workers(args: argparse.Namespace, state: dict[str, Any], folder: Path,
             flags += ["--dtype", args.dtype]
         if args.quantized_base:  # unset: TINKERQ_QUANTIZED_BASE (default dequantize)
             flags += ["--quantized-base", args.quantized_base]
+        if args.activation_checkpointing:  # unset: TINKERQ_ACTIVATION_CHECKPOINTING (default auto)
+            flags += ["--activation-checkpointing", args.activation_checkpointing]
         for i in range(args.workers):
             for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
                 suffix = f"-rank{rank}" if args.shards > 1 else ""
