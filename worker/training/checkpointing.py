@@ -31,8 +31,6 @@ from torch.utils.checkpoint import checkpoint
 
 from tinkerq.worker.loading.layers import decoder_layers
 
-MODES = ("auto", "on", "off")
-
 _local = threading.local()
 # Each returns, at a checkpointed layer's forward, the context to recompute it in (see :func:`carry`).
 _carried: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
