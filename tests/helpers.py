@@ -50,6 +50,20 @@ def make_batch(rng: np.random.Generator, n: int, min_len: int = 3, max_len: int 
     return data
 
 
+def peak_rss_growth(fn) -> int:
+    """Peak RSS growth of this process while ``fn`` runs (Linux: VmHWM, reset through clear_refs)."""
+    from tinkerq.worker import memory
+
+    memory.release_memory()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = memory.rss_bytes()
+    fn()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 - before
+    raise AssertionError("no VmHWM")
+
+
 def reference_logprobs(model: torch.nn.Module, datum: types.Datum) -> torch.Tensor:
     """log p(target_i | input_<=i) for one datum, unpadded, full logits: the plain definition."""
     tokens = torch.tensor(datum.model_input.to_ints()).unsqueeze(0)

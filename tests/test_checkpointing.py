@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import start_named_worker
-from tests.helpers import make_batch
+from tests.helpers import make_batch, peak_rss_growth
 from tests.test_lora_invariance import TENANTS, assert_bitwise, lora_base, requests, run, tenants
 from tinkerq.recipes.families import build_model
 from tinkerq.worker import memory
@@ -117,18 +117,6 @@ def _llama(layers: int) -> torch.nn.Module:
     return model
 
 
-def _peak_rss_growth(fn) -> int:
-    """Peak RSS growth of this process while ``fn`` runs (Linux: VmHWM, reset through clear_refs)."""
-    memory.release_memory()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = memory.rss_bytes()
-    fn()
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 - before
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak RSS reset")
 def test_checkpointing_lowers_the_peak_and_the_estimate_covers_it():
     """An 8-layer model's forward_backward of 8 x 400 tokens: with its layers checkpointed the peak RSS is well below
@@ -144,7 +132,7 @@ def test_checkpointing_lowers_the_peak_and_the_estimate_covers_it():
     session.run_loss(data[:2], "cross_entropy", None, backward=True)
     rows = {}
     for on in (True, False):
-        peak = _peak_rss_growth(lambda c=on: session.run_loss(data, "cross_entropy", None, backward=True,
+        peak = peak_rss_growth(lambda c=on: session.run_loss(data, "cross_entropy", None, backward=True,
                                                               checkpointing=c))
         est = memory.batch_bytes(shape, lengths, microbatch_tokens=16384, backward=True,
                                  chunk_tokens=session.logprobs.chunk_tokens, checkpointing=on)

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import start_named_worker
-from tests.helpers import make_batch
+from tests.helpers import make_batch, peak_rss_growth
 from tinkerq import types
 from tinkerq.errors import CapacityError, ServerError
 from tinkerq.settings import Settings
@@ -197,18 +197,6 @@ def test_batch_estimate_covers_the_activations_saved_for_backward():
     assert activations <= estimate <= 3 * activations
 
 
-def _peak_rss_growth(fn) -> int:
-    """Peak RSS growth of this process while ``fn`` runs (Linux: VmHWM, reset through clear_refs)."""
-    memory.release_memory()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = memory.rss_bytes()
-    fn()
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 - before
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak RSS reset")
 def test_estimates_cover_the_measured_peak_memory_of_real_requests():
     """Peak RSS of real forward, forward_backward and sample calls stays under their estimates."""
@@ -220,14 +208,14 @@ def test_estimates_cover_the_measured_peak_memory_of_real_requests():
     session.run_loss(data[:2], "cross_entropy", None, backward=True)  # first-call allocations out of the way
     rows = []
     for backward in (True, False):
-        peak = _peak_rss_growth(lambda b=backward: session.run_loss(data, "cross_entropy", None, backward=b))
+        peak = peak_rss_growth(lambda b=backward: session.run_loss(data, "cross_entropy", None, backward=b))
         est = memory.batch_bytes(shape, lengths, microbatch_tokens=16384, backward=backward,
                                  chunk_tokens=session.logprobs.chunk_tokens)
         rows.append(("forward_backward" if backward else "forward", peak, est))
     snapshot = session.snapshot()
     for prompt, new, n in ((100, 1, 16), (1, 300, 16), (100, 200, 8)):
         params = types.SamplingParams(max_tokens=new, temperature=1.0, seed=0)
-        peak = _peak_rss_growth(lambda p=prompt, m=new, s=n, sp=params: sample(
+        peak = peak_rss_growth(lambda p=prompt, m=new, s=n, sp=params: sample(
             snapshot, [i % 90 + 1 for i in range(p)], s, sp, StopRule([], [], None), m))
         rows.append((f"sample P={prompt} new={new} S={n}", peak, memory.sample_bytes(shape, prompt, new, n)))
     print()

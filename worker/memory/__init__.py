@@ -242,8 +242,8 @@ def admit_batch(model: torch.nn.Module, settings: Any, lengths: list[int], *, ba
     def admit(checkpointing: bool) -> None:
         require(needed(checkpointing), what + (", decoder layers checkpointed)" if checkpointing else ")"),
                 settings.device, limit_mb=settings.memory_limit_mb,
-                advice=advice if checkpointing or mode == "auto" or not backward
-                else advice + ", or turn activation checkpointing on (TINKERQ_ACTIVATION_CHECKPOINTING=auto)")
+                advice=advice + ", or turn activation checkpointing on (TINKERQ_ACTIVATION_CHECKPOINTING=auto)"
+                if backward and mode == "off" else advice)
 
     if mode != "auto":
         admit(mode == "on")

@@ -45,7 +45,7 @@ def carry(capture: Callable[[], contextlib.AbstractContextManager[Any]]) -> None
 
 def install(model: torch.nn.Module) -> int:
     """Make every decoder layer of ``model`` checkpointable (once); returns how many layers there are."""
-    layers = decoder_layers(model)  # type: ignore[arg-type]
+    layers = decoder_layers(model)
     for layer in layers:
         if "forward" not in layer.__dict__:
             layer.forward = types.MethodType(_forward, layer)  # type: ignore[method-assign]
