@@ -191,7 +191,7 @@ class SentinelSetup:
 
     def _demote(self, port: int, primary: int, *, when_blocked: bool = False, drop_clients: bool = True) -> int:
         """``REPLICAOF primary`` on ``port``, then drop its clients as Sentinel does; returns how many clients
-        were blocked (BRPOP) there when it was demoted.
+        were blocked (BRPOP, BLMPOP) there when it was demoted.
 
         The sentinels' own connections are spared: Sentinel never drops its own link (``CLIENT KILL`` skips
         the caller). Dropping it, as ``CLIENT KILL TYPE normal`` from here would, made the sentinel judge the
@@ -200,12 +200,13 @@ class SentinelSetup:
         """
         node = redis.Redis(port=port, socket_timeout=2, decode_responses=True)
         try:
-            if when_blocked:  # every client whose last command was BRPOP is waiting in it now
+            if when_blocked:  # every client whose last command was a blocking pop is waiting in it now
                 def all_blocked() -> bool:
-                    waiting = [c for c in node.client_list() if c["cmd"] == "brpop"]
+                    # BLMPOP: a worker's own queue is popped several messages at a time (worker/transport/intake.py)
+                    waiting = [c for c in node.client_list() if c["cmd"] in ("brpop", "blmpop")]
                     return bool(waiting) and all("b" in c["flags"] for c in waiting)
 
-                wait_for(all_blocked, 10, f"clients blocked in BRPOP on port {port}")
+                wait_for(all_blocked, 10, f"clients blocked in BRPOP/BLMPOP on port {port}")
             pipe = node.pipeline(transaction=True)  # counted at the very moment of the demotion
             pipe.info("clients")
             pipe.execute_command("REPLICAOF", "127.0.0.1", str(primary))

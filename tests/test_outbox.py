@@ -150,3 +150,68 @@ def test_kombus_unacked_records_are_written_off_the_consumers_thread(redis_url):
         assert qos.flush(10) and not r.hkeys(keys.KOMBU_UNACKED)
         channel.close()
     r.delete("tinkerq.w.x")
+
+
+def _drain_once(conn, got: list, timeout: float = 5.0) -> int:
+    """One read of the consumer's connection (one BRPOP / BLMPOP answer): how many messages it delivered."""
+    before = len(got)
+    conn.drain_events(timeout=timeout)
+    return len(got) - before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch", [4, 1])
+def test_the_intake_takes_its_own_queue_in_batches_and_the_shared_queue_one_at_a_time(redis_url, batch):
+    """worker/transport/intake.GuardedChannel: one pop takes up to TINKERQ_INTAKE_BATCH messages of the worker's own
+    queue (one round trip, delivered in order); of the model's queue, shared with other workers, it delivers one
+    and puts what else it took back, oldest next. Batch 1 is kombu's one message per pop. Every message arrives
+    once, in its queue's order; Celery's prefetch of 1 holds the next pop until what was delivered is acked."""
+    import redis
+    from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+    from tinkerq.worker.transport.intake import GuardedTransport, IntakeBatch
+
+    own, shared = "tinkerq.worker.batch-test", "tinkerq.model.batch-test"
+    r = redis.Redis.from_url(redis_url)
+    r.delete(own, shared)
+    options = {"tinkerq_intake_batch": IntakeBatch(frozenset({own}), batch)}
+    got: list[tuple[str, str]] = []
+    with Connection(redis_url, transport=GuardedTransport, transport_options=options) as conn:
+        channel = conn.channel()
+        queues = [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in (own, shared)]
+        producer = Producer(channel)
+        for n in range(6):
+            producer.publish({"n": n}, exchange=queues[0].exchange, routing_key=own, declare=[queues[0]])
+        for n in range(3):
+            producer.publish({"n": n}, exchange=queues[1].exchange, routing_key=shared, declare=[queues[1]])
+
+        def on_message(body, message):
+            got.append((message.delivery_info["routing_key"], body["n"]))
+            message.ack()
+
+        consumer = Consumer(conn.channel(), queues=queues, callbacks=[on_message])
+        consumer.qos(prefetch_count=1)  # as Celery's worker sets it (worker_prefetch_multiplier=1)
+        with consumer:
+            sizes = []
+            while len(got) < 9:
+                sizes.append(_drain_once(conn, got))
+        by_queue = {q: [n for name, n in got if name == q] for q in (own, shared)}
+        assert by_queue == {own: [0, 1, 2, 3, 4, 5], shared: [0, 1, 2]}  # each once, in order
+        assert r.llen(own) == 0 and r.llen(shared) == 0
+        # The reads: the own queue's six in ceil(6 / batch) of them, the shared queue's three in three.
+        own_reads = [size for size in sizes if size > 1]
+        assert sum(own_reads) + sizes.count(1) == 9
+        if batch == 1:
+            assert sizes == [1] * 9
+        else:
+            assert len(sizes) == 3 + -(-6 // batch) and max(sizes) == batch
+        channel.close()
+
+
+def test_the_intake_batch_setting_is_a_positive_count():
+    from tinkerq.settings import Settings, SettingsError
+
+    assert Settings.from_env({}).intake_batch == 16
+    assert Settings.from_env({"TINKERQ_INTAKE_BATCH": "1"}).intake_batch == 1
+    with pytest.raises(SettingsError, match="TINKERQ_INTAKE_BATCH must be positive"):
+        Settings.from_env({"TINKERQ_INTAKE_BATCH": "0"})

@@ -174,7 +174,9 @@ def redis_client(settings: Settings, url: str | None = None) -> redis.Redis:
     if is_sentinel(url):
         address = parse_sentinel_url(url)
         # sentinel_kwargs: the sentinels get the timeouts but not the data nodes' password.
-        manager = Sentinel(address.sentinels, sentinel_kwargs=dict(timeouts), **timeouts)
+        manager = Sentinel(address.sentinels, sentinel_kwargs=dict(timeouts),
+                           socket_connect_timeout=timeouts["socket_connect_timeout"],
+                           socket_timeout=timeouts["socket_timeout"])
         client = manager.master_for(settings.sentinel_master, redis_class=SentinelMasterRedis,
                                     connection_class=SentinelMasterConnection, username=address.username,
                                     password=address.password, db=address.db)

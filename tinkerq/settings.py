@@ -83,6 +83,9 @@ class Settings:
     max_inline_bytes: int = 1024 * 1024
     # Messages no worker can read are kept, newest first, in the list tinkerq.dead (`tinkerq dead`).
     dead_letter_max: int = 1000
+    # Messages a worker takes off its own queue in one round trip to Redis (BLMPOP; Redis >= 7, else one at a
+    # time). 1: one per round trip, as kombu does. The model's shared queue is always taken one at a time.
+    intake_batch: int = 16
     # A message redelivered this many times without being answered is dead-lettered (a poison message
     # that kills workers must not kill their replacements too).
     max_deliveries: int = 3
@@ -221,8 +224,8 @@ class Settings:
 
     def check(self) -> None:
         for name in ("claim_check_bytes", "blob_ttl_s", "result_ttl_s", "max_message_bytes", "max_datums",
-                     "max_inline_bytes", "dead_letter_max", "max_deliveries", "redis_retry_s", "resend_after_s",
-                     "max_batch_tokens", "max_sessions", "max_lora_sessions", "max_lora_rank",
+                     "max_inline_bytes", "dead_letter_max", "intake_batch", "max_deliveries", "redis_retry_s",
+                     "resend_after_s", "max_batch_tokens", "max_sessions", "max_lora_sessions", "max_lora_rank",
                      "lora_batch_max_datums", "microbatch_tokens", "max_samplers", "sample_max_rows",
                      "max_num_samples", "max_sample_tokens", "sampler_cache_size", "snapshot_ttl_s", "gateway_poll_s",
                      "gateway_keep_s", "gateway_capacity_wait_s", "gateway_session_stale_s"):

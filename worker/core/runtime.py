@@ -32,7 +32,7 @@ from tinkerq.worker.recovery.registry import ConsumerLiveness, Registration, con
 from tinkerq.worker.sharding.follower import build_host
 from tinkerq.worker.sharding.group import ShardSpec
 from tinkerq.worker.transport.events import events_step
-from tinkerq.worker.transport.intake import DeadLetters, transport_for
+from tinkerq.worker.transport.intake import DeadLetters, IntakeBatch, transport_for
 from tinkerq.worker.transport.sample_intake import SampleIntake
 from tinkerq.worker.transport.tasks import register_tasks
 
@@ -161,6 +161,7 @@ def guard_intake(connection: Connection, worker_id: str, liveness: ConsumerLiven
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "tinkerq_dead_letters": dead_letters,
+        "tinkerq_intake_batch": IntakeBatch(frozenset({keys.worker_queue(worker_id)}), settings.intake_batch),
     }
     # Through an outage the consumer reconnects for as long as it takes (Celery's default gives up).
     app.conf.broker_connection_max_retries = None

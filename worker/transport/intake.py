@@ -314,20 +314,72 @@ def virtual_qos_ack(qos: Any, delivery_tag: str) -> None:
     super(kombu_redis.QoS, qos).ack(delivery_tag)
 
 
+@dataclass(frozen=True)
+class IntakeBatch:
+    """Which queues one pop may take several messages from, and how many (transport option
+    ``tinkerq_intake_batch``; the worker sets it to its own queue and ``TINKERQ_INTAKE_BATCH``)."""
+
+    queues: frozenset[str]
+    count: int
+
+
 class GuardedChannel(kombu_redis.Channel):
-    """kombu's Redis channel, with every message from a tinkerq queue checked before it is delivered, and its
-    ack emulation's writes off the consumer's thread (:class:`DeferredQoS`)."""
+    """kombu's Redis channel, with every message from a tinkerq queue checked before it is delivered, its ack
+    emulation's writes off the consumer's thread (:class:`DeferredQoS`), and several messages of the worker's own
+    queue taken in one round trip.
+
+    kombu pops one message per BRPOP and, with Celery's prefetch of 1, sends the next BRPOP only once the last
+    message was acknowledged (at its hand-off to the scheduler): one round trip per message, in series, which
+    on a Redis 10 ms away was most of a small pipelined step (docs/benchmarks.md section 20). Redis 7's BLMPOP
+    pops up to N messages of the first non-empty queue in one round trip; all are delivered, in order, at once.
+    Only the worker's own queue is popped so: the model's queue is shared by every worker of the model, and a
+    busy worker must not hold create_model messages another would build, so what a pop took from it beyond
+    the first goes back, oldest next, in the same read.
+    """
 
     QoS = DeferredQoS
+    _pop_command = "BRPOP"
+    _blmpop_known: bool | None = None  # whether the server has BLMPOP (Redis >= 7); None: not asked yet
 
     def _dead_letters(self) -> DeadLetters | None:
         return self.connection.client.transport_options.get("tinkerq_dead_letters")
+
+    def _batch(self) -> IntakeBatch | None:
+        batch = self.connection.client.transport_options.get("tinkerq_intake_batch")
+        if batch is None or batch.count <= 1 or self.global_keyprefix:  # kombu prefixes BRPOP's keys only
+            return None
+        if self._blmpop_known is None:
+            try:
+                with self.conn_or_acquire() as client:
+                    version = str(client.info("server").get("redis_version", "0"))
+                self._blmpop_known = int(version.split(".")[0]) >= 7
+            except Exception:  # Redis away: plain BRPOP now, ask again next time
+                return None
+        return batch if self._blmpop_known else None
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        batch = self._batch()
+        if batch is None:
+            self._pop_command = "BRPOP"
+            super()._brpop_start(timeout)
+            return
+        # kombu's _brpop_start (5.7), with BLMPOP: the same keys in the same order (its rotation between queues).
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys_ = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu declares it None
+        self._pop_command = "BLMPOP"
+        timeout = self.brpop_timeout if timeout is None else timeout
+        self.client.connection.send_command("BLMPOP", timeout or 0, len(keys_), *keys_, "RIGHT", "COUNT",
+                                            batch.count)
 
     def _brpop_read(self, **options: Any) -> bool:
         # kombu's own read, minus the JSON decoding, which moves into _deliver_raw (kombu 5.7 structure).
         try:
             try:
-                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                dest__item = self.client.parse_response(self.client.connection, self._pop_command, **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
@@ -339,19 +391,40 @@ class GuardedChannel(kombu_redis.Channel):
                 # while it syncs). kombu would let that escape as a channel error, which Celery treats as
                 # unrecoverable: the worker exited. It is a lost connection: Celery reconnects, through the
                 # sentinels, to the new primary.
-                log.warning("Redis answered the consumer's BRPOP with %s: reconnecting", str(exc)[:200])
+                log.warning("Redis answered the consumer's %s with %s: reconnecting", self._pop_command, str(exc)[:200])
                 self.client.connection.disconnect()
-                raise RedisConnectionError(f"Redis answered BRPOP with: {exc}") from exc
+                raise RedisConnectionError(f"Redis answered {self._pop_command} with: {exc}") from exc
             if not dest__item:
                 raise kombu_redis.Empty()
-            dest, item = dest__item
-            dest = kombu_redis.bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            key, popped = dest__item
+            items = list(popped) if self._pop_command == "BLMPOP" else [popped]  # BLMPOP: oldest first
+            dest = kombu_redis.bytes_to_str(key).rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
-            self._deliver_raw(item, dest)
+            batch = self._batch()
+            if len(items) > 1 and (batch is None or dest not in batch.queues):
+                self._give_back(key, items[1:])
+                items = items[:1]
+            for i, item in enumerate(items):
+                try:
+                    self._deliver_raw(item, dest)
+                except BaseException:
+                    self._give_back(key, items[i + 1:])
+                    raise
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             getattr(self, "_flush_brpop_reauth", lambda: None)()  # kombu >= 5.7 re-auth hook
+
+    def _give_back(self, key: bytes | str, items: list[bytes]) -> None:
+        """Put popped, undelivered messages back at the consuming end of ``key``, the oldest to be popped next."""
+        if not items:
+            return
+        try:
+            with self.conn_or_acquire() as client:
+                client.rpush(key, *reversed(items))
+        except Exception as exc:  # lost as a killed worker's would be: their producers send them again
+            log.error("could not put %d popped messages back on %s: %s", len(items),
+                      kombu_redis.bytes_to_str(key), exc)
 
     def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:
         # The polling path (basic_get): the same checks; a refused message is reported as "nothing there".
