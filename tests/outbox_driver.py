@@ -14,11 +14,13 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from tests.helpers import make_batch
-from tinkerq import types
+from tinkerq import keys, types
+from tinkerq.records import SnapshotRecord
 from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
 
@@ -48,7 +50,10 @@ def main() -> None:
                  "list_range", "length", "count", "write_many"):
         wrap(name)
 
-    settings = Settings(device="cpu", dtype="float32", auto_snapshot_steps=0, claim_check_bytes=512)
+    # An automatic snapshot after every optimizer step: written on the compute loop (files only), put in place and
+    # recorded by the outbox.
+    settings = Settings(device="cpu", dtype="float32", auto_snapshot_steps=1, claim_check_bytes=512,
+                        checkpoint_dir=sys.argv[2])
     rng = np.random.default_rng(3)
     data = make_batch(rng, 6, min_len=20, max_len=40)
     adam = types.AdamParams(learning_rate=1e-3)
@@ -78,8 +83,16 @@ def main() -> None:
             time.sleep(0.05)
         answered_during = sum(f.done() for f in futures)
         writes_open.set()
-        after = [float(f.result(timeout=120).metrics.get("loss:sum", 0.0)) if i % 2 == 0 else 0.0
-                 for i, f in enumerate(futures)]
+        answers = [f.result(timeout=120) for f in futures]
+        after = [float(a.metrics.get("loss:sum", 0.0)) if i % 2 == 0 else 0.0 for i, a in enumerate(answers)]
+        # Every answered optim_step's snapshot was put in place and recorded before its answer.
+        store = service.connection.store
+        snapshots = {tc.model_id: [service.scheduler.position(tc.model_id),
+                                   SnapshotRecord.loads(store.get(keys.auto_snapshot(tc.model_id)))]
+                     for tc in clients}
+        snapshots = {m: [position, record.seq_id if record else None,
+                         bool(record and (Path(record.path) / "tinkerq_state.json").is_file())]
+                     for m, (position, record) in snapshots.items()}
         for tc in clients:
             tc.close()
 
@@ -97,7 +110,7 @@ def main() -> None:
     print(json.dumps({"idle_ping": [idle, ran], "busy_ping": busy,
                       "calls": {k: dict(v) for k, v in calls.items()}, "losses": losses,
                       "moved_during_outage": moved, "answered_during_outage": answered_during,
-                      "after": after}))
+                      "after": after, "snapshots": snapshots}))
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def _snapshot_seq(state_dir: Path) -> int:
 
 
 def _temp_dirs(state_dir: Path) -> set[str]:
-    """The automatic snapshot's write_atomically temporaries (``..auto.XXXX``) now in ``state_dir``."""
+    """The automatic snapshot's write_atomically temporaries (``..auto.staged.XXXX``) now in ``state_dir``."""
     try:
         return {e.name for e in os.scandir(state_dir) if e.name.startswith("..auto.")}
     except FileNotFoundError:
@@ -376,10 +376,12 @@ def _adoption_line(fleet: Fleet, model_id: str, lost: str) -> tuple[int, int]:
 
 
 def test_a_kill_during_a_snapshot_write_resumes_from_the_previous_one(big_model_dir, redis_url, tmp_path):
-    """SIGKILL the holder while its automatic snapshot is being written (its ``..auto.XXXX`` temporary exists,
-    not yet renamed to ``.auto``): the adopter loads the previous snapshot, left as it was, and replays the
+    """SIGKILL the holder while its automatic snapshot is being written (the compute loop writes it to a
+    temporary, ``..auto.staged.XXXX``, renamed to ``.auto.staged``, which the outbox moves to ``.auto`` once the
+    requests it covers are journaled): the adopter loads the previous snapshot, left as it was, and replays the
     journal since; the run ends bitwise equal to an uninterrupted one. The kill is aimed by polling the
-    checkpoint directory; a kill that lands after the rename is still a valid kill, and the next snapshot is
+    checkpoint directory; a kill that lands after the temporary's rename is still a valid kill (the adopter loads
+    the previous snapshot or, when the outbox had put the new one in place, that one), and the next snapshot is
     aimed at again (at most WRITE_ATTEMPTS times)."""
     fleet = Fleet(big_model_dir, redis_url, tmp_path)
     rng = np.random.default_rng(2024)
@@ -418,12 +420,13 @@ def test_a_kill_during_a_snapshot_write_resumes_from_the_previous_one(big_model_
             fleet.start()  # two stay alive
             snap, replayed = _adoption_line(fleet, tc.model_id, lost)
             if hit:
-                # The previous snapshot is untouched and is the one loaded; the interrupted snapshot's request
-                # and those before it back to the previous snapshot are replayed from the journal.
-                assert snap == before == _snapshot_seq(state_dir), (snap, before, _snapshot_seq(state_dir))
+                # The previous snapshot is the one loaded; the requests after it that were journaled are replayed
+                # (the interrupted snapshot's own request may not have been: then it is sent again and applied).
+                # The adopter's own snapshots may replace it since.
+                assert snap == before <= _snapshot_seq(state_dir), (snap, before, _snapshot_seq(state_dir))
                 assert replayed > 0, f"{adopter} replayed nothing after request {snap}"
                 break
-            assert snap == _snapshot_seq(state_dir) > before  # renamed before the kill: the new one is loaded
+            assert snap >= before  # staged before the kill: the previous one is loaded, or the new one once in place
             misses.append(f"{sorted(fresh)} renamed before the kill (adopter: snapshot {snap} + {replayed})")
         else:
             pytest.fail(f"no kill landed during a snapshot write in {WRITE_ATTEMPTS} attempts: " + "; ".join(misses))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -201,3 +202,42 @@ def test_lora_passes_and_samples_reach_their_real_end_in_flower(flower, service,
         assert str(found["tinkerq.optim_step"]["result"]).startswith("'ok"), found["tinkerq.optim_step"]
     finally:
         tc.close()
+
+
+def test_a_queued_request_has_one_task_succeeded_event_at_its_real_end(service, model_dir, redis_url):
+    """A task that hands its request to the scheduler returns QUEUED (worker/transport/tasks.py): Celery acknowledges
+    the message, but its own task-succeeded at the hand-off (result "queued ...") must not go out. Each request's
+    one task-succeeded is the outbox's, sent when it has run, naming its reply."""
+    from kombu import Connection
+
+    from tinkerq.celery_app import make_celery
+    from tinkerq.settings import Settings
+    from tinkerq.worker.transport.tasks import QUEUED
+
+    app = make_celery(Settings(broker_url=redis_url))
+    events: list[dict] = []
+    conn = Connection(redis_url)
+    receiver = app.events.Receiver(conn, handlers={"task-succeeded": events.append})
+    listener = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False), daemon=True)
+    listener.start()
+    time.sleep(1.0)  # the receiver's queue is bound before anything is sent
+    tc = service.create_training_client(str(model_dir))
+    try:
+        futures = [tc.forward_backward(make_batch(np.random.default_rng(31), 2)),
+                   tc.optim_step(types.AdamParams(learning_rate=1e-3)), tc.echo({"x": 1})]
+        ids = set()
+        for future in futures:
+            future.result(timeout=60)
+            ids.add(future.task_id)
+        deadline = time.monotonic() + 20
+        while {e["uuid"] for e in events} < ids and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        receiver.should_stop = True
+        tc.close()
+    listener.join(5)
+    conn.release()
+    ours = [e for e in events if e["uuid"] in ids]
+    assert sorted(e["uuid"] for e in ours) == sorted(ids), ours  # one each
+    assert not any(QUEUED in str(e.get("result")) for e in ours), ours
+    assert all(str(e.get("result")).startswith("'ok") for e in ours), ours

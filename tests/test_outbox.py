@@ -83,13 +83,15 @@ def test_a_stopped_outbox_delivers_on_the_callers_thread():
 
 
 @pytest.mark.timeout(300)
-def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outage(model_dir):
-    """A real embedded worker (the worker's own assembly) with claim-checked bodies: every store call is recorded
-    with its thread. Opening and training LoRA and full sessions makes none on the compute loop; the transport
-    fetched the bodies and claimed the sessions, the outbox wrote journal entries and answers. While the store's
-    writes hang, requests already taken still run (their sessions' orders move on) and none is answered; once
-    writes come back, all are. A shard group's idle ping runs on the loop, and only when it is idle."""
-    proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir)], cwd=ROOT,
+def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outage(model_dir, tmp_path):
+    """A real embedded worker (the worker's own assembly) with claim-checked bodies and an automatic snapshot after
+    every optimizer step: every store call is recorded with its thread. Opening and training LoRA and full sessions
+    makes none on the compute loop; the transport fetched the bodies and claimed the sessions, the outbox wrote
+    journal entries, answers and snapshot records. While the store's writes hang, requests already taken still run
+    (their sessions' orders move on, past a due snapshot) and none is answered; once writes come back, all are, and
+    each session's snapshot record names its last request, with the snapshot in place. A shard group's idle ping
+    runs on the loop, and only when it is idle."""
+    proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir), str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -104,6 +106,8 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
     assert all(n >= 2 for n in result["moved_during_outage"].values()), result
     assert result["answered_during_outage"] == 0
     assert all(loss > 0 for loss in result["after"][::2])
+    assert result["snapshots"] and all(seq == position and in_place
+                                       for position, seq, in_place in result["snapshots"].values()), result
     assert result["idle_ping"] == [True, ["tinkerq-compute"]]  # run_when_idle: on the loop, when it is idle
     assert result["busy_ping"] is False  # not while it runs something (and not run later either)
 

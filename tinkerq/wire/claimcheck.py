@@ -12,7 +12,7 @@ from typing import Any
 
 from tinkerq import keys
 from tinkerq.errors import MalformedMessageError
-from tinkerq.store import KeyValueStore
+from tinkerq.store import KeyValueStore, Put, Write
 
 
 class ClaimCheck:
@@ -30,12 +30,17 @@ class ClaimCheck:
                 f"(TINKERQ_MAX_MESSAGE_BYTES); split the batch into several forward_backward calls"
             )
 
-    def wrap(self, payload: bytes) -> dict[str, Any]:
+    def wrap(self, payload: bytes, writes: list[Write] | None = None) -> dict[str, Any]:
+        """The reference to ``payload``: inline, or a blob SET now, or, with ``writes``, a blob whose SET is
+        appended there (the caller writes it in the same transaction as what names it: one round trip)."""
         self.check_size(len(payload))
         if len(payload) <= self.threshold_bytes:
             return {"inline": payload}
         key = keys.blob(uuid.uuid4().hex)
-        self.store.set(key, payload, self.ttl_s)
+        if writes is None:
+            self.store.set(key, payload, self.ttl_s)
+        else:
+            writes.append(Put(key, payload, self.ttl_s))
         return {"blob": key, "size": len(payload)}
 
     def unwrap(self, ref: Any) -> bytes:

@@ -55,6 +55,7 @@ from tinkerq.worker.checkpoints.files import (
 )
 from tinkerq.worker.checkpoints.paths import (
     AUTO_SNAPSHOT,
+    AUTO_SNAPSHOT_STAGED,
     _refuse_link,
     _remove_tree,
     _saved_directory,
@@ -69,18 +70,18 @@ from tinkerq.worker.checkpoints.paths import (
 )
 
 __all__ = [  # where checkpoints lie and what they hold (their modules); writing, resolving and expiry (here)
-    "ADAPTER_FILE", "AUTO_SNAPSHOT", "PEFT_PREFIX", "STATE_FILE", "STATE_FORMAT", "WEIGHTS_FILE", "SavedState",
-    "check_name", "check_state", "checkpoint_root", "copy_tokenizer_files", "expiry", "now", "optimizer_entries",
-    "path_below", "previous_path", "read_state", "refuse_existing", "refuse_links_inside", "remove_auto_snapshot",
-    "remove_expired", "resolve_state_path", "resolve_weights_path", "state_path", "weights_path",
-    "write_atomically", "write_state", "write_weights_marker",
+    "ADAPTER_FILE", "AUTO_SNAPSHOT", "AUTO_SNAPSHOT_STAGED", "PEFT_PREFIX", "STATE_FILE", "STATE_FORMAT",
+    "WEIGHTS_FILE", "SavedState", "check_name", "check_state", "checkpoint_root", "copy_tokenizer_files", "expiry",
+    "install_directory", "now", "optimizer_entries", "path_below", "previous_path", "read_state", "refuse_existing",
+    "refuse_links_inside", "remove_auto_snapshot", "remove_expired", "resolve_state_path", "resolve_weights_path",
+    "state_path", "weights_path", "write_atomically", "write_state", "write_weights_marker",
 ]
 
 log = logging.getLogger("tinkerq.worker")
 # How deep checkpoints lie below the checkpoint directory: <model_id>/<name> and <model_id>/state/<name>.
 _CHECKPOINT_DEPTH = 3
 # Dot-names the expiry sweep looks into (it skips the others: saves in progress are built under dot-names).
-_SWEPT_DOT_NAMES = (AUTO_SNAPSHOT, f".{AUTO_SNAPSHOT}.previous")
+_SWEPT_DOT_NAMES = (AUTO_SNAPSHOT, f".{AUTO_SNAPSHOT}.previous", AUTO_SNAPSHOT_STAGED)
 
 
 def now() -> float:
@@ -107,19 +108,25 @@ def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bo
         fill(tmp)
         if not overwrite:  # saved meanwhile by another worker (a shared checkpoint directory): that one stays
             refuse_existing(final)
-        st = _refuse_link(final)
-        previous = previous_path(final)
-        if st is not None:  # replacing: the old one is moved aside first, and deleted once the new one is in place,
-            # so a crash at any point leaves a complete directory at `final` or at its `previous_path`
-            if not stat.S_ISDIR(st.st_mode):
-                raise ValidationError(f"{final} exists and is not a directory; choose another name")
-            _remove_tree(previous)  # a leftover of an earlier crash
-            os.rename(final, previous)  # renames a link itself, never its target
-        os.replace(tmp, final)  # rename(2) never follows a link at the destination
-        _remove_tree(previous)
+        install_directory(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def install_directory(new: Path, final: Path) -> None:
+    """Move the complete directory ``new`` to ``final``, its sibling. An old ``final`` is moved aside first and
+    deleted once the new one is in place, so a crash at any point leaves a complete directory at ``final`` or at
+    its ``previous_path``. A link at ``final`` is moved, never followed."""
+    st = _refuse_link(final)
+    previous = previous_path(final)
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValidationError(f"{final} exists and is not a directory; choose another name")
+        _remove_tree(previous)  # a leftover of an earlier crash
+        os.rename(final, previous)  # renames a link itself, never its target
+    os.replace(new, final)  # rename(2) never follows a link at the destination
+    _remove_tree(previous)
 
 
 def refuse_existing(final: Path) -> None:

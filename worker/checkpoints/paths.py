@@ -26,6 +26,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # A session's automatic snapshot (docs/reliability.md): save_state's layout under a name no user picks
 # (check_name refuses a leading dot for users' names).
 AUTO_SNAPSHOT = ".auto"
+# Where the compute loop writes an automatic snapshot; the outbox moves it to AUTO_SNAPSHOT once every request it
+# covers is journaled (worker/recovery/: the compute loop does not wait for Redis).
+AUTO_SNAPSHOT_STAGED = ".auto.staged"
 
 
 def remove_auto_snapshot(checkpoint_dir: str, model_id: str) -> None:
@@ -33,7 +36,8 @@ def remove_auto_snapshot(checkpoint_dir: str, model_id: str) -> None:
     try:
         directory = path_below(checkpoint_dir, _check_model_id(model_id), "state", AUTO_SNAPSHOT)
         # With it go the directory a write was replacing and the temporary ones of writes killed midway.
-        for path in [directory, *directory.parent.glob(f".{AUTO_SNAPSHOT}.*")]:
+        staged = directory.with_name(AUTO_SNAPSHOT_STAGED)
+        for path in [directory, staged, *directory.parent.glob(f".{AUTO_SNAPSHOT}.*")]:
             _remove_tree(path)
     except (ValidationError, OSError) as exc:  # best effort: the expiry sweep removes the snapshot later
         log.warning("could not remove the automatic snapshot of %s: %s", model_id, exc)
@@ -136,7 +140,7 @@ def weights_path(checkpoint_dir: str, model_id: str, name: Any, *, external: boo
 
 def state_path(checkpoint_dir: str, model_id: str, name: Any) -> Path:
     """Where save_state(name) writes: ``<checkpoint_dir>/<model_id>/state/<name>`` (as weights_path)."""
-    if name != AUTO_SNAPSHOT:  # users' names are checked; the automatic snapshot's is ours
+    if name not in (AUTO_SNAPSHOT, AUTO_SNAPSHOT_STAGED):  # users' names are checked; the automatic snapshot's is ours
         check_name(name)
     return path_below(checkpoint_dir, _check_model_id(model_id), STATE_FOLDER, name, create_parents=True)
 

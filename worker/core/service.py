@@ -36,7 +36,7 @@ from tinkerq.errors import (
     WorkerError,
 )
 from tinkerq.operations import TASK_NAMES, UNORDERED, task_name
-from tinkerq.store import Push, Reply
+from tinkerq.store import Write
 from tinkerq.wire import codec, messages
 from tinkerq.worker.core.compute import ComputeLoop
 from tinkerq.worker.core.metrics import WorkerMetrics
@@ -257,9 +257,8 @@ class WorkerService:
                 shared: str = "", discard: Any = None) -> None:
         """A request of ``slot`` ran (the compute loop): record it in its session's order now, so the next one can
         run; its journal entry and answer go out on the outbox, in order (``discard``: a claim-checked body to
-        drop then). When the automatic snapshot is due,
-        the outbox is drained first, then the snapshot is taken here, before this request is answered (its answer
-        names the snapshot a lost worker's client resumes from)."""
+        drop then). When the automatic snapshot is due, it is written here and put in place by the outbox before this
+        request is answered (its answer names the snapshot a lost worker's client resumes from)."""
         seq = request.seq_id
         assert seq is not None
         entry = self.recovery.entry(seq, request.op, raw, outcome)
@@ -269,17 +268,35 @@ class WorkerService:
         self.metrics.observe(request.op, outcome[0], outcome[2])
         self.metrics.sessions.set(len(self.slots))
         if self.recovery.snapshot_due(slot, unjournaled=slot.unjournaled + (entry is not None)):
-            # As without an outbox: every entry up to this one is written, then the snapshot, which cuts the journal
-            # down to this entry (a kill during its write leaves the previous snapshot and the whole journal).
-            self.outbox.flush()
-            if entry is not None:
-                self.recovery.journal(slot, seq, request.op, entry)
-            self.recovery.snapshot(slot, seq, entry)
-            entry = None
+            # The state after this request goes to files here, beside the automatic snapshot (no Redis); the outbox
+            # then, after every earlier answer, journals this request, puts the snapshot in place and cuts the
+            # journal down to this entry, and only then answers it. A kill at any point leaves a snapshot and a
+            # journal that reach every answered request.
+            if slot.snapshot_staged:
+                # The previous one is still on its way to its place: the outbox is a whole snapshot period behind
+                # (a Redis outage, or a very slow link). It goes first, as every snapshot did before they left the
+                # loop, so that snapshots land where they are due and one at a time.
+                self.outbox.flush()
+            started = time.perf_counter()
+            if self.recovery.stage_snapshot(slot, seq):
+                staged_entry, entry = entry, None
+                if staged_entry is not None:
+                    with self.cond:
+                        slot.unjournaled += 1
+                self.outbox.put(lambda: self._install_snapshot(slot, request, staged_entry, started))
         if entry is not None:
             with self.cond:
                 slot.unjournaled += 1
         self.outbox.put(Parcel(request, outcome, runtime, shared, slot, entry, discard))
+
+    def _install_snapshot(self, slot: Slot, request: Request, entry: bytes | None, started: float) -> None:
+        """The outbox, in order: ``request``'s journal entry, then its session's staged snapshot put in place."""
+        assert request.seq_id is not None
+        if entry is not None:
+            self.recovery.journal(slot, request.seq_id, request.op, entry)
+            with self.cond:
+                slot.unjournaled -= 1
+        self.recovery.install_snapshot(slot, request.seq_id, entry, started)
 
     def finish(self, request: Request, outcome: Outcome, *, runtime: float = 0.0, shared: str = "",
                discard: Any = None) -> None:
@@ -295,7 +312,7 @@ class WorkerService:
     def _deliver(self, parcels: list[Parcel]) -> None:
         """The outbox thread: the journal entries and answers of ``parcels`` in one transaction (entries first),
         their task events in one message, then what is left to clean up."""
-        writes: list[Push | Reply] = []
+        writes: list[Write] = []
         answered: list[tuple[Parcel, dict[str, Any], int]] = []
         with self.cond:  # the callers known now; one that joins before the write below is answered after it
             callers = [list(p.request.callers) for p in parcels]
@@ -303,7 +320,7 @@ class WorkerService:
             if parcel.slot is not None and parcel.entry is not None:
                 writes.append(self.recovery.journal_write(parcel.slot, parcel.entry))
         for parcel, known in zip(parcels, callers, strict=True):
-            reply = self.reply(parcel.outcome)
+            reply = self.reply(parcel.outcome, writes)  # a claim-checked body: in the same transaction, before it
             writes += [reply_write(self.settings, c.task_id, c.inbox, reply) for c in known]
             answered.append((parcel, reply, len(known)))
         written = True
@@ -506,9 +523,11 @@ class WorkerService:
     def unpack(self, raw: bytes) -> Any:
         return codec.unpackb(raw, max_bytes=self.settings.max_message_bytes)
 
-    def reply(self, outcome: Outcome) -> dict[str, Any]:
+    def reply(self, outcome: Outcome, writes: list[Write] | None = None) -> dict[str, Any]:
+        """The reply to ``outcome``; a claim-checked body is SET now or, with ``writes``, appended there."""
         status, value, timing = outcome
-        reply = messages.ok_reply(self.claim_check.wrap(value)) if status == "ok" else {"ok": False, "error": value}
+        reply = (messages.ok_reply(self.claim_check.wrap(value, writes)) if status == "ok"
+                 else {"ok": False, "error": value})
         if timing:
             reply["timing"] = timing
         return reply

@@ -43,6 +43,7 @@ from tinkerq.worker.training.sessions import Slot
 if TYPE_CHECKING:
     from tinkerq.errors import ServerError
     from tinkerq.worker.core.operations import Operations
+    from tinkerq.worker.core.outbox import Outbox
     from tinkerq.worker.core.service import Outcome
     from tinkerq.worker.recovery.idle_release import IdleRelease
     from tinkerq.worker.sharding.host import ShardHost
@@ -58,6 +59,7 @@ class RecoveryHost(SessionsHost, Protocol):
     shards: ShardHost | None
     factory: SessionFactory
     operations: Operations
+    outbox: Outbox
     idle: IdleRelease
     redis_back_at: float
 
@@ -126,11 +128,12 @@ class Recovery:
         return Push(keys.journal(slot.session.model_id), entry, ttl_s=self.settings.auto_snapshot_ttl_s)
 
     def journal(self, slot: Slot, seq_id: int, op: str, entry: bytes) -> None:
-        """Write ``entry`` now (the compute loop, before an automatic snapshot: a kill during the snapshot's write
-        leaves the previous snapshot and a journal that reaches this request)."""
+        """Write ``entry`` now (the outbox, before an automatic snapshot is put in place: a kill during the
+        snapshot's install leaves the previous snapshot and a journal that reaches this request)."""
         try:
             self.store.push(keys.journal(slot.session.model_id), entry, ttl_s=self.settings.auto_snapshot_ttl_s)
-            slot.journal_len += 1
+            with self.service.cond:
+                slot.journal_len += 1
         except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
             log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
 
@@ -152,33 +155,68 @@ class Recovery:
             slot.snapshot_due = True
 
     def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> None:
-        """Write the session's automatic snapshot as the state after its request ``seq_id``, record it, and then
-        cut its journal down to that request's own ``entry`` (everything older is covered now; the answer to
-        ``seq_id`` is kept, as it may not have reached its caller: an adopter answers a repeat of it)."""
-        s, session, metrics = self.settings, slot.session, self.service.metrics
+        """Take the session's automatic snapshot as the state after its request ``seq_id`` and put it in place now
+        (:meth:`stage_snapshot`, then :meth:`install_snapshot`): for a caller with nothing on its way out."""
         started = time.perf_counter()
+        if self.stage_snapshot(slot, seq_id):
+            self.install_snapshot(slot, seq_id, entry, started)
+
+    def stage_snapshot(self, slot: Slot, seq_id: int) -> bool:
+        """Write the state after request ``seq_id`` beside the automatic snapshot (``AUTO_SNAPSHOT_STAGED``), on the
+        compute loop: local files only, no Redis. Whether it was written; :meth:`install_snapshot` puts it in place.
+
+        The snapshot may be written before the requests it covers are journaled (their entries may still be on the
+        outbox), so it must not replace the automatic snapshot yet: a kill then would leave a snapshot ahead of a
+        journal that misses answers an adopter must repeat. The outbox installs it after them, in order."""
+        s, session = self.settings, slot.session
         try:
-            path = session.save_state(s.checkpoint_dir, checkpoints.AUTO_SNAPSHOT, base_model=self.service.base_model,
-                                      seq_id=seq_id, expires_at=time.time() + s.auto_snapshot_ttl_s)
-            record = SnapshotRecord(path, seq_id, time.time(), self.worker_id)
-            self.store.set(keys.auto_snapshot(session.model_id), record.dumps(), s.auto_snapshot_ttl_s)
-            slot.snapshot_at, slot.snapshot_seq = record.time, seq_id
+            session.save_state(s.checkpoint_dir, checkpoints.AUTO_SNAPSHOT_STAGED, base_model=self.service.base_model,
+                               seq_id=seq_id, expires_at=time.time() + s.auto_snapshot_ttl_s)
         except (TinkerqError, OSError) as exc:  # a full disk must not fail the step it follows; the next one retries
             log.warning("automatic snapshot of %s failed: %s", session.model_id, exc)
+            return False
+        with self.service.cond:
+            slot.snapshot_staged = True
+            slot.steps_since_snapshot, slot.snapshot_due = 0, False
+        return True
+
+    def install_snapshot(self, slot: Slot, seq_id: int, entry: bytes | None, started: float) -> None:
+        """Put the staged snapshot of request ``seq_id`` in place, record it, and then cut the session's journal
+        down to that request's own ``entry`` (everything older is covered now; the answer to ``seq_id`` is kept, as
+        it may not have reached its caller: an adopter answers a repeat of it). On the outbox, after every request
+        before ``seq_id`` was journaled; ``entry`` itself is journaled by the caller before this."""
+        s, session, metrics = self.settings, slot.session, self.service.metrics
+        model_id = session.model_id
+        try:
+            if self.service.slots.get(model_id) is not slot:  # closed or dropped meanwhile: its files went with it
+                return
+            final = checkpoints.state_path(s.checkpoint_dir, model_id, checkpoints.AUTO_SNAPSHOT)
+            checkpoints.install_directory(final.with_name(checkpoints.AUTO_SNAPSHOT_STAGED), final)
+            record = SnapshotRecord(str(final), seq_id, time.time(), self.worker_id)
+            self.store.set(keys.auto_snapshot(model_id), record.dumps(), s.auto_snapshot_ttl_s)
+            with self.service.cond:
+                slot.snapshot_at, slot.snapshot_seq = record.time, seq_id
+        except (TinkerqError, OSError) as exc:  # the next optimizer step tries again
+            log.warning("automatic snapshot of %s failed: %s", model_id, exc)
+            with self.service.cond:
+                slot.snapshot_due = True
             return
+        finally:
+            with self.service.cond:
+                slot.snapshot_staged = False
         if entry is not None:
             try:  # after the record: a kill in between leaves entries the adopter does not apply (seq <= S)
                 # One atomic LPUSH + LTRIM: the journal is this entry alone, never empty in between.
-                self.store.push(keys.journal(session.model_id), entry, ttl_s=s.auto_snapshot_ttl_s, max_len=1)
-                slot.journal_len = 1
+                self.store.push(keys.journal(model_id), entry, ttl_s=s.auto_snapshot_ttl_s, max_len=1)
+                with self.service.cond:
+                    slot.journal_len = 1
             except TinkerqError as exc:
-                log.warning("could not cut the journal of %s: %s", session.model_id, exc)
+                log.warning("could not cut the journal of %s: %s", model_id, exc)
         try:  # the sampler weights the session still serves go with it: published (once each), so any worker can
             # load them after this one is gone
-            self.service.snapshots.publish_session(session.model_id)
+            self.service.snapshots.publish_session(model_id)
         except (TinkerqError, OSError) as exc:
-            log.warning("could not publish the sampler weights of %s: %s", session.model_id, exc)
-        slot.steps_since_snapshot, slot.snapshot_due = 0, False
+            log.warning("could not publish the sampler weights of %s: %s", model_id, exc)
         metrics.auto_snapshots.inc()
         metrics.auto_snapshot_seconds.observe(time.perf_counter() - started)
 

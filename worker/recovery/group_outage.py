@@ -119,6 +119,8 @@ class GroupHold:
             slot.session = service.factory.make(model_id, recipe, others, service.close_session)
             with service.cond:
                 service.scheduler.regroup(model_id, slot.session.pass_group)
+            # Its last journal entries and a staged snapshot may still be on the outbox: the rebuild reads them.
+            service.outbox.flush()
             last, entries = self.recovery.rebuild(slot, store, resume=True)
         except ShardGroupError as exc:
             if self.outage is not None:  # failed again while re-making it: held until the next re-forming

@@ -44,6 +44,7 @@ class Slot:
     snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
     adopted_from: str | None = None  # the lost worker this session was adopted from
     unjournaled: int = 0  # of those, the journal entries not written yet (counted towards journal_max_entries)
+    snapshot_staged: bool = False  # an automatic snapshot is written and on the outbox's way to its place
 
 
 class SessionFactory:
