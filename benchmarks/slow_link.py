@@ -8,8 +8,12 @@ tinker-cookbook does), then waits for all; steps/s is the figure. Full-parameter
 steps (``--datums`` x ``--tokens`` tokens). The ratio slow/direct is what the link costs.
 
     .venv/bin/python benchmarks/slow_link.py [--delay-ms 10] [--steps 60] [--datums 2] [--tokens 64] [--repeats 2]
+                                             [--intake-batch 1 16] [--baseline REV]
 
 Each configuration gets a fresh worker; each figure is the best of ``--repeats`` runs (the machine may be shared).
+``--intake-batch`` runs the whole comparison once per value of the worker's ``TINKERQ_INTAKE_BATCH`` (messages taken
+off its own queue per round trip; 1 is kombu's one at a time), in one run, so the values compare A/B.
+``--baseline REV`` runs every configuration a second time with commit REV's worker (benchmarks/_baseline.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _baseline import baseline_env
 from _delay_proxy import DelayProxy
 from _fleet import Fleet, build_llama, machine, print_table
 
@@ -76,6 +81,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--intake-batch", type=int, nargs="+", default=[16],
+                        help="the worker's TINKERQ_INTAKE_BATCH; several values: the comparison for each, in one run")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run every configuration with commit REV's worker (benchmarks/_baseline.py): A/B")
     args = parser.parse_args()
 
     print(f"machine: {machine()}")
@@ -84,30 +93,39 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_llama(Path(tmp) / "llama-5m", **MODEL)
-        results: dict[tuple[str, str], float] = {}
-        for link in ("direct", "slow"):
-            proxies: list[DelayProxy] = []
+        trees: dict[str, dict[str, str]] = {"current": {}}
+        if args.baseline:
+            trees[args.baseline] = baseline_env(args.baseline, Path(tmp) / "baseline")
+        results: dict[tuple[str, int, str, str], float] = {}
+        for batch in args.intake_batch:
+            for tree, tree_env in trees.items():
+                for link in ("direct", "slow"):
+                    proxies: list[DelayProxy] = []
 
-            def worker_url(port: int, link: str = link, proxies: list[DelayProxy] = proxies) -> str:
-                if link == "direct":
-                    return f"redis://127.0.0.1:{port}/0"
-                proxy = DelayProxy(port, args.delay_ms / 1000).__enter__()
-                proxies.append(proxy)
-                return proxy.url
+                    def worker_url(port: int, link: str = link, proxies: list[DelayProxy] = proxies) -> str:
+                        if link == "direct":
+                            return f"redis://127.0.0.1:{port}/0"
+                        proxy = DelayProxy(port, args.delay_ms / 1000).__enter__()
+                        proxies.append(proxy)
+                        return proxy.url
 
-            try:
-                with Fleet(model_dir, threads=args.threads, worker_url=worker_url) as fleet:
-                    for kind in ("full", "lora"):
-                        results[(link, kind)] = steps_per_s(fleet, kind == "lora", args)
-                        print(f"  {link:6s} {kind:4s}: {results[(link, kind)]:.2f} steps/s", flush=True)
-            finally:
-                for proxy in proxies:
-                    proxy.close()
-        for kind in ("full", "lora"):
-            direct, slow = results[("direct", kind)], results[("slow", kind)]
-            rows.append([kind, direct, slow, slow / direct])
+                    try:
+                        with Fleet(model_dir, threads=args.threads, worker_url=worker_url,
+                                   env={"TINKERQ_INTAKE_BATCH": str(batch), **tree_env}) as fleet:
+                            for kind in ("full", "lora"):
+                                key = (tree, batch, link, kind)
+                                results[key] = steps_per_s(fleet, kind == "lora", args)
+                                print(f"  {tree:8s} intake batch {batch:3d} {link:6s} {kind:4s}: "
+                                      f"{results[key]:.2f} steps/s", flush=True)
+                    finally:
+                        for proxy in proxies:
+                            proxy.close()
+                for kind in ("full", "lora"):
+                    direct, slow = results[(tree, batch, "direct", kind)], results[(tree, batch, "slow", kind)]
+                    rows.append([tree, kind, batch, direct, slow, slow / direct])
     print()
-    print_table(["session", "direct steps/s", f"+{args.delay_ms:g} ms link steps/s", "slow / direct"], rows)
+    print_table(["worker", "session", "intake batch", "direct steps/s", f"+{args.delay_ms:g} ms link steps/s",
+                 "slow / direct"], rows)
     print(f"machine after: {machine()}")
 
 
