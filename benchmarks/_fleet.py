@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,20 @@ def machine() -> str:
     """One line naming the host: CPU count and load average (the machine may be shared)."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+
+
+def peak_growth(fn: Any) -> tuple[int, float]:
+    """(peak RSS growth in bytes, wall seconds) of ``fn`` in this process (Linux: ``VmHWM``, reset through
+    ``clear_refs`` after giving freed memory back)."""
+    from tinkerq.worker import memory
+
+    memory.release_memory()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = memory.rss_bytes()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 - before, seconds
+    raise RuntimeError("no VmHWM")

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
-from pathlib import Path
 from typing import Any
 
-from _fleet import machine, median, print_table
+from _fleet import machine, median, peak_growth, print_table
 
 MiB = 1 << 20
 MODELS: dict[str, dict[str, Any]] = {
@@ -26,22 +24,6 @@ MODELS: dict[str, dict[str, Any]] = {
         family="qwen3_moe", hidden_size=256, intermediate_size=768, moe_intermediate_size=256, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, head_dim=64),
 }
-
-
-def peak_growth(fn: Any) -> tuple[int, float]:
-    """(peak RSS growth in bytes, wall seconds) of ``fn``."""
-    from tinkerq.worker import memory
-
-    memory.release_memory()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = memory.rss_bytes()
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 - before, seconds
-    raise RuntimeError("no VmHWM")
 
 
 def main() -> None:

@@ -161,7 +161,7 @@ def test_the_worker_checkpoints_a_batch_only_when_it_needs_to(monkeypatch):
         return memory.batch_bytes(shape, lengths, microbatch_tokens=16384, backward=True,
                                   chunk_tokens=logprobs.chunk_tokens, checkpointing=on)
 
-    assert need(large, True) < need(small, False) * 100 and need(large, True) < need(large, False) / 2
+    assert need(large, True) < need(small, False) * 100 and need(large, True) < 0.6 * need(large, False)
     # What is free: between the large batch's checkpointed need and its plain one (the headroom on top).
     free = (need(large, True) + need(large, False)) // 2 + memory.HOST_HEADROOM_BYTES
     monkeypatch.setattr(memory, "device_free", lambda device, limit_mb=0: memory.Free(free, "a test"))

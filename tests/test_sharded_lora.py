@@ -8,7 +8,6 @@ several forward_backward + optim_step rounds with variable-length datums, alone 
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -17,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
 from tinkerq.errors import NonFiniteError
 from tinkerq.launcher.processes import free_port, start_process, worker_command
 from tinkerq.settings import Settings
+from tinkerq.worker.loading.models import load_causal_lm
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sharding.follower import build_host
@@ -49,6 +50,7 @@ class Group:
     """Rank 0 here, ranks 1..N-1 as `tinkerq worker` processes."""
 
     def __init__(self, model_dir: Path, shards: int, logs: Path) -> None:
+        self.model_dir = model_dir
         address = f"tcp://127.0.0.1:{free_port()}"
         env = {"TINKERQ_MICROBATCH_TOKENS": str(MICROBATCH_TOKENS), "TINKERQ_COLLECTIVE_TIMEOUT_S": "120",
                "TINKERQ_RENDEZVOUS_TIMEOUT_S": "120", "TINKERQ_LOSS_BACKEND": "torch"}
@@ -88,9 +90,9 @@ def group(request, model_dir, tmp_path_factory) -> Iterator[Group]:
 
 
 def _alone_base(group: Group) -> LoraBase:
-    """The same base on this process, unsharded: the reference."""
-    model = copy.deepcopy(group.host.base_model)
-    model.__dict__.pop("_tinkerq_lora_hooks", None)
+    """The same base on this process, unsharded, loaded from the files (the group's ranks hold only their shards):
+    the reference."""
+    model = load_causal_lm(str(group.model_dir))
     return LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent",
                     microbatch_tokens=MICROBATCH_TOKENS)
 
@@ -217,6 +219,33 @@ def test_a_non_finite_loss_in_one_tenant_is_refused_by_every_rank_and_spares_the
         _assert_close(items[0].output, ref)
         # the refused tenant's adapter got nothing: its next step equals a fresh session's
         assert all(float(g.abs().max()) == 0.0 for g in sharded[1].engine.grads())
+    finally:
+        for s in sharded:
+            s.close()
+
+
+def test_merged_weights_saved_on_the_group_are_one_process_merged_weights(group, tmp_path):
+    """Rank 0 holds no whole base (each rank streams its shards): a merged save reads it from the files."""
+    from safetensors.torch import load_file
+
+    sharded, alone = _open(group, "merged")
+    try:
+        s, a = sharded[0], alone[0]
+        batch = _batches(30, 1)[0]
+        s.run_loss(batch, "cross_entropy", None, backward=True)
+        s.optim_step(ADAM)
+        a.run_loss(batch, "cross_entropy", None, backward=True)
+        a.optim_step(ADAM)
+        ours = Path(s.save_weights(str(tmp_path), "m-group", base_model="tiny", merged=True)) / "merged"
+        theirs = Path(a.save_weights(str(tmp_path), "m-alone", base_model="tiny", merged=True)) / "merged"
+        got, want = load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors")
+        assert got.keys() == want.keys()
+        base = load_file(Path(group.model_dir) / "model.safetensors")
+        changed = 0
+        for name, tensor in want.items():
+            assert float((got[name] - tensor).abs().max()) <= TOLERANCE, name
+            changed += int(name in base and not torch.equal(tensor, base[name]))
+        assert changed > 0  # the adapter was merged in
     finally:
         for s in sharded:
             s.close()

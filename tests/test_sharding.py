@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import WORKER_MICROBATCH_TOKENS
-from tests.helpers import RL_CONFIGS, load_reference, make_batch, max_weight_diff, rl_batch
+from tests.helpers import RL_CONFIGS, build_tiny_llama, load_reference, make_batch, max_weight_diff, rl_batch
 from tinkerq import errors, types
 from tinkerq.launcher.processes import free_port, start_process, wait_for, worker_command
 from tinkerq.wire import messages
@@ -455,6 +455,19 @@ def test_shard_flags_are_checked(model_dir, redis_url, tmp_path):
                          (["--shards", "2", "--rank", "2", "--rendezvous", "tcp://127.0.0.1:1"], "ranks are 0..1")):
         rc, out = _exits_with(extra, model_dir, redis_url, tmp_path / "flags.log", {}, timeout=30)
         assert rc == 2 and words in out, out
+
+
+def test_a_group_over_a_model_without_safetensors_says_so_at_start(tmp_path, redis_url):
+    """Each rank streams its shards from safetensors files: a .bin-only model is refused before the group forms."""
+    from safetensors.torch import load_file
+
+    model = build_tiny_llama(tmp_path / "bin-only")  # then its weights as a PyTorch pickle, the older format
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    rc, out = _exits_with(["--shards", "2", "--rank", "1", "--rendezvous", rendezvous], tmp_path / "bin-only",
+                          redis_url, tmp_path / "bin.log", {}, timeout=60)
+    assert rc == 2 and "has no safetensors files" in out and "save_pretrained" in out, out
 
 
 def test_a_group_with_checkpointing_on_trains_as_one_worker(service, model_dir, redis_url, checkpoint_dir,

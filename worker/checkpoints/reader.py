@@ -277,19 +277,6 @@ def _read(header: Header, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
-def _read_all(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every stored tensor, one file open at a time (safetensors maps the file; the tensors are copies)."""
-    by_file: dict[Path, list[str]] = {}
-    for name, header in checkpoint.headers.items():
-        by_file.setdefault(header.file, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
-            for name in names:
-                out[name] = handle.get_tensor(name)
-    return out
-
-
 def _quantized(checkpoint: Checkpoint, weight: str, stored: dict[str, torch.Tensor]) -> qf.QuantizedTensor:
     """One weight's parts as a QuantizedTensor; its shape checked against its parts."""
     parts = checkpoint.quantized[weight]
@@ -322,23 +309,117 @@ def read_quantized_tensors(directory: str | Path) -> dict[str, qf.QuantizedTenso
     return {weight: _quantized(checkpoint, weight, stored) for weight in checkpoint.quantized}
 
 
+class LazyTensors:
+    """The checkpoint's tensors under its own names, each read (and, if quantized, dequantized to ``dtype``) only
+    when indexed with ``[...]``, as transformers' loader indexes safetensors slices: a reader holds one weight at a
+    time. Layers beyond num_hidden_layers are left out. Each file is opened once; :meth:`close` closes them."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self._handles: dict[Path, Any] = {}
+        parts = {p for ps in checkpoint.quantized.values() for p in ps.values()}
+        names = [*checkpoint.quantized, *(n for n in checkpoint.headers if n not in parts)]
+        self.entries = drop_extra_layers(checkpoint, {n: _Lazy(self, n) for n in names})
+
+    def stored(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str) -> Any:
+        header = self.checkpoint.headers[name]
+        handle = self._handles.get(header.file)
+        if handle is None:  # read, not mapped: a mapped file's pages stay in this process's RSS once touched
+            handle = self._handles[header.file] = safe_open(str(header.file), framework="pt", backend="pread")
+        return handle
+
+    def value(self, name: str) -> torch.Tensor:
+        checkpoint = self.checkpoint
+        if name not in checkpoint.quantized:
+            return self.stored(name)
+        stored = {p: self.stored(p) for p in checkpoint.quantized[name].values()}
+        try:
+            value = _quantized(checkpoint, name, stored).dequantize(self.dtype)
+        except qf.QuantFormatError as exc:
+            raise checkpoint.fail(f"{name}: {exc}", "the file is not the maker's: download it again") from None
+        if checkpoint.quant_method == "mxfp4":
+            value = value.transpose(-1, -2).contiguous()  # stored (E, out, in) -> transformers' (E, in, out)
+        return value
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``value(name)[start:stop]``, reading (and dequantizing) only those rows of dim 0 (MXFP4: experts) and, for
+        block FP8, the tiles they fall in: bitwise the rows of the whole."""
+        checkpoint = self.checkpoint
+        parts = checkpoint.quantized.get(name)
+        if parts is None:
+            return self._slice(name, start, stop)
+        try:
+            if checkpoint.quant_method == "fp8":
+                br, _ = checkpoint.fp8_block
+                rows = checkpoint.headers[parts["weight"]].shape[0]
+                lo, hi = start // br * br, min(rows, -(-stop // br) * br)  # whole tiles: their scales' rows
+                weight = self._slice(parts["weight"], lo, hi)
+                scale = self._slice(parts["scale_inv"], lo // br, -(-hi // br))
+                value = qf.dequantize_fp8_blocks(weight, scale, checkpoint.fp8_block, self.dtype)
+                return value[start - lo:stop - lo]
+            if checkpoint.quant_method == "mxfp4":  # dim 0 is the experts, stored and transposed alike
+                blocks = self._slice(parts["blocks"], start, stop)
+                scales = self._slice(parts["scales"], start, stop)
+                return qf.dequantize_mxfp4(blocks, scales, self.dtype).transpose(-1, -2).contiguous()
+            cols = self.shape(name)[1]
+            return qf.dequantize_int4_packed(self._slice(parts["packed"], start, stop),
+                                             self._slice(parts["scale"], start, stop), (stop - start, cols),
+                                             checkpoint.int4_group, self.dtype)
+        except qf.QuantFormatError as exc:
+            raise checkpoint.fail(f"{name}: {exc}", "the file is not the maker's: download it again") from None
+
+    def _slice(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._handle(name).get_slice(name)[start:stop]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of ``value(name)``, from the headers (an INT4 weight's from the shape it stores)."""
+        checkpoint = self.checkpoint
+        parts = checkpoint.quantized.get(name)
+        if parts is None:
+            return checkpoint.headers[name].shape
+        if checkpoint.quant_method == "fp8":
+            return checkpoint.headers[parts["weight"]].shape
+        if checkpoint.quant_method == "mxfp4":  # stored (E, out, G, 16) -> transformers' (E, in, out)
+            blocks = checkpoint.headers[parts["blocks"]].shape
+            return (*blocks[:-3], blocks[-2] * qf.MXFP4_BLOCK, blocks[-3])
+        return tuple(int(n) for n in self.stored(parts["shape"]).tolist())
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open's handles unmap their file when collected
+
+
+class _Lazy:
+    """One entry of :class:`LazyTensors`: ``[...]`` reads it."""
+
+    def __init__(self, tensors: LazyTensors, name: str) -> None:
+        self.tensors, self.name = tensors, name
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        # transformers' shard-on-read asks for one range of dim 0 and the whole of the others: read only those rows.
+        if isinstance(index, tuple) and index and all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+            shape = self.tensors.shape(self.name)
+            rest = [(i.start or 0, shape[d] if i.stop is None else i.stop) for d, i in enumerate(index[1:], 1)]
+            if len(index) == len(shape) and all(r == (0, shape[d]) for d, r in enumerate(rest, 1)):
+                start, stop, _ = index[0].indices(shape[0])
+                return self.tensors.rows(self.name, start, max(start, stop))
+        return self.tensors.value(self.name)[index]
+
+    def get_shape(self) -> list[int]:  # as safetensors' slices answer it
+        return list(self.tensors.shape(self.name))
+
+
 def dequantized_state_dict(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under its own names, quantized weights dequantized to ``dtype`` (MXFP4 experts
     transposed to transformers' (E, in, out) parameter layout), layers beyond num_hidden_layers left out."""
-    stored = _read_all(checkpoint)
-    out: dict[str, torch.Tensor] = {}
-    for weight in checkpoint.quantized:
-        try:
-            value = _quantized(checkpoint, weight, stored).dequantize(dtype)
-        except qf.QuantFormatError as exc:
-            raise checkpoint.fail(f"{weight}: {exc}", "the file is not the maker's: download it again") from None
-        if checkpoint.quant_method == "mxfp4":
-            value = value.transpose(-1, -2).contiguous()  # stored (E, out, in) -> transformers' (E, in, out)
-        out[weight] = value
-        for part in checkpoint.quantized[weight].values():
-            stored.pop(part, None)
-    out.update(stored)
-    return drop_extra_layers(checkpoint, out)
+    lazy = LazyTensors(checkpoint, dtype)
+    try:
+        return {name: lazy.value(name) for name in lazy.entries}
+    finally:
+        lazy.close()
 
 
 def drop_extra_layers(checkpoint: Checkpoint, tensors: dict[str, T]) -> dict[str, T]:

@@ -96,7 +96,8 @@ class WorkerService:
         self.snapshots = Snapshots(connection.store, s, base_model, model,
                                    sessions=lambda: [slot.session for slot in list(self.slots.values())],
                                    worker_id=worker_id, sampling_base=shards.sampling_model if shards else None,
-                                   serialise=self.run_control if shards is not None else None)
+                                   serialise=self.run_control if shards is not None else None,
+                                   blank=shards.blank_model if shards is not None else None)
         self.engine = TorchEngine(max_rows=s.sample_max_rows)
         self.factory = SessionFactory(s, model, model_dir, self.logprobs, base_model, worker_id, shards,
                                       evictable=self._evictable)

@@ -34,19 +34,14 @@ log = logging.getLogger("tinkerq.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["DTYPES", "ModelLoadError", "configure_torch", "load_causal_lm", "max_seq_len", "vocab_size"]
+__all__ = ["DTYPES", "ModelLoadError", "configure_torch", "load_causal_lm", "load_skeleton", "max_seq_len",
+           "vocab_size"]
 
 
 def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") -> PreTrainedModel:
     """The causal LM in the local directory ``path``, its quantized weights dequantized to ``dtype``; a
     ModelLoadError (never a raw traceback) if it cannot be served."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    directory = _checked_directory(path, dtype)
     checkpoint = None
     try:
         if has_safetensors(directory):
@@ -65,6 +60,67 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
     except Exception as exc:  # anything else transformers raises: one clear line, the cause chained
         raise ModelLoadError(_describe_failure(path, checkpoint, exc)) from exc
     cast(Any, model).to(device)  # transformers types .to as a decorated method mypy cannot call with a device
+    _prepare(model)
+    return model
+
+
+def load_skeleton(path: str, *, dtype: str = "float32") -> PreTrainedModel:
+    """The model in ``path`` as :func:`load_causal_lm` makes it, with every parameter on the meta device (no weights
+    read, none allocated) and its buffers real (the rotary tables a constructor computes): what a shard group's
+    ranks build before each reads its own shards (worker/sharding/streaming.py). Checked as load_causal_lm checks."""
+    directory = _checked_directory(path, dtype)
+    if not has_safetensors(directory):  # said at start-up, not at the first session
+        raise ModelLoadError(f"model path {path!r} has no safetensors files (model.safetensors, or an index and its "
+                             f"shards); a shard group's ranks read their shards from them: convert it once, with "
+                             f"AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path)")
+    try:
+        open_checkpoint(directory)  # headers and config checked; no weights read
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the reader dequantizes (LazyTensors); transformers' quantizers stay out
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ModelLoadError(f"{type(config).__name__} is not a causal LM transformers knows; pass a causal "
+                                 f"language model")
+
+        def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+            # Each parameter goes to the meta device as its module registers it: one at a time is ever allocated.
+            return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+        # (torch types the hook as returning None; a returned parameter replaces the registered one)
+        hook = torch.nn.modules.module.register_module_parameter_registration_hook(cast(Any, on_meta))
+        try:
+            # The Auto class, as from_pretrained does: it picks a composite config's text part where the model
+            # class wants it (Qwen3.5).
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        finally:
+            hook.remove()
+        model.tie_weights()  # as from_pretrained does once loaded: a tied output weight is the embedding's
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(_describe_failure(path, None, exc)) from exc
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    _prepare(model)
+    return cast(PreTrainedModel, model)
+
+
+def _checked_directory(path: str, dtype: str) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    return directory
+
+
+def _prepare(model: PreTrainedModel) -> None:
+    """What every loaded model gets, whole or a skeleton."""
     # Tenants share passes: nothing computed over the batch may couple their rows. Router logits feed MoE
     # auxiliary (load-balancing) losses, which are batch-level: never asked for. (No family here drops tokens at
     # an expert capacity: routing is per token.)
@@ -76,7 +132,6 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
     # Its decoder layers can be checkpointed (when a request needs it: worker/training/checkpointing.py); copies
     # made of it (full sessions, a shard group's LoRA base) can too.
     checkpointing.install(model)
-    return model
 
 
 def _load_dequantized(checkpoint: Checkpoint, dtype: torch.dtype) -> PreTrainedModel:

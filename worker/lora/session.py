@@ -54,7 +54,8 @@ class LoraBase:
         model.requires_grad_(False)  # frozen: backward reaches the adapters only (full sessions train copies)
         self.root: torch.nn.Module | None = None
         self.leader: Callable[[list[LossItem], bool], None] | None = None
-        self.whole: PreTrainedModel = model  # the base unsharded, for merged files (a shard group's: rank 0's copy)
+        # The base unsharded, for merged files (a shard group's: read from the files by rank 0, on demand).
+        self.whole: Callable[[], PreTrainedModel] = lambda: model
 
     def targets(self, config: types.LoraConfig) -> list[Target]:
         return find_targets(self.model, config)
@@ -185,7 +186,7 @@ class LoraSession:
             checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config), expires_at=expires_at)
             if merged:  # loadable by its own path too: it expires with the adapter
                 (tmp / "merged").mkdir()
-                write_merged(self.base.whole, self.adapter.frozen(), tmp / "merged")
+                write_merged(self.base.whole(), self.adapter.frozen(), tmp / "merged")
                 checkpoints.copy_tokenizer_files(self.base.model_dir, tmp / "merged")
                 checkpoints.write_weights_marker(tmp / "merged", base_model, expires_at=expires_at)
 

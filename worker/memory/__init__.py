@@ -45,6 +45,7 @@ from tinkerq.worker.memory.estimates import (
     session_state_parts,
     shards_needed,
     snapshot_bytes,
+    streamed_load_bytes,
     training_working_bytes,
     unallocated_state_bytes,
 )
@@ -67,7 +68,8 @@ __all__ = [  # what is free, what things need, giving back (their modules), and 
     "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free", "is_large",
     "lora_base_bytes", "lora_state_bytes", "meminfo_available", "microbatches", "release_memory", "request_bytes",
     "require", "rss_bytes", "sample_bytes", "session_state_bytes", "session_state_parts", "shards_for_lora",
-    "shards_for_session", "shards_needed", "snapshot_bytes", "training_working_bytes", "unallocated_state_bytes",
+    "shards_for_session", "shards_needed", "snapshot_bytes", "streamed_load_bytes", "training_working_bytes",
+    "unallocated_state_bytes",
 ]
 
 # Kept free beyond every estimate on the host: Python objects, the allocators' slack, the reply being

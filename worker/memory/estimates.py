@@ -37,6 +37,7 @@ class ModelShape:
     largest_layer_bytes: int = 0
     root_bytes: int = 0
     parameters: int = 0  # the number of distinct parameters (tied ones once), full size
+    largest_weight_bytes: int = 0  # the largest single parameter at full size (a fused experts tensor is one)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
@@ -74,6 +75,7 @@ class ModelShape:
             largest_layer_bytes=max(layer_bytes, default=0),
             root_bytes=full_bytes - sum(layer_bytes),
             parameters=sum(p.numel() for p in params),
+            largest_weight_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         )
 
 
@@ -137,6 +139,22 @@ def training_working_bytes(shape: ModelShape, shards: int = 1) -> int:
     Only one request runs at a time (one slot per worker), so every session shares this room.
     """
     return (2 * shape.param_bytes) // shards
+
+
+# A streaming load holds the weight being read and the loader's converted copy of it (experts stacked, then
+# concatenated); the weights before it were given back to the OS (tests/test_streaming_load.py measures it).
+STREAMED_LOAD_COPIES = 2
+
+
+def streamed_load_bytes(shape: ModelShape) -> int:
+    """Host memory a shard group's rank needs to read its shards from the files (worker/sharding/streaming.py),
+    beyond the shards themselves (which live on its device):
+
+        load = 2 x largest weight
+
+    The whole base is never in one rank's memory (rank 0 reads it whole only for a merged LoRA save:
+    :func:`snapshot_bytes`)."""
+    return STREAMED_LOAD_COPIES * shape.largest_weight_bytes
 
 
 def snapshot_bytes(shape: ModelShape) -> int:
@@ -229,12 +247,13 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
 
         layer  = N x (10 x hidden + 6 x intermediate) x dtype_bytes + 2 x B x L x L x 4   (mask, float32)
         acts   = (layers + 1) x layer      backward: every layer saved + one layer's gradients in flight
-               = layers x N x hidden x dtype_bytes + 3 x layer
+               = layers x N x hidden x dtype_bytes + 4 x layer
                                            backward with activation checkpointing (worker/training/
                                            checkpointing.py): each layer's input saved; in the backward one
                                            layer recomputed, its saved activations and gradients in flight,
                                            and on the CPU the last layer's freed ones not yet reused (measured
-                                           about 2.7 x layer over the inputs: tests/test_checkpointing.py)
+                                           2.4 to 2.9 x layer over the inputs, depending on the heap's state:
+                                           tests/test_checkpointing.py; 3 x layer once fell short in CI)
                = 2 x layer                 forward only: nothing is saved; one layer's temporaries at a time
         head   = 2 x C x V x 4 + 4 x N x hidden x dtype_bytes
                  (the chunked loss head holds one (C, V) float32 chunk of logits and its softmax, C =
@@ -250,7 +269,7 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
         if not backward:
             acts = 2 * layer
         elif checkpointing:
-            acts = shape.layers * n * shape.hidden * shape.dtype_bytes + 3 * layer
+            acts = shape.layers * n * shape.hidden * shape.dtype_bytes + 4 * layer
         else:
             acts = (shape.layers + 1) * layer
         logits = 3 * n * shape.vocab * 4 if chunk_tokens is None else 2 * min(chunk_tokens, n) * shape.vocab * 4

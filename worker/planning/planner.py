@@ -43,6 +43,7 @@ from tinkerq.worker.memory.estimates import (
     session_state_parts,
     shards_needed,
     snapshot_bytes,
+    streamed_load_bytes,
     training_working_bytes,
 )
 
@@ -226,7 +227,7 @@ class KindPlan:
     at: int  # the shard count the parts are given for: ``shards``, else --devices
     parts: dict[str, int]  # per shard, at ``at``
     total: int  # per shard: the sum of parts (LoRA: with one tenant)
-    host_bytes: int  # host memory per rank besides the device's (a sharded rank loads the base on the CPU)
+    host_bytes: int  # host memory per rank besides the device's (a sharded rank streams its shards from the files)
     adapter_bytes: int = 0  # LoRA: one tenant's adapter, on every shard
     tenants: int = 0  # LoRA: how many tenants fit at ``at``
     tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
@@ -347,7 +348,7 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     parts, on = full_at(at)
     every = full_parts(shape, devices, workload, chunk)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
-                    host_bytes=2 * snapshot_bytes(shape) if at > 1 else 0,
+                    host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
                     longest_datum=longest_datum(sum(every.values()) - every["activations"]), checkpointing=on)
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
@@ -367,7 +368,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     parts, on = lora_at(at)
     every = lora_parts(shape, devices, workload, chunk)
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
-                    host_bytes=snapshot_bytes(shape) if at > 1 else 0, adapter_bytes=adapter, tenants=tenants(at),
+                    host_bytes=streamed_load_bytes(shape) if at > 1 else 0, adapter_bytes=adapter,
+                    tenants=tenants(at),
                     tenants_all_devices=tenants(devices),
                     longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]),
                     checkpointing=on)
@@ -454,8 +456,9 @@ def render(p: Plan) -> str:
     lines.append(f"({unit}; activation checkpointing {p.activation_checkpointing}: TINKERQ_ACTIVATION_CHECKPOINTING; "
                  f"the longest datum is planned checkpointed unless it is off. "
                  f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
-                 f"Host RAM: a shard group's ranks each load the base on the CPU; a full session's copy is made "
-                 f"there before it is sharded. docs/planning.md)")
+                 f"Host RAM: each rank of a shard group reads only its own shards from the files, one weight at a "
+                 f"time; rank 0 reads the whole base ({gb(p.param_bytes)} {unit}) only while it writes a merged LoRA "
+                 f"save. docs/planning.md)")
     return "\n".join(lines)
 
 
@@ -469,15 +472,17 @@ def render_markdown(plans: list[Plan]) -> str:
             f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
-             "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "
+             "host RAM per rank GiB (full; LoRA) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
         lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
                      f"{gb(p.full.total)} | {_shards(p.lora)} | {gb(fixed)} | {gb(p.lora.adapter_bytes)} | "
                      f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
                      f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} | "
-                     f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} |")
+                     f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} | "
+                     f"{gb(p.full.host_bytes)}; {gb(p.lora.host_bytes)} |")
     return head + "\n".join(lines)
 
 

@@ -61,7 +61,8 @@ PUBLISH_WAIT_S = 60.0  # how long a worker waits for a snapshot's owner to publi
 class Snapshots:
     def __init__(self, store: KeyValueStore, settings: Settings, base_model: str, base: PreTrainedModel,
                  sessions: Any = lambda: [], worker_id: str = "", sampling_base: Any = None,
-                 serialise: Callable[[Callable[[], None]], Any] | None = None) -> None:
+                 serialise: Callable[[Callable[[], None]], Any] | None = None,
+                 blank: Callable[[], PreTrainedModel] | None = None) -> None:
         self.store = store
         self.worker_id = worker_id
         self.settings = settings
@@ -70,6 +71,9 @@ class Snapshots:
         # What the base and LoRA snapshots are sampled on: the base itself, or a shard group's sharded base
         # (worker/sharding/sampling.py; made on first use). Full snapshots are whole copies of ``base``.
         self.sampling_base: Any = sampling_base or (lambda: base)
+        # A whole model to load a full snapshot's weights into: a copy of the base; on a shard group's rank 0, which
+        # holds only the base's skeleton, the skeleton with storage (ShardHost.blank_model).
+        self._blank = blank or (lambda: copy.deepcopy(base))
         self.sessions = sessions  # open training sessions (their promised AdamW memory counts against loads)
         # Where a published snapshot is serialised: here (the publisher thread), or, on a shard group, as control
         # work of the compute loop (WorkerService.run_control), so it never runs beside the group's collectives.
@@ -220,7 +224,7 @@ class Snapshots:
             log.info("loaded published snapshot %s (a LoRA adapter, %.1f MB)", snapshot_id, len(weights) / 1e6)
             return adapter
         self._make_room()
-        model = copy.deepcopy(self.base)
+        model = self._blank()
         _load_weights(model, load_safetensors(weights))
         log.info("loaded published snapshot %s (%.1f MB)", snapshot_id, len(weights) / 1e6)
         return model

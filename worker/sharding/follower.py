@@ -13,7 +13,7 @@ import os
 from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
 from tinkerq.worker.loading.dtypes import served_dtype
-from tinkerq.worker.loading.models import configure_torch, load_causal_lm
+from tinkerq.worker.loading.models import configure_torch, load_skeleton
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
 from tinkerq.worker.sharding.host import ShardHost, from_wire
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -22,11 +22,12 @@ log = logging.getLogger("tinkerq.shards")
 
 
 def build_host(model_path: str, settings: Settings) -> ShardHost:
-    """The group membership and the base model (on the CPU: sessions copy it, then shard it to the device)."""
+    """The group membership and the base model's skeleton (no weights: each session reads its shards from the
+    files, worker/sharding/streaming.py)."""
     spec = ShardSpec.from_settings(settings)
     assert spec is not None
     # Every rank resolves "auto" alike (same checkpoint, same kind of device): the group's parts agree.
-    model = load_causal_lm(model_path, device="cpu", dtype=served_dtype(model_path, settings.dtype, settings.device))
+    model = load_skeleton(model_path, dtype=served_dtype(model_path, settings.dtype, settings.device))
     group = ShardGroup(spec)
     logprobs = LogprobComputer(model, settings.loss_backend, device=settings.device)
     return ShardHost(group, model, model_dir=os.path.abspath(model_path), logprobs=logprobs,

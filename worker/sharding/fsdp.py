@@ -7,6 +7,7 @@ FSDP gathers each layer's weights for the forward and reduce-scatters its gradie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,17 +39,23 @@ class LogprobModule(torch.nn.Module):
         return self.logprobs(self.lm, tokens, mask, targets)  # (B, T)
 
 
-def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer) -> LogprobModule:
-    """Shard ``model`` (this rank's copy) over the group, layer by layer; returns the root to call."""
+# Gives a model sharded on the meta device (under the root passed) its weights (worker/sharding/streaming.py).
+Fill = Callable[[torch.nn.Module, PreTrainedModel], None]
+
+
+def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill) -> LogprobModule:
+    """Shard ``model`` (this rank's copy of the skeleton: parameters on the meta device) over the group, layer by
+    layer, then ``fill`` its local shards; returns the root to call."""
     assert group.mesh is not None
     module = LogprobModule(model, logprobs)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh)
     fully_shard(module, mesh=group.mesh)  # the root: embeddings, final norm, output weight
+    fill(module, model)
     return module
 
 
-def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer) -> LogprobModule:
+def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill) -> LogprobModule:
     """Shard a frozen base (LoRA sessions' shared base: no gradients, no optimizer state, 1/N per rank).
 
     Its input embeddings' output requires grad in every backward, so a backward always runs through every
@@ -63,13 +70,14 @@ def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobCom
         return None
 
     model.get_input_embeddings().register_forward_hook(through)
-    return shard(model, group, logprobs)
+    return shard(model, group, logprobs, fill)
 
 
-def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer,
+def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer, fill: Fill,
                    microbatch_tokens: int) -> TrainingEngine:
-    """Shard ``model`` (this rank's copy) over the group and train it with the one engine."""
-    module = shard(model, group, logprobs)
+    """Shard ``model`` (this rank's copy of the skeleton) over the group, fill it, and train it with the one
+    engine."""
+    module = shard(model, group, logprobs, fill)
     named, fixed = model_weights(model)  # after sharding: DTensor parameters; buffers (whole) where FSDP put them
     return TrainingEngine(module, named, group, microbatch_tokens=microbatch_tokens,
                           device=torch.device(group.spec.device), fixed=fixed)

@@ -1,8 +1,9 @@
 """What every rank of a sharded worker holds, the commands it runs, and rank 0's view of a session.
 
-:class:`ShardHost` is the same on every rank: the base model (on the CPU, copied for each new session),
-this rank's :class:`worker.training.TrainingEngine` per training session (over its FSDP2 shards), and
-:meth:`ShardHost.execute`, which runs one command. Rank 0's sessions are :class:`worker.session.FullSession`
+:class:`ShardHost` is the same on every rank: the base model's skeleton (parameters on the meta device: no rank
+ever holds the whole base), this rank's :class:`worker.training.TrainingEngine` per training session (over its FSDP2
+shards, read from the checkpoint's files by worker/sharding/streaming.py), and :meth:`ShardHost.execute`, which runs
+one command. Rank 0's sessions are :class:`worker.session.FullSession`
 (:func:`leader_session`) whose runner broadcasts each command before running it locally; files are written
 by rank 0 alone from tensors gathered to it.
 """
@@ -16,16 +17,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
+from tinkerq.worker.loading.models import load_causal_lm
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
 from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
 from tinkerq.worker.sharding.sampling import GroupSampling, join_forward
+from tinkerq.worker.sharding.streaming import allocate, fill_shards
 from tinkerq.worker.training.engine import TrainingEngine, tied_names
 from tinkerq.worker.training.logprobs import LogprobComputer
 from tinkerq.worker.training.session import FullSession, execute
@@ -37,7 +41,7 @@ class ShardHost:
     def __init__(self, group: ShardGroup, base_model: PreTrainedModel, *, model_dir: str,
                  logprobs: LogprobComputer, microbatch_tokens: int) -> None:
         self.group = group
-        self.base_model = base_model  # unsharded, on the CPU, never trained
+        self.base_model = base_model  # the skeleton: every parameter on the meta device, never trained
         self.model_dir = model_dir
         self.logprobs = logprobs
         self.microbatch_tokens = microbatch_tokens
@@ -81,7 +85,7 @@ class ShardHost:
         try:
             if lora is None:
                 self.sessions[model_id] = sharded_engine(copy.deepcopy(self.base_model), self.group,
-                                                         logprobs=self.logprobs,
+                                                         logprobs=self.logprobs, fill=self.fill,
                                                          microbatch_tokens=self.microbatch_tokens)
             else:
                 run = on_close = None
@@ -115,12 +119,32 @@ class ShardHost:
             model.__dict__.pop("_tinkerq_lora_hooks", None)  # the copy gets hooks of its own (the original's are inert)
             base = LoraBase(model, self.logprobs, model_dir=self.model_dir, microbatch_tokens=self.microbatch_tokens,
                             group=self.group, device=self.group.spec.device)
-            base.root = shard_frozen(model, self.group, self.logprobs)
-            base.whole = self.base_model  # merged files are written from rank 0's unsharded copy
+            base.root = shard_frozen(model, self.group, self.logprobs, self.fill)
+            base.whole = self.whole_model  # merged files: rank 0 reads the whole base for them
             if self.group.is_leader:
                 base.leader = lambda items, backward: self.run("lora_pass", items=items, backward=backward)
             self._lora_base = base
         return self._lora_base
+
+    def fill(self, root: torch.nn.Module, model: PreTrainedModel) -> None:
+        """This rank's shards of a copy of the skeleton (sharded on the meta device under ``root``), read from the
+        files."""
+        fill_shards(root, model, self.base_model, self.model_dir, device=self.group.spec.device,
+                    dtype=self.base_model.dtype)
+
+    def whole_model(self) -> PreTrainedModel:
+        """Rank 0: the whole base, read from the files (on the CPU), for a merged LoRA save. Held only while that
+        runs."""
+        log.info("reading the whole base from %s for a merged save on rank 0", self.model_dir)
+        return load_causal_lm(self.model_dir, device="cpu", dtype=str(self.base_model.dtype).removeprefix("torch."))
+
+    def blank_model(self) -> PreTrainedModel:
+        """Rank 0: a whole model to write every weight of into (a full session's sampling snapshot, a published
+        one): the skeleton with storage on the CPU, its weights unset. Nothing is read from the files."""
+        model = copy.deepcopy(self.base_model)
+        model.__dict__.pop("_tinkerq_lora_hooks", None)  # the copy gets hooks of its own (the original's are inert)
+        allocate(model, model, "cpu")
+        return model
 
     def _lora_pass(self, args: dict[str, Any]) -> None:
         """A mixed LoRA pass: rank 0 passes its items; a follower makes the same from the command."""
@@ -262,9 +286,8 @@ class LeaderSession(FullSession):
     def __init__(self, host: ShardHost, model_id: str) -> None:
         host.run("create", model_id=model_id)
         self.host = host
-        base = host.base_model
         super().__init__(model_id, lambda op, **args: host.run(op, model_id=model_id, **args),
-                         lambda: host.sessions.get(model_id), blank=lambda: copy.deepcopy(base), template=base,
+                         lambda: host.sessions.get(model_id), blank=host.blank_model, template=host.base_model,
                          model_dir=host.model_dir, shapes=host.shapes, world=host.group.world,
                          device=host.group.spec.device)
 
