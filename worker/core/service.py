@@ -268,7 +268,9 @@ class WorkerService:
             self.cond.notify_all()  # a transport thread may wait for room in this lane
         self.metrics.observe(request.op, outcome[0], outcome[2])
         self.metrics.sessions.set(len(self.slots))
-        if self.recovery.snapshot_due(slot, unjournaled=slot.unjournaled + (entry is not None)):
+        if entry is not None:
+            slot.journal_planned += 1
+        if self.recovery.snapshot_due(slot):
             # The state after this request goes to files here, beside the automatic snapshot (no Redis); the outbox
             # then, after every earlier answer, journals this request, puts the snapshot in place and cuts the
             # journal down to this entry, and only then answers it. A kill at any point leaves a snapshot and a
@@ -281,13 +283,8 @@ class WorkerService:
             started = time.perf_counter()
             if self.recovery.stage_snapshot(slot, seq):
                 staged_entry, entry = entry, None
-                if staged_entry is not None:
-                    with self.cond:
-                        slot.unjournaled += 1
+                slot.journal_planned = int(staged_entry is not None)  # the cut: this request's entry alone
                 self.outbox.put(lambda: self._install_snapshot(slot, request, staged_entry, started))
-        if entry is not None:
-            with self.cond:
-                slot.unjournaled += 1
         self.outbox.put(Parcel(request, outcome, runtime, shared, slot, entry, discard))
 
     def _install_snapshot(self, slot: Slot, request: Request, entry: bytes | None, started: float) -> None:
@@ -295,8 +292,6 @@ class WorkerService:
         assert request.seq_id is not None
         if entry is not None:
             self.recovery.journal(slot, request.seq_id, request.op, entry)
-            with self.cond:
-                slot.unjournaled -= 1
         self.recovery.install_snapshot(slot, request.seq_id, entry, started)
 
     def finish(self, request: Request, outcome: Outcome, *, runtime: float = 0.0, shared: str = "",
@@ -335,7 +330,6 @@ class WorkerService:
             for parcel, _, known_count in answered:
                 request = parcel.request
                 if parcel.slot is not None and parcel.entry is not None:
-                    parcel.slot.unjournaled -= 1
                     parcel.slot.journal_len += written
                 if parcel.slot is not None:
                     self.scheduler.sent(request)

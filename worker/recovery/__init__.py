@@ -137,13 +137,14 @@ class Recovery:
         except TinkerqError as exc:  # its answer cannot be stored either: the producer posts it again
             log.warning("could not journal %s seq %d of %s: %s", op, seq_id, slot.session.model_id, exc.message)
 
-    def snapshot_due(self, slot: Slot, unjournaled: int = 0) -> bool:
+    def snapshot_due(self, slot: Slot) -> bool:
         """Whether the automatic snapshot is due after the request just applied: ``auto_snapshot_steps`` optimizer
-        steps were taken, or the journal (with ``unjournaled`` entries still on their way) is too long."""
+        steps were taken, or the journal is too long (counted as it will be once the outbox has written what it
+        holds: ``slot.journal_planned``, so snapshots fall on the same requests however far behind the outbox is)."""
         with self.service.cond:
             if self.service.scheduler.broken(slot.session.model_id) is not None:
                 return False
-        return slot.snapshot_due or slot.journal_len + unjournaled > self.settings.journal_max_entries > 0
+        return slot.snapshot_due or slot.journal_planned > self.settings.journal_max_entries > 0
 
     def step_taken(self, slot: Slot) -> None:
         """An optimizer step was applied: every ``auto_snapshot_steps`` of them, a snapshot is due (taken once
@@ -159,6 +160,8 @@ class Recovery:
         (:meth:`stage_snapshot`, then :meth:`install_snapshot`): for a caller with nothing on its way out."""
         started = time.perf_counter()
         if self.stage_snapshot(slot, seq_id):
+            with self.service.cond:
+                slot.journal_planned = int(entry is not None)
             self.install_snapshot(slot, seq_id, entry, started)
 
     def stage_snapshot(self, slot: Slot, seq_id: int) -> bool:
@@ -364,7 +367,7 @@ class Recovery:
                                   f"request {service.scheduler.position(model_id)} was applied")
         if broken is not None:
             service.break_session(model_id, broken)
-        slot.journal_len = len(journal)
+        slot.journal_len = slot.journal_planned = len(journal)
         slot.steps_since_snapshot = sum(1 for e in entries if e.op == "optim_step" and e.reply[0] == "ok")
         return last, entries
 

@@ -43,7 +43,9 @@ class Slot:
     snapshot_at: float | None = None  # wall time of the latest automatic snapshot (None before the first)
     snapshot_seq: int | None = None  # the last request that snapshot holds (None: none taken or loaded here)
     adopted_from: str | None = None  # the lost worker this session was adopted from
-    unjournaled: int = 0  # of those, the journal entries not written yet (counted towards journal_max_entries)
+    # The entries the journal will hold once the outbox has written what the compute loop handed it, an automatic
+    # snapshot's cut included: what journal_max_entries is checked against, the same whatever the outbox's delay.
+    journal_planned: int = 0
     snapshot_staged: bool = False  # an automatic snapshot is written and on the outbox's way to its place
 
 
