@@ -69,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = _settings(args, device=args.device, dtype=args.dtype, quantized_base=args.quantized_base,
                          activation_checkpointing=args.activation_checkpointing,
+                         expert_parallel=True if args.expert_parallel else None,
                          max_sessions=args.max_sessions,
                          memory_limit_mb=args.memory_limit_mb,
                          checkpoint_dir=args.checkpoint_dir, loss_backend=args.loss_backend,
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint each decoder layer in forward_backward (one more forward, far less memory): "
                         "auto only for a batch that would not fit otherwise, on always, off never (default: "
                         "TINKERQ_ACTIVATION_CHECKPOINTING, else auto; docs/planning.md)")
+    w.add_argument("--expert-parallel", action="store_true",
+                   help="with --shards N, a MoE model: each shard holds 1/N of every layer's routed experts and tokens "
+                        "travel to them (all-to-all) instead of every shard gathering whole MoE layers; full "
+                        "sessions (default: TINKERQ_EXPERT_PARALLEL, else off; docs/sharding.md)")
     w.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own dtype, bfloat16 for "
                         "published checkpoints, on a CUDA device with bfloat16; float32 on the CPU, where "

@@ -97,8 +97,9 @@ class TwoHostGroup:
     """A model in two shards: rank 0 (the Celery worker, the rendezvous) on host a, rank 1 on host b."""
 
     def __init__(self, hosts: netns.Hosts, model_dir: Path, redis_url: str, checkpoint_dir: Path, logs: Path,
-                 name: str) -> None:
+                 name: str, extra: tuple[str, ...] = ()) -> None:
         self.hosts, self.model_dir, self.redis_url, self.logs, self.name = hosts, model_dir, redis_url, logs, name
+        self.extra = extra  # more flags for every rank
         self.rendezvous = f"tcp://{hosts.addresses['a']}:{_port('127.0.0.1')}"
         self.env = {
             "TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir),
@@ -122,7 +123,7 @@ class TwoHostGroup:
 
     def start(self, rank: int) -> subprocess.Popen:
         cmd = worker_command(str(self.model_dir), self.redis_url, threads=1, extra=[
-            "--name", self.name, "--shards", "2", "--rank", str(rank), "--rendezvous", self.rendezvous])
+            "--name", self.name, "--shards", "2", "--rank", str(rank), "--rendezvous", self.rendezvous, *self.extra])
         self.procs[rank] = start_process(self.hosts.command(self.host(rank), cmd), self.log(rank), self.env)
         return self.procs[rank]
 
@@ -195,6 +196,40 @@ def test_a_group_over_two_hosts_trains_as_one_worker(two_hosts, hosts, net_redis
     seen_a = hosts.sockets("a")
     assert f"{hosts.gateway}:{urlparse(net_redis).port}" in seen_a, seen_a
     assert "127.0.0.1" not in seen_a + seen_b, seen_a + seen_b
+
+
+def test_experts_split_over_two_hosts_train_as_one_worker(hosts, net_redis, net_service, checkpoint_dir, tmp_path):
+    """``--expert-parallel`` across the two hosts: each holds 4 of a tiny Qwen3-MoE's 8 experts, and every MoE
+    layer's rows cross the veth link both ways (all-to-all); it trains as one unsharded worker on the same model."""
+    from tests.conftest import start_named_worker
+    from tinkerq.recipes.families import build_family
+
+    model = build_family("qwen3_moe", tmp_path / "qwen3-moe", seed=9)
+    env = {"TINKERQ_CHECKPOINT_DIR": str(checkpoint_dir), "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS)}
+    one_proc = start_named_worker(model, net_redis, "moe-one-host", tmp_path / "one.log", env=env)
+    group = TwoHostGroup(hosts, model, net_redis, checkpoint_dir, tmp_path, "moe-2hosts-ep",
+                         extra=("--expert-parallel",))
+    try:
+        group.start(1)
+        group.start(0)
+        group.wait_serving(net_service.connection)
+        one = net_service.create_training_client("moe-one-host")
+        two = net_service.create_training_client(group.name)
+        try:
+            batches = [make_batch(np.random.default_rng(91), n) for n in (3, 5, 2)]
+            losses_one, norms_one = _steps(one, batches)
+            losses_two, norms_two = _steps(two, batches)
+            assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
+            assert norms_two == pytest.approx(norms_one, rel=1e-5)
+            assert _same_weights(one, two, "multihost-ep") < 1e-5
+        finally:
+            one.close()
+            two.close()
+    finally:
+        group.stop()
+        one_proc.terminate()
+        one_proc.wait(30)
+    assert "expert parallel over 2 ranks" in group.log(0).read_text()
 
 
 def _wait_answered(futures, bound: float) -> list[tuple[object, float]]:

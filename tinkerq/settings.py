@@ -165,6 +165,10 @@ class Settings:
     # Activation checkpointing per decoder layer in forward_backward (one more forward, far less memory): "auto"
     # only for a batch whose activations would not fit otherwise, "on" always, "off" never (docs/planning.md).
     activation_checkpointing: str = "auto"
+    # A shard group of a mixture-of-experts model: each rank holds E/N of every MoE layer's routed experts, and
+    # tokens travel to them by all-to-all, instead of every rank gathering whole MoE layers (FSDP2). Full sessions
+    # (worker/sharding/experts.py); LoRA bases keep FSDP's layout.
+    expert_parallel: bool = False
     # Operator's cap on the worker process's own memory (RSS), MiB; 0 = no cap. New sessions, sampler
     # snapshots, sample requests and batches that would take it past the cap (or past what the host,
     # its cgroup or the device has free) are refused before anything is allocated (worker/memory/).
@@ -258,6 +262,9 @@ class Settings:
         if self.activation_checkpointing not in ("auto", "on", "off"):
             raise SettingsError(f"TINKERQ_ACTIVATION_CHECKPOINTING must be auto, on or off, got "
                                 f"{self.activation_checkpointing!r}")
+        if self.expert_parallel and self.shards < 2:
+            raise SettingsError("--expert-parallel splits a MoE model's experts over a shard group: use --shards N "
+                                "(N > 1), or leave it out")
         if self.quantized_base not in ("dequantize", "keep"):
             raise SettingsError(f"TINKERQ_QUANTIZED_BASE must be dequantize or keep, got {self.quantized_base!r}")
         if self.quantized_base == "keep" and self.shards > 1:
@@ -295,6 +302,12 @@ def _is_tcp_address(url: str) -> bool:
 
 def _parse(name: str, raw: str, type_: Any) -> Any:
     kind = str(type_)
+    if kind.startswith("bool"):
+        if raw.lower() in ("1", "true", "on", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "off", "no"):
+            return False
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: 1 or 0 (true/false, on/off, yes/no)")
     try:
         if kind.startswith("int"):
             return int(raw)

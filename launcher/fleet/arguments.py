@@ -97,6 +97,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                     help="the workers' activation checkpointing per decoder layer (default: "
                          "TINKERQ_ACTIVATION_CHECKPOINTING, else auto: only for a batch that would not fit otherwise; "
                          "docs/planning.md)")
+    up.add_argument("--expert-parallel", action="store_true",
+                    help="with --shards N and a MoE model: each shard holds 1/N of the routed experts, tokens travel "
+                         "to them by all-to-all (default: TINKERQ_EXPERT_PARALLEL, else off; docs/sharding.md)")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the workers' parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own, "
                          "bfloat16 for published ones, on a GPU with bfloat16; float32 on the CPU)")

@@ -190,6 +190,8 @@ def start_workers(args: argparse.Namespace, state: dict[str, Any], folder: Path,
             flags += ["--quantized-base", args.quantized_base]
         if args.activation_checkpointing:  # unset: TINKERQ_ACTIVATION_CHECKPOINTING (default auto)
             flags += ["--activation-checkpointing", args.activation_checkpointing]
+        if args.expert_parallel:  # unset: TINKERQ_EXPERT_PARALLEL (default off)
+            flags += ["--expert-parallel"]
         for i in range(args.workers):
             for rank, extra in reversed(list(enumerate(shard_arguments(args.shards, args.device)))):
                 suffix = f"-rank{rank}" if args.shards > 1 else ""

@@ -14,6 +14,7 @@ from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
 from tinkerq.worker.loading.dtypes import served_dtype
 from tinkerq.worker.loading.models import configure_torch, load_skeleton
+from tinkerq.worker.sharding.experts import check_expert_parallel
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
 from tinkerq.worker.sharding.host import ShardHost, from_wire
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -28,10 +29,12 @@ def build_host(model_path: str, settings: Settings) -> ShardHost:
     assert spec is not None
     # Every rank resolves "auto" alike (same checkpoint, same kind of device): the group's parts agree.
     model = load_skeleton(model_path, dtype=served_dtype(model_path, settings.dtype, settings.device))
+    if settings.expert_parallel:  # said at start-up, not at the first session
+        check_expert_parallel(model, spec.shards)
     group = ShardGroup(spec)
     logprobs = LogprobComputer(model, settings.loss_backend, device=settings.device)
     return ShardHost(group, model, model_dir=os.path.abspath(model_path), logprobs=logprobs,
-                     microbatch_tokens=settings.microbatch_tokens)
+                     microbatch_tokens=settings.microbatch_tokens, expert_parallel=settings.expert_parallel)
 
 
 def run_follower(model_path: str, settings: Settings, *, threads: int | None = None) -> int:

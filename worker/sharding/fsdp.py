@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
 
 from tinkerq.worker.loading.layers import decoder_layers
+from tinkerq.worker.sharding.experts import distribute_experts
 from tinkerq.worker.sharding.group import ShardGroup
 from tinkerq.worker.training.engine import TrainingEngine, model_weights
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -43,14 +44,17 @@ class LogprobModule(torch.nn.Module):
 Fill = Callable[[torch.nn.Module, PreTrainedModel], None]
 
 
-def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill) -> LogprobModule:
+def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill, *,
+          expert_parallel: bool = False) -> LogprobModule:
     """Shard ``model`` (this rank's copy of the skeleton: parameters on the meta device) over the group, layer by
-    layer, then ``fill`` its local shards; returns the root to call."""
+    layer, then ``fill`` its local shards; returns the root to call. ``expert_parallel``: the routed experts are
+    split by expert instead, left out of FSDP (worker/sharding/experts.py)."""
     assert group.mesh is not None
     module = LogprobModule(model, logprobs)
+    by_expert = distribute_experts(model, group.mesh) if expert_parallel else None
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=group.mesh)
-    fully_shard(module, mesh=group.mesh)  # the root: embeddings, final norm, output weight
+        fully_shard(layer, mesh=group.mesh, ignored_params=by_expert)
+    fully_shard(module, mesh=group.mesh, ignored_params=by_expert)  # the root: embeddings, final norm, output weight
     fill(module, model)
     return module
 
@@ -74,10 +78,10 @@ def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobCom
 
 
 def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer, fill: Fill,
-                   microbatch_tokens: int) -> TrainingEngine:
+                   microbatch_tokens: int, expert_parallel: bool = False) -> TrainingEngine:
     """Shard ``model`` (this rank's copy of the skeleton) over the group, fill it, and train it with the one
     engine."""
-    module = shard(model, group, logprobs, fill)
+    module = shard(model, group, logprobs, fill, expert_parallel=expert_parallel)
     named, fixed = model_weights(model)  # after sharding: DTensor parameters; buffers (whole) where FSDP put them
     return TrainingEngine(module, named, group, microbatch_tokens=microbatch_tokens,
                           device=torch.device(group.spec.device), fixed=fixed)

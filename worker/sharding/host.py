@@ -39,8 +39,9 @@ log = logging.getLogger("tinkerq.shards")
 
 class ShardHost:
     def __init__(self, group: ShardGroup, base_model: PreTrainedModel, *, model_dir: str,
-                 logprobs: LogprobComputer, microbatch_tokens: int) -> None:
+                 logprobs: LogprobComputer, microbatch_tokens: int, expert_parallel: bool = False) -> None:
         self.group = group
+        self.expert_parallel = expert_parallel  # full sessions' routed experts split by expert (sharding/experts.py)
         self.base_model = base_model  # the skeleton: every parameter on the meta device, never trained
         self.model_dir = model_dir
         self.logprobs = logprobs
@@ -86,7 +87,8 @@ class ShardHost:
             if lora is None:
                 self.sessions[model_id] = sharded_engine(copy.deepcopy(self.base_model), self.group,
                                                          logprobs=self.logprobs, fill=self.fill,
-                                                         microbatch_tokens=self.microbatch_tokens)
+                                                         microbatch_tokens=self.microbatch_tokens,
+                                                         expert_parallel=self.expert_parallel)
             else:
                 run = on_close = None
                 if self.group.is_leader:  # rank 0's session runs each command on every rank

@@ -1,0 +1,135 @@
+"""Expert parallelism (worker/sharding/experts.py) against FSDP2 alone, on a real CPU group (gloo, started here with
+torch.multiprocessing.spawn): every rank builds one sharded copy of a Qwen3-MoE (streamed from the files, as a
+shard group's full session is made), then runs forward_backward passes over its own rows, either
+
+- **fsdp**: every decoder layer under FSDP2, experts included: each rank gathers a MoE layer's experts whole for its
+  forward and again for its backward; or
+- **ep**: the routed experts split by expert (E/N per rank, left out of FSDP), tokens sent to them and back by
+  all-to-all; attention, norms, router and embeddings under FSDP2 as before.
+
+Each rank reports the seconds of one pass (forward and backward, the loss scaled as the engine scales it) and its
+peak RSS growth during it (``VmHWM``, reset before each), alternated rep by rep after a warm-up. The model is built
+from a config with a fixed seed and written with save_pretrained (no download).
+
+    .venv/bin/python benchmarks/expert_parallel.py [--ranks 4] [--reps 3] [--rows 2] [--tokens 128] [--experts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _fleet import machine, median, peak_growth, print_table
+
+MiB = 1 << 20
+
+
+def _model(experts: int) -> dict[str, Any]:
+    return dict(vocab_size=4000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
+                num_experts=experts, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64)
+
+
+class _Group:
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+
+
+def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tokens: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tinkerq.worker.loading.models import load_skeleton
+    from tinkerq.worker.sharding.fsdp import shard
+    from tinkerq.worker.sharding.streaming import fill_shards
+    from tinkerq.worker.training.logprobs import LogprobComputer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    group = _Group(init_device_mesh("cpu", (world,)))
+    skeleton = load_skeleton(path)
+
+    def build(expert_parallel: bool) -> Any:
+        def fill(root: Any, lm: Any) -> None:
+            fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
+
+        return shard(copy.deepcopy(skeleton), group, LogprobComputer(skeleton, device="cpu"), fill,
+                     expert_parallel=expert_parallel)
+
+    models = {"fsdp": build(False), "ep": build(True)}
+    gen = torch.Generator().manual_seed(rank)
+    tokens_ = torch.randint(0, 4000, (rows, tokens), generator=gen)
+    mask = torch.ones_like(tokens_, dtype=torch.bool)
+    targets = torch.roll(tokens_, -1, 1)
+
+    def step(root: Any) -> None:
+        (root(tokens_, mask, targets).sum() * world).backward()
+        for p in root.parameters():
+            p.grad = None
+
+    got: dict[str, list[tuple[int, float]]] = {"fsdp": [], "ep": []}
+    for rep in range(reps + 1):  # the first rep warms up (gloo, allocator)
+        for kind in (("fsdp", "ep") if rep % 2 else ("ep", "fsdp")):
+            dist.barrier()
+            measured = peak_growth(lambda k=kind: step(models[k]))
+            if rep:
+                got[kind].append(measured)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=2, help="datums per rank")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per datum")
+    parser.add_argument("--experts", type=int, default=32)
+    args = parser.parse_args()
+
+    import torch
+
+    from tinkerq.recipes.families import build_model
+    from tinkerq.worker.loading.models import load_skeleton
+    from tinkerq.worker.memory import ModelShape
+
+    spec = _model(args.experts)
+    label = (f"Qwen3-MoE ({spec['num_hidden_layers']} layers, hidden {spec['hidden_size']}, {args.experts} experts "
+             f"of width {spec['moe_intermediate_size']}, top-{spec['num_experts_per_tok']})")
+    print(f"machine: {machine()}; {args.ranks} ranks (gloo, 1 torch thread each), float32; {label}; "
+          f"{args.rows} x {args.tokens} tokens per rank; {args.reps} reps after a warm-up, alternated")
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp, "model")
+        build_model("qwen3_moe", 0, **spec).save_pretrained(directory)
+        shape = ModelShape.of(load_skeleton(str(directory)))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.multiprocessing.spawn(_rank, args=(args.ranks, port, str(directory), args.reps, args.rows,
+                                                 args.tokens, tmp), nprocs=args.ranks)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    rows, medians = [], {}
+    for kind in ("fsdp", "ep"):
+        peaks = [p for r in ranks for p, _ in r[kind]]
+        seconds = [s for r in ranks for _, s in r[kind]]
+        medians[kind] = (median(peaks), median(seconds))
+        rows.append((kind, shape.param_bytes / MiB, median(peaks) / MiB, max(peaks) / MiB, median(seconds)))
+    print()
+    print_table(["layout", "model MiB", "peak RSS growth per rank in a pass MiB (median)", "max MiB",
+                 "s per pass (median)"], rows)
+    print()
+    print_table(["peak ep / fsdp", "time ep / fsdp"],
+                [(medians["ep"][0] / medians["fsdp"][0], medians["ep"][1] / medians["fsdp"][1])])
+
+
+if __name__ == "__main__":
+    main()

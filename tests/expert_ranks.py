@@ -1,0 +1,109 @@
+"""Ranks of a CPU (gloo) group for tests/test_expert_parallel.py, started with torch.multiprocessing.spawn.
+
+Each rank builds the model expert-parallel (its experts split by expert, the rest under FSDP2, filled from the
+files as a shard group's ranks fill theirs), runs its own batch forward and backward as the training engine does
+(the loss scaled by the group size), and compares with the whole model loaded by ``from_pretrained`` running every
+rank's batch: its logprobs, and every parameter's whole gradient. Results go to ``<out>/rank<r>.json``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.streaming_ranks import _join
+from tinkerq.worker.loading.models import load_causal_lm, load_skeleton
+from tinkerq.worker.lora.experts import is_fused_experts
+from tinkerq.worker.sharding.fsdp import LogprobModule, shard
+from tinkerq.worker.sharding.streaming import fill_shards
+from tinkerq.worker.training.logprobs import LogprobComputer
+
+
+class _Group:
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+
+
+def _batch(vocab: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows: a different length and mask per rank (variable-length datums)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    length = 7 + 3 * rank
+    tokens = torch.randint(0, vocab, (2, length), generator=gen)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[1, length - 2 - rank:] = False
+    return tokens, mask, torch.roll(tokens, -1, 1)
+
+
+def _expert_parallel(path: str, mesh) -> tuple[LogprobModule, set[str]]:
+    skeleton = load_skeleton(path)
+    model = copy.deepcopy(skeleton)
+
+    def fill(root: torch.nn.Module, lm) -> None:
+        fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
+
+    root = shard(model, _Group(mesh), LogprobComputer(skeleton, device="cpu"), fill, expert_parallel=True)
+    by_expert = {n for n, m in root.lm.named_modules() if hasattr(m, "_tinkerq_ep")}
+    return root, by_expert
+
+
+def _skew(model: torch.nn.Module, world: int) -> None:
+    """Every token's experts remapped into rank 0's (index mod E/W): the most uneven routing there is."""
+    for module in model.modules():
+        if is_fused_experts(module):
+            per = module.num_experts // world
+
+            def to_rank0(mod, args, per=per):
+                hidden, index, weights = args
+                return hidden, index % per, weights
+
+            module.register_forward_pre_hook(to_rank0)
+
+
+def compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: bool = False) -> None:
+    """``skew``: every token routed to rank 0's experts, in both models."""
+    mesh = _join(rank, world, port)
+    torch.set_num_threads(1)
+    found = {}
+    for path in paths:
+        root, by_expert = _expert_parallel(path, mesh)
+        reference = load_causal_lm(path)
+        if skew:
+            _skew(root.lm, world)
+            _skew(reference, world)
+        ref_root = LogprobModule(reference, LogprobComputer(reference, device="cpu"))
+        vocab = reference.get_input_embeddings().weight.shape[0]
+        # The whole model over every rank's rows: the sum of their logprobs is the loss.
+        ref_total = 0
+        ref_mine = None
+        for r in range(world):
+            lp = ref_root(*_batch(vocab, r))
+            ref_total = ref_total + lp.sum()
+            if r == rank:
+                ref_mine = lp.detach()
+        ref_total.backward()
+        # Expert parallel: this rank's rows only, the loss scaled by the group size (the engine's convention).
+        lp = root(*_batch(vocab, rank))
+        (lp.sum() * world).backward()
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+        grad_diff, local, whole, expert_local = 0.0, 0, 0, 0
+        for name, p in root.lm.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            want = ref_grads[name]
+            grad_diff = max(grad_diff, float((g - want).abs().max()) / max(1.0, float(want.abs().max())))
+            part = p.to_local() if isinstance(p, DTensor) else p
+            local += part.numel()
+            whole += p.numel()
+            if name.rsplit(".", 1)[0] in by_expert:
+                expert_local += part.numel()
+        weights_same = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, reference.state_dict()[n])
+                           for n, p in root.lm.named_parameters())
+        found[path] = {"experts_modules": len(by_expert), "logprob_diff": float((lp.detach() - ref_mine).abs().max()),
+                       "grad_diff": grad_diff, "weights_same": weights_same, "local": local, "whole": whole,
+                       "expert_local": expert_local,
+                       "rows": [m._tinkerq_ep_rows for n, m in root.lm.named_modules() if n in by_expert]}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""Expert parallelism on a shard group (worker/sharding/experts.py): each rank holds E/N of every MoE layer's routed
+experts, and tokens travel to them and back by all-to-all.
+
+In-process groups (gloo, torch.multiprocessing.spawn; tests/expert_ranks.py) check every MoE family against the whole
+model loaded by ``from_pretrained``: each rank's logprobs, and every parameter's whole gradient (a rank's experts get
+every rank's tokens), also when every token is routed to one rank's experts. Real ``tinkerq worker`` processes check
+the served path: a 2-rank expert-parallel group trains a full session as one unsharded worker does.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests import expert_ranks
+from tests.conftest import WORKER_MICROBATCH_TOKENS, start_named_worker
+from tests.helpers import build_tiny_llama, make_batch, max_weight_diff
+from tinkerq import types
+from tinkerq.errors import ValidationError
+from tinkerq.recipes.families import MOE_FAMILIES, build_family
+from tinkerq.settings import Settings, SettingsError
+from tinkerq.worker.loading.models import load_skeleton
+from tinkerq.worker.sharding.experts import check_expert_parallel
+
+pytestmark = pytest.mark.timeout(600)
+ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(world: int, paths: list[str], out: Path, skew: bool = False) -> list[dict]:
+    torch.multiprocessing.spawn(expert_ranks.compare, args=(world, _port(), paths, str(out), skew), nprocs=world)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check(ranks: list[dict], world: int) -> None:
+    for rank, found in enumerate(ranks):
+        for path, f in found.items():
+            name = Path(path).name
+            assert f["experts_modules"] >= 1, (rank, name)
+            assert f["weights_same"], (rank, name)  # the files' experts, each on its rank
+            assert f["logprob_diff"] < 1e-5, (rank, name, f)
+            assert f["grad_diff"] < 1e-5, (rank, name, f)
+            # Each rank holds 1/world of the experts and an FSDP shard of the rest.
+            assert f["local"] < f["whole"] and f["expert_local"] > 0, (rank, name, f)
+    for path in ranks[0]:
+        assert sum(r[path]["local"] for r in ranks) == ranks[0][path]["whole"]  # no expert held twice or skipped
+
+
+def test_every_moe_family_matches_the_whole_model_on_two_ranks(tmp_path):
+    models = [str(build_family(f, tmp_path / f, seed=3)) for f in MOE_FAMILIES]
+    ranks = _spawn(2, models, tmp_path)
+    _check(ranks, 2)
+    for path in models:  # both ranks computed expert rows for the other's tokens too
+        assert all(rows > 0 for r in ranks for rows in r[path]["rows"])
+
+
+def test_four_ranks_and_every_token_to_one_ranks_experts(tmp_path):
+    """8 experts over 4 ranks (2 each); then every token routed into rank 0's experts: the other ranks compute
+    nothing for that layer, and still join every collective (no deadlock), and the numbers still match."""
+    model = str(build_family("qwen3_moe", tmp_path / "qwen3_moe", seed=5))
+    (tmp_path / "even").mkdir()
+    _check(_spawn(4, [model], tmp_path / "even"), 4)
+    (tmp_path / "skew").mkdir()
+    ranks = _spawn(4, [model], tmp_path / "skew", skew=True)
+    _check(ranks, 4)
+    assert ranks[0][model]["rows"][0] > 0 and all(r[model]["rows"] == [0] for r in ranks[1:]), ranks
+
+
+def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(SettingsError, match="--shards N"):
+        Settings.from_env({"TINKERQ_EXPERT_PARALLEL": "1"})
+    group = {"TINKERQ_SHARDS": "2", "TINKERQ_RENDEZVOUS": "tcp://127.0.0.1:29500"}
+    assert Settings.from_env({"TINKERQ_EXPERT_PARALLEL": "on", **group}).expert_parallel is True
+    assert Settings.from_env(group).expert_parallel is False
+    with pytest.raises(SettingsError, match="TINKERQ_EXPERT_PARALLEL='maybe'"):
+        Settings.from_env({"TINKERQ_EXPERT_PARALLEL": "maybe", **group})
+    dense = load_skeleton(str(build_tiny_llama(tmp_path / "llama")))
+    with pytest.raises(ValidationError, match="has no routed experts"):
+        check_expert_parallel(dense, 2)
+    moe = load_skeleton(str(build_family("qwen3_moe", tmp_path / "moe", seed=1)))
+    with pytest.raises(ValidationError, match="8 experts do not split evenly over 3 ranks"):
+        check_expert_parallel(moe, 3)
+    assert len(check_expert_parallel(moe, 4)) == 1
+
+
+def test_the_worker_command_refuses_expert_parallel_where_it_cannot_apply(redis_url, tmp_path):
+    """At start-up, before any rank waits for the others: exit status 2 and a line that says what to do."""
+    from tests.test_sharding import _exits_with
+    from tinkerq.launcher.processes import free_port
+
+    dense = build_tiny_llama(tmp_path / "llama")
+    group = ["--shards", "2", "--rank", "1", "--rendezvous", f"tcp://127.0.0.1:{free_port()}"]
+    for extra, words in ((["--expert-parallel"], "use --shards N (N > 1)"),
+                         ([*group, "--expert-parallel"], "has no routed experts")):
+        rc, out = _exits_with(extra, dense, redis_url, tmp_path / "ep.log", {}, timeout=60)
+        assert rc == 2 and words in out, out
+
+
+def _losses(tc, batches) -> list[float]:
+    futures = [(tc.forward_backward(b), tc.optim_step(ADAM)) for b in batches]
+    return [fb.result(timeout=120).metrics["loss:sum"] for fb, _ in futures]
+
+
+@pytest.mark.timeout(420)
+def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp_path):
+    """Two real `tinkerq worker --shards 2 --expert-parallel` processes serving a tiny Qwen3-MoE, against one
+    unsharded worker on the same model: per-token outputs, gradient norms and the weights after pipelined steps
+    (each datum a different length, several per rank) agree to float tolerance; the group reports its shards; its
+    snapshot samples alike; a state saved by either resumes on the other and trains on alike."""
+    from tests.test_sharding import ShardGroup, _assert_same_outputs
+    from tinkerq.producer import ServiceClient
+
+    model = build_family("qwen3_moe", tmp_path / "qwen3-moe", seed=7)
+    checkpoints = tmp_path / "checkpoints"
+    env = {"TINKERQ_CHECKPOINT_DIR": str(checkpoints), "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS)}
+    one_proc = start_named_worker(model, redis_url, "moe-one", tmp_path / "one.log", env=env)
+    group = ShardGroup(model, redis_url, tmp_path, checkpoints, "moe-ep")
+    try:
+        with ServiceClient(broker_url=redis_url) as sc:
+            group.start(1, ("--expert-parallel",))
+            time.sleep(1.0)
+            group.start(0, ("--expert-parallel",))
+            group.wait_serving(sc.connection)
+            one, two = sc.create_training_client("moe-one"), sc.create_training_client("moe-ep")
+            try:
+                assert two.info.extra["shards"] == 2 and two.info.num_parameters == one.info.num_parameters
+                rng = np.random.default_rng(80)
+                batches = [make_batch(rng, n) for n in (1, 3, 5)]
+                futures = {tc: [(tc.forward_backward(b), tc.optim_step(ADAM)) for b in batches] for tc in (one, two)}
+                for i, batch in enumerate(batches):
+                    (fb1, st1), (fb2, st2) = futures[one][i], futures[two][i]
+                    _assert_same_outputs(fb1.result(timeout=120), fb2.result(timeout=120), len(batch))
+                    m1, m2 = st1.result(timeout=60).metrics, st2.result(timeout=60).metrics
+                    assert m2["grad_norm:mean"] == pytest.approx(m1["grad_norm:mean"], rel=1e-5)
+                from transformers import AutoModelForCausalLM
+
+                path_one = one.save_weights_for_sampler("ep-one").result(timeout=60).path
+                path_two = two.save_weights_for_sampler("ep-two").result(timeout=60).path
+                assert max_weight_diff(AutoModelForCausalLM.from_pretrained(path_one), path_two) < 1e-5
+                probe = make_batch(rng, 3)
+                _assert_same_outputs(one.forward(probe).result(timeout=60), two.forward(probe).result(timeout=60), 3)
+                # Its snapshot samples as the unsharded worker's.
+                prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=1)
+                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60)
+                        .sequences for tc in (one, two)]
+                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]] and len(seqs[0]) == 2
+                for a, b in zip(*seqs, strict=True):
+                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+                # The state (weights, AdamW moments, a pending gradient) saved by one resumes on the other, both ways.
+                two.forward_backward(probe).result(timeout=60)
+                one.forward_backward(probe).result(timeout=60)
+                saved = {"moe-ep": two.save_state("ep").result(timeout=60).path,
+                         "moe-one": one.save_state("one").result(timeout=60).path}
+                later = [make_batch(rng, n) for n in (2, 4)]
+                for saver, loader in (("moe-ep", "moe-one"), ("moe-one", "moe-ep")):
+                    tc = sc.create_training_client_from_state_with_optimizer(saved[saver], base_model=loader)
+                    try:
+                        resumed = _losses(tc, later)
+                    finally:
+                        tc.close()
+                    assert resumed == pytest.approx(_losses(two if saver == "moe-ep" else one, later), rel=1e-5,
+                                                    abs=1e-5), (saver, loader)
+            finally:
+                one.close()
+                two.close()
+    finally:
+        group.stop()
+        one_proc.terminate()
+        one_proc.wait(30)
+    said = "expert parallel over 2 ranks: 1 MoE layer(s), experts per rank 4"
+    assert said in (tmp_path / "moe-ep-rank0.log").read_text()
+
+
+def test_fleet_up_passes_expert_parallel_to_every_rank(tmp_path):
+    """`tinkerq fleet up --shards 2 --expert-parallel` gives the flag to the ranks: on a dense model they refuse it at
+    start-up, and `fleet up` says why, naming the rank's log."""
+    from tests.test_fleet import _tinkerq
+
+    dense = build_tiny_llama(tmp_path / "llama")
+    env = {"TINKERQ_HOME": str(tmp_path / "home")}
+    try:
+        up = _tinkerq("fleet", "up", "--fleet", "ep", "--model", str(dense), "--shards", "2", "--expert-parallel",
+                      "--flower-port", "0", "--threads", "1", env=env)
+    finally:
+        _tinkerq("fleet", "down", "--fleet", "ep", env=env)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "exited during start-up" in up.stderr and "has no routed experts" in up.stderr, up.stderr

@@ -1,0 +1,175 @@
+"""Expert parallelism on a shard group: each rank holds E/N of every MoE layer's routed experts and computes them
+for every rank's tokens, which travel to their experts and back by all-to-all.
+
+Under FSDP2 alone a MoE layer's experts are sharded too (dim 0 of the fused (E, ...) tensors), but every rank
+gathers the whole layer for its forward and backward (21.4 GiB for one DeepSeek-V3 layer: docs/planning.md).
+With expert parallelism (``TINKERQ_EXPERT_PARALLEL``, ``--expert-parallel``) the fused expert tensors are left out
+of FSDP (``ignored_params``): each is a DTensor sharded on dim 0 over the group's mesh, so a rank's local part is
+its E/N experts, read from the files by the streaming load exactly as FSDP's shards are
+(worker/sharding/streaming.py), saved and loaded as whole tensors like every other DTensor (the engine's
+``full_tensor`` / ``distribute_tensor``). Attention, norms, embeddings and the router stay under FSDP.
+
+The forward of one experts module, on each rank, for its own N tokens routed to k experts each:
+
+    slots (N k)          each (token, expert) pair, sorted by the rank owning the expert (stable)
+    send counts (W,)     slots per destination rank; all_to_all of the counts gives what this rank receives
+    rows (M, H)          all_to_all of the slots' hidden states: every rank's tokens routed to this rank's experts
+    out (M, H)           the experts module's own forward over its local experts (index = expert - rank E/N,
+                         weight 1: unweighted)
+    back (N k, H)        all_to_all of ``out`` to the slots' owners, unsorted
+    result (N, H)        sum over k of back x routing weight (the weights never leave their rank: the router's
+                         gradient is local)
+
+Both all-to-alls of the hidden states are autograd's (torch's functional ``all_to_all_single_autograd``): the
+backward sends the gradients the other way, so every rank runs the same collectives in the same order as long as
+every rank's output depends on what it received (ensured below even when it received nothing). Nothing is capped:
+a token's output depends only on its own routing, and an uneven routing (every token to one rank's experts) costs
+that rank rows, never a dropped token or a deadlock.
+
+Gradients: the engine scales each rank's loss by the group size and FSDP averages its parameters' gradients over
+the ranks, which sums them; an expert's gradient already sums every rank's tokens (the all-to-all's backward), so
+its local view divides the gradient by the group size to match.
+
+LoRA sessions keep today's layout (their frozen base under FSDP, the tenants' expert factors replicated): the
+expert factors travelling with the tokens is the next step (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import types as pytypes
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from tinkerq.errors import ValidationError
+from tinkerq.worker.lora.experts import is_fused_experts, layout
+
+log = logging.getLogger("tinkerq.shards")
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's fused routed-experts modules whose forward takes (hidden, top_k_index, top_k_weights)."""
+    found = []
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            if layout(module, name).dense:  # every expert on every token (Llama-4): nothing to dispatch
+                raise ValidationError(f"{name}: {type(module).__name__} runs every expert on every token; expert "
+                                      f"parallelism needs routed experts: start the group without --expert-parallel")
+            found.append((name, module))
+    return found
+
+
+def check_expert_parallel(model: torch.nn.Module, world: int) -> list[tuple[str, torch.nn.Module]]:
+    """The routed-experts modules of ``model``, or a ValidationError when it has none or their count does not
+    divide over ``world`` ranks."""
+    modules = experts_modules(model)
+    if not modules:
+        raise ValidationError(f"{type(model).__name__} has no routed experts; expert parallelism is for mixture-of-"
+                              f"experts models: start the group without --expert-parallel")
+    for name, module in modules:
+        experts = layout(module, name).num_experts
+        if experts % world:
+            raise ValidationError(f"{name}: {experts} experts do not split evenly over {world} ranks; start the "
+                                  f"group with a shard count that divides {experts}, or without --expert-parallel")
+    return modules
+
+
+def distribute_experts(model: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn.Parameter]:
+    """Make every routed-experts module of ``model`` (a skeleton: parameters on the meta device) expert-parallel over
+    ``mesh``; returns the parameters now sharded by expert, which FSDP must leave alone (``ignored_params``).
+    Raises as :func:`check_expert_parallel`."""
+    world = mesh.size()
+    modules = check_expert_parallel(model, world)
+    sharded: set[torch.nn.Parameter] = set()
+    for name, module in modules:
+        experts = layout(module, name).num_experts
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.dim() == 0 or p.shape[0] != experts:
+                continue
+            local = torch.empty((experts // world, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                                          stride=p.stride()), requires_grad=p.requires_grad)
+            module.register_parameter(pname, param)
+            sharded.add(param)
+        module._tinkerq_ep = (mesh, experts)  # type: ignore[assignment]
+        # An instance attribute: deep copies rebind it to the copy (copy's MethodType handling).
+        module.forward = pytypes.MethodType(_expert_parallel_forward, module)  # type: ignore[method-assign]
+    log.info("expert parallel over %d ranks: %d MoE layer(s), experts per rank %s", world, len(modules),
+             "/".join(sorted({str(layout(m, n).num_experts // world) for n, m in modules})))
+    return sharded
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _LocalExperts:
+    """The experts module seen with only this rank's experts: its parameters' local parts (gradients scaled to
+    the FSDP convention) and ``num_experts`` E/N; every other attribute is the module's."""
+
+    def __init__(self, module: torch.nn.Module, world: int, experts: int) -> None:
+        local: dict[str, Any] = {"num_experts": experts // world}
+        for pname, p in module.named_parameters(recurse=False):
+            if isinstance(p, DTensor):
+                part = p.to_local()
+                local[pname] = _ScaleGrad.apply(part, 1.0 / world) if torch.is_grad_enabled() else part
+        self.__dict__["_module"], self.__dict__["_local"] = module, local
+
+    def __getattr__(self, name: str) -> Any:
+        local = self.__dict__["_local"]
+        return local[name] if name in local else getattr(self.__dict__["_module"], name)
+
+
+def _expert_parallel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    mesh, experts = self._tinkerq_ep  # type: ignore[misc]
+    group, world = mesh.get_group(), mesh.size()
+    per = experts // world
+    n, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    flat = top_k_index.reshape(-1)  # (N k,)
+    owner = torch.div(flat, per, rounding_mode="floor")  # (N k,) the rank holding each slot's expert
+    order = torch.argsort(owner, stable=True)  # slots grouped by destination, in token order within each
+    send = torch.bincount(owner, minlength=world)  # (W,)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    rows = int(sum(recv_sizes))
+    self._tinkerq_ep_rows = rows  # type: ignore[assignment]  # what this rank computed last (tests)
+
+    sent = hidden_states[torch.div(order, k, rounding_mode="floor")]  # (N k, H) each slot's token, sorted
+    received = _exchange(sent, recv_sizes, send_sizes, group)  # (M, H)
+    local_index = torch.empty(rows, dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(local_index, (flat - owner * per)[order].contiguous(), recv_sizes, send_sizes, group=group)
+
+    view = _LocalExperts(self, world, experts)
+    forward = getattr(type(self), "_tinkerq_original_forward", type(self).forward)  # LoRA's wrapper, if any: not here
+    ones = torch.ones((rows, 1), dtype=top_k_weights.dtype, device=top_k_weights.device)
+    out = forward(view, received, local_index.unsqueeze(1), ones)  # (M, H) unweighted
+    # The output must depend on what arrived even when nothing did (the eager forward then returns fresh zeros):
+    # otherwise this rank would skip the first all-to-all's backward that every other rank runs.
+    out = out + received.sum() * 0
+
+    back = _exchange(out.to(hidden_states.dtype), send_sizes, recv_sizes, group)  # (N k, H) sorted
+    unsorted = back[torch.argsort(order)].view(n, k, hidden)  # (N, k, H)
+    return (unsorted * top_k_weights.unsqueeze(-1)).to(hidden_states.dtype).sum(1)  # (N, H)
+
+
+def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Any) -> torch.Tensor:
+    """All-to-all of ``rows`` (sum(in_sizes), H) -> (sum(out_sizes), H), differentiable (the backward sends the
+    gradients back the same way), waited for here."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(rows.contiguous(), out_sizes, in_sizes, group))
