@@ -79,12 +79,12 @@ def _env(checkpoints: Path, **extra: str) -> dict[str, str]:
             "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS), "TINKERQ_HEARTBEAT_S": "1", **extra}
 
 
-def _group(model_dir, redis_url, tmp_path: Path, service, **env: str) -> ShardGroup:
+def _group(model_dir, redis_url, tmp_path: Path, service, extra: tuple[str, ...] = (), **env: str) -> ShardGroup:
     group = ShardGroup(model_dir, redis_url, tmp_path, tmp_path / "checkpoints", f"sharded-{uuid.uuid4().hex[:8]}")
     group.env.update(_env(tmp_path / "checkpoints", **env))
-    group.start(1)
+    group.start(1, extra)
     time.sleep(1.0)
-    group.start(0)
+    group.start(0, extra)
     group.wait_serving(service.connection)
     return group
 
@@ -177,6 +177,39 @@ def test_a_killed_shard_is_restarted_and_its_group_resumes_the_session_exactly(
         tc.close()
     finally:
         group.stop()
+
+
+def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_resumes_exactly(
+        service, redis_url, tmp_path):
+    """The same with ``--expert-parallel`` on a tiny Qwen3-MoE (each rank holds 4 of its 8 experts): the group's
+    snapshots and journal re-make the session with its experts split again, and the run ends where an
+    uninterrupted one on an unsharded worker of the model does."""
+    from tinkerq.recipes.families import build_family
+
+    moe = build_family("qwen3_moe", tmp_path / "qwen3-moe", seed=12)
+    reference = start_named_worker(moe, redis_url, str(moe), tmp_path / "reference.log",
+                                   env=_env(tmp_path / "checkpoints"))
+    batches = _batches(212)
+    ep = ("--expert-parallel",)
+    group = _group(moe, redis_url, tmp_path, service, ep, TINKERQ_ADOPT_TIMEOUT_S="180")
+    try:
+        tc = _open(service, group.name, False)
+        assert tc.info.extra["shards"] == 2
+        rest, killed_at = _kill_mid_run(tc, batches, group.procs[1])
+        group.start(1, ep)
+        _first_answer_after(rest, killed_at)
+        diff = _check_run(service, tc, moe, batches, rest, "ep-restart")
+        log = (group.logs / f"{group.name}-rank0.log").read_text()
+        snapshot, replayed = _replayed(log, f"re-made session {tc.model_id} after its shard group re-formed")
+        assert snapshot >= 2 * EVERY and snapshot % (2 * EVERY) == 0 and replayed >= 1, (snapshot, replayed)
+        assert log.count("expert parallel over 2 ranks") >= 2  # the session, and again once re-made
+        print(f"\nrestarted shard (expert parallel): snapshot after request {snapshot}, {replayed} replayed; "
+              f"weights within {diff:.2e}")
+        tc.close()
+    finally:
+        group.stop()
+        reference.terminate()
+        reference.wait(30)
 
 
 def test_a_killed_rank_0s_session_is_adopted_by_an_unsharded_worker_exactly(
