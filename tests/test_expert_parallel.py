@@ -117,7 +117,8 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
     """Two real `tinkerq worker --shards 2 --expert-parallel` processes serving a tiny Qwen3-MoE, against one
     unsharded worker on the same model: per-token outputs, gradient norms and the weights after pipelined steps
     (each datum a different length, several per rank) agree to float tolerance; the group reports its shards; its
-    snapshot samples alike; a state saved by either resumes on the other and trains on alike."""
+    snapshot samples alike; a state saved by either resumes on the other and trains on alike; a LoRA tenant on
+    the group trains as on one worker."""
     from tests.test_sharding import ShardGroup, _assert_same_outputs
     from tinkerq.producer import ServiceClient
 
@@ -174,6 +175,18 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
             finally:
                 one.close()
                 two.close()
+            # A LoRA tenant on the same group (its frozen base keeps FSDP's layout) trains as on one worker.
+            lora = [sc.create_lora_training_client(name, rank=4, seed=3).result(timeout=120)
+                    for name in ("moe-one", "moe-ep")]
+            try:
+                for batch in batches[:2]:
+                    outs = [tc.forward_backward(batch) for tc in lora]
+                    _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
+                    norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in lora]
+                    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+            finally:
+                for tc in lora:
+                    tc.close()
     finally:
         group.stop()
         one_proc.terminate()
