@@ -20,6 +20,7 @@ from tinkerq.worker.loading.models import load_causal_lm, load_skeleton
 from tinkerq.worker.lora.experts import is_fused_experts
 from tinkerq.worker.sharding.fsdp import LogprobModule, shard
 from tinkerq.worker.sharding.streaming import fill_shards
+from tinkerq.worker.training import checkpointing as activation_checkpointing
 from tinkerq.worker.training.logprobs import LogprobComputer
 
 
@@ -63,8 +64,10 @@ def _skew(model: torch.nn.Module, world: int) -> None:
             module.register_forward_pre_hook(to_rank0)
 
 
-def compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: bool = False) -> None:
-    """``skew``: every token routed to rank 0's experts, in both models."""
+def compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: bool = False,
+            checkpointing: bool = False) -> None:
+    """``skew``: every token routed to rank 0's experts, in both models. ``checkpointing``: the expert-parallel
+    model's decoder layers are checkpointed (their all-to-alls run again in the backward's recomputation)."""
     mesh = _join(rank, world, port)
     torch.set_num_threads(1)
     found = {}
@@ -86,8 +89,9 @@ def compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: 
                 ref_mine = lp.detach()
         ref_total.backward()
         # Expert parallel: this rank's rows only, the loss scaled by the group size (the engine's convention).
-        lp = root(*_batch(vocab, rank))
-        (lp.sum() * world).backward()
+        with activation_checkpointing.enabled(checkpointing):
+            lp = root(*_batch(vocab, rank))
+            (lp.sum() * world).backward()
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         grad_diff, local, whole, expert_local = 0.0, 0, 0, 0
         for name, p in root.lm.named_parameters():

@@ -38,8 +38,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(world: int, paths: list[str], out: Path, skew: bool = False) -> list[dict]:
-    torch.multiprocessing.spawn(expert_ranks.compare, args=(world, _port(), paths, str(out), skew), nprocs=world)
+def _spawn(world: int, paths: list[str], out: Path, skew: bool = False, checkpointing: bool = False) -> list[dict]:
+    torch.multiprocessing.spawn(expert_ranks.compare, args=(world, _port(), paths, str(out), skew, checkpointing),
+                                nprocs=world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -66,13 +67,14 @@ def test_every_moe_family_matches_the_whole_model_on_two_ranks(tmp_path):
 
 
 def test_four_ranks_and_every_token_to_one_ranks_experts(tmp_path):
-    """8 experts over 4 ranks (2 each); then every token routed into rank 0's experts: the other ranks compute
-    nothing for that layer, and still join every collective (no deadlock), and the numbers still match."""
+    """8 experts over 4 ranks (2 each); then every token routed into rank 0's experts, with the decoder layers
+    checkpointed: the other ranks compute nothing for that layer, and still join every collective, in the forward
+    and again in the backward's recomputation (no deadlock), and the numbers still match."""
     model = str(build_family("qwen3_moe", tmp_path / "qwen3_moe", seed=5))
     (tmp_path / "even").mkdir()
     _check(_spawn(4, [model], tmp_path / "even"), 4)
     (tmp_path / "skew").mkdir()
-    ranks = _spawn(4, [model], tmp_path / "skew", skew=True)
+    ranks = _spawn(4, [model], tmp_path / "skew", skew=True, checkpointing=True)
     _check(ranks, 4)
     assert ranks[0][model]["rows"][0] > 0 and all(r[model]["rows"] == [0] for r in ranks[1:]), ranks
 
@@ -118,7 +120,8 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
     unsharded worker on the same model: per-token outputs, gradient norms and the weights after pipelined steps
     (each datum a different length, several per rank) agree to float tolerance; the group reports its shards; its
     snapshot samples alike; a state saved by either resumes on the other and trains on alike; a LoRA tenant on
-    the group trains as on one worker."""
+    the group trains as on one worker. The group runs with its decoder layers checkpointed (each layer's
+    all-to-alls run again in the backward)."""
     from tests.test_sharding import ShardGroup, _assert_same_outputs
     from tinkerq.producer import ServiceClient
 
@@ -129,9 +132,10 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
     group = ShardGroup(model, redis_url, tmp_path, checkpoints, "moe-ep")
     try:
         with ServiceClient(broker_url=redis_url) as sc:
-            group.start(1, ("--expert-parallel",))
+            flags = ("--expert-parallel", "--activation-checkpointing", "on")  # layers recomputed, all-to-alls too
+            group.start(1, flags)
             time.sleep(1.0)
-            group.start(0, ("--expert-parallel",))
+            group.start(0, flags)
             group.wait_serving(sc.connection)
             one, two = sc.create_training_client("moe-one"), sc.create_training_client("moe-ep")
             try:
@@ -191,8 +195,9 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
         group.stop()
         one_proc.terminate()
         one_proc.wait(30)
-    said = "expert parallel over 2 ranks: 1 MoE layer(s), experts per rank 4"
-    assert said in (tmp_path / "moe-ep-rank0.log").read_text()
+    log = (tmp_path / "moe-ep-rank0.log").read_text()
+    assert "expert parallel over 2 ranks: 1 MoE layer(s), experts per rank 4" in log
+    assert "decoder layers checkpointed" in log
 
 
 def test_fleet_up_passes_expert_parallel_to_every_rank(tmp_path):
