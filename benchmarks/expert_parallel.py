@@ -12,6 +12,7 @@ peak RSS growth during it (``VmHWM``, reset before each), alternated rep by rep 
 from a config with a fixed seed and written with save_pretrained (no download).
 
     .venv/bin/python benchmarks/expert_parallel.py [--ranks 4] [--reps 3] [--rows 2] [--tokens 128] [--experts 32]
+                                                   [--skew]
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class _Group:
         self.mesh = mesh
 
 
-def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tokens: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tokens: int, out: str,
+          skew: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -65,6 +67,12 @@ def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tok
                      expert_parallel=expert_parallel)
 
     models = {"fsdp": build(False), "ep": build(True)}
+    if skew:  # every token's experts remapped into rank 0's: the most uneven routing there is
+        for root in models.values():
+            for module in root.lm.modules():
+                if hasattr(module, "num_experts") and hasattr(module, "gate_up_proj"):
+                    per = module.num_experts // world
+                    module.register_forward_pre_hook(lambda mod, args, per=per: (args[0], args[1] % per, args[2]))
     gen = torch.Generator().manual_seed(rank)
     tokens_ = torch.randint(0, 4000, (rows, tokens), generator=gen)
     mask = torch.ones_like(tokens_, dtype=torch.bool)
@@ -94,6 +102,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2, help="datums per rank")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per datum")
     parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--skew", action="store_true", help="every token routed into rank 0's experts")
     args = parser.parse_args()
 
     import torch
@@ -115,7 +124,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         torch.multiprocessing.spawn(_rank, args=(args.ranks, port, str(directory), args.reps, args.rows,
-                                                 args.tokens, tmp), nprocs=args.ranks)
+                                                 args.tokens, tmp, args.skew), nprocs=args.ranks)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     rows, medians = [], {}
     for kind in ("fsdp", "ep"):
@@ -126,6 +135,17 @@ def main() -> None:
     print()
     print_table(["layout", "model MiB", "peak RSS growth per rank in a pass MiB (median)", "max MiB",
                  "s per pass (median)"], rows)
+    # What the worker admits a pass with (worker/memory/): the batch (activations, expert-parallel at worst, the
+    # gradients, the data) and FSDP's gather room, against the largest rank's peak.
+    from tinkerq.worker.memory import batch_bytes, gather_bytes
+
+    lengths = [args.tokens] * (args.rows * args.ranks)
+    gather = gather_bytes(shape, args.ranks, weight_grads=True)
+    planned = {kind: batch_bytes(shape, lengths, microbatch_tokens=16384, backward=True, chunk_tokens=None,
+                                 shards=args.ranks, expert_parallel=kind == "ep") + gather for kind in ("fsdp", "ep")}
+    print()
+    print_table(["layout", "admitted MiB (batch + gather room)", "largest peak / admitted"],
+                [(k, planned[k] / MiB, max(p for r in ranks for p, _ in r[k]) / planned[k]) for k in planned])
     print()
     print_table(["peak ep / fsdp", "time ep / fsdp"],
                 [(medians["ep"][0] / medians["fsdp"][0], medians["ep"][1] / medians["fsdp"][1])])

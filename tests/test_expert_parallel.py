@@ -214,3 +214,29 @@ def test_fleet_up_passes_expert_parallel_to_every_rank(tmp_path):
         _tinkerq("fleet", "down", "--fleet", "ep", env=env)
     assert up.returncode == 2, up.stdout + up.stderr
     assert "exited during start-up" in up.stderr and "has no routed experts" in up.stderr, up.stderr
+
+
+def test_admission_counts_every_ranks_rows_at_the_experts_of_an_expert_parallel_rank(tmp_path):
+    """worker/memory activation_bytes(expert_ranks=W): a rank may compute its experts for every rank's concurrent
+    micro-batch (all tokens routed to it), never more than the request's tokens; a dense model adds nothing."""
+    from tinkerq.worker.memory import ModelShape, activation_bytes, batch_bytes
+
+    moe = ModelShape.of(load_skeleton(str(build_family("qwen3_moe", tmp_path / "moe", seed=1))))
+    dense = ModelShape.of(load_skeleton(str(build_tiny_llama(tmp_path / "llama"))))
+    assert (moe.top_k, moe.routed_intermediate) == (2, 2 * 16) and (dense.top_k, dense.routed_intermediate) == (0, 0)
+
+    def acts(shape, lengths, w, budget=64):
+        return activation_bytes(shape, lengths, microbatch_tokens=budget, backward=True, chunk_tokens=None,
+                                expert_ranks=w)
+
+    many = [32] * 16  # 512 tokens in micro-batches of 64: each of 4 ranks' concurrent micro-batches may reach one
+    one, four = acts(moe, many, 1), acts(moe, many, 4)
+    n, layers = 64, moe.layers
+    extra = (4 * n - n) * 6 * moe.routed_intermediate * 4 + 2 * (4 * n + n) * moe.top_k * moe.hidden * 4
+    assert four - one == (layers + 1) * extra  # every layer saved for the backward, one more in flight
+    # A request of one micro-batch: the other ranks' rows are among its own tokens; only the exchange is added.
+    small = [16, 16]
+    assert acts(moe, small, 4) - acts(moe, small, 1) == (layers + 1) * 2 * (32 + 32) * moe.top_k * moe.hidden * 4
+    assert acts(dense, many, 4) == acts(dense, many, 1)
+    kw = dict(microbatch_tokens=64, backward=True, chunk_tokens=None, shards=4)
+    assert batch_bytes(moe, many, expert_parallel=True, **kw) - batch_bytes(moe, many, **kw) == four - one

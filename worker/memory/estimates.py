@@ -38,6 +38,10 @@ class ModelShape:
     root_bytes: int = 0
     parameters: int = 0  # the number of distinct parameters (tied ones once), full size
     largest_weight_bytes: int = 0  # the largest single parameter at full size (a fused experts tensor is one)
+    # A mixture of experts: how many routed experts a token goes through, and their summed width (top-k x the
+    # expert's width; part of ``intermediate``). 0 on a dense model.
+    top_k: int = 0
+    routed_intermediate: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
@@ -58,6 +62,7 @@ class ModelShape:
         heads = int(getattr(text, "num_attention_heads", 0) or 1)
         from tinkerq.worker.loading.layers import decoder_layers  # what fully_shard wraps one by one
 
+        top_k, expert = _routed(text, hidden)
         full_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
         layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters())
                        for layer in decoder_layers(cast(Any, model))] if hasattr(model, "base_model") else []
@@ -76,7 +81,18 @@ class ModelShape:
             root_bytes=full_bytes - sum(layer_bytes),
             parameters=sum(p.numel() for p in params),
             largest_weight_bytes=max((p.numel() * p.element_size() for p in params), default=0),
+            top_k=top_k,
+            routed_intermediate=top_k * expert,
         )
+
+
+def _routed(text: Any, hidden: int) -> tuple[int, int]:
+    """(top-k, one routed expert's width) of a mixture of experts; (0, 0) for a dense model."""
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    if not top_k:
+        return 0, 0
+    dense = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    return top_k, int(getattr(text, "moe_intermediate_size", 0) or dense)  # gpt-oss: intermediate_size is the expert's
 
 
 def _active_intermediate(text: Any, hidden: int) -> int:
@@ -84,10 +100,9 @@ def _active_intermediate(text: Any, hidden: int) -> int:
     routed experts' widths times how many a token uses, plus the shared experts' (the larger of the two, for
     models with both kinds of layers). Unknown: the classic 4 x hidden (an over- rather than an under-estimate)."""
     dense = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
-    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    top_k, expert = _routed(text, hidden)
     if not top_k:
         return dense
-    expert = int(getattr(text, "moe_intermediate_size", 0) or dense)  # gpt-oss: intermediate_size is the expert's
     shared = int(getattr(text, "n_shared_experts", 0) or 0) * expert
     shared += int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
     return max(dense, top_k * expert + shared)
@@ -218,18 +233,22 @@ def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, 
 
 
 def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                chunk_tokens: int | None, shards: int = 1, lora: bool = False, checkpointing: bool = False) -> int:
+                chunk_tokens: int | None, shards: int = 1, lora: bool = False, checkpointing: bool = False,
+                expert_parallel: bool = False) -> int:
     """A forward (backward=False) or forward_backward request: the largest micro-batch's peak + the data.
 
         batch  = activations (:func:`activation_bytes`) + grads + data (:func:`request_bytes`)
         grads  = training_working_bytes    (backward only: the request's gradient buffers; none for a LoRA
                                             request: its adapter's gradient buffers are in its state)
 
-    A sharded worker splits datums across ranks, so rank 0's micro-batches are no larger than these.
+    A sharded worker splits datums across ranks, so rank 0's micro-batches are no larger than these; an
+    expert-parallel group's rank may compute the routed experts of every rank's micro-batch (``expert_parallel``:
+    :func:`activation_bytes` with ``expert_ranks=shards``).
     """
     grads = training_working_bytes(shape, shards) if backward and not lora else 0
     return (activation_bytes(shape, lengths, microbatch_tokens=microbatch_tokens, backward=backward,
-                             chunk_tokens=chunk_tokens, checkpointing=checkpointing) + grads + request_bytes(lengths))
+                             chunk_tokens=chunk_tokens, checkpointing=checkpointing,
+                             expert_ranks=shards if expert_parallel else 1) + grads + request_bytes(lengths))
 
 
 def request_bytes(lengths: list[int]) -> int:
@@ -238,7 +257,7 @@ def request_bytes(lengths: list[int]) -> int:
 
 
 def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                     chunk_tokens: int | None, checkpointing: bool = False) -> int:
+                     chunk_tokens: int | None, checkpointing: bool = False, expert_ranks: int = 1) -> int:
     """The largest micro-batch's activations and loss head, of a batch of rows of these lengths.
 
     Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
@@ -260,12 +279,27 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
                  chunk_tokens, and keeps the final hidden states; without the chunked head
                  (chunk_tokens None) C = N: full (B, L, V) logits, 3 copies: logits, float, grad)
 
+    On an expert-parallel group (``expert_ranks`` W > 1, worker/sharding/experts.py) a rank computes its experts for
+    the rows every rank routes to them: at worst (every token to this rank's experts) the tokens of W ranks'
+    concurrent micro-batches, R = min(W x N, the request's tokens). A MoE model's layer then adds
+
+        (R - N) x 6 x routed x dtype_bytes             routed = top-k x the expert width (part of ``intermediate``)
+        + 2 x (R + N) x top-k x hidden x dtype_bytes   the all-to-all's rows: sent and returned (N), received and
+                                                       computed (R)
+
     A LoRA backward saves the same activations as a full one.
     """
     largest = 0
     for rows, longest in microbatches(lengths, microbatch_tokens):
         n = rows * longest
         layer = n * (10 * shape.hidden + 6 * shape.intermediate) * shape.dtype_bytes + 2 * rows * longest * longest * 4
+        if expert_ranks > 1 and shape.top_k:
+            # The routed experts of up to every rank's concurrent micro-batch (never more than the request's
+            # tokens), and the all-to-all's rows: sent and returned for this micro-batch, received and computed
+            # for all of them.
+            routed_tokens = min(expert_ranks * n, max(n, sum(lengths)))
+            layer += (routed_tokens - n) * 6 * shape.routed_intermediate * shape.dtype_bytes
+            layer += 2 * (routed_tokens + n) * shape.top_k * shape.hidden * shape.dtype_bytes
         if not backward:
             acts = 2 * layer
         elif checkpointing:
