@@ -140,9 +140,10 @@ def main() -> None:
     from tinkerq.worker.memory import batch_bytes, gather_bytes
 
     lengths = [args.tokens] * (args.rows * args.ranks)
-    gather = gather_bytes(shape, args.ranks, weight_grads=True)
     planned = {kind: batch_bytes(shape, lengths, microbatch_tokens=16384, backward=True, chunk_tokens=None,
-                                 shards=args.ranks, expert_parallel=kind == "ep") + gather for kind in ("fsdp", "ep")}
+                                 shards=args.ranks, expert_parallel=kind == "ep")
+               + gather_bytes(shape, args.ranks, weight_grads=True, expert_parallel=kind == "ep")
+               for kind in ("fsdp", "ep")}
     print()
     print_table(["layout", "admitted MiB (batch + gather room)", "largest peak / admitted"],
                 [(k, planned[k] / MiB, max(p for r in ranks for p, _ in r[k]) / planned[k]) for k in planned])

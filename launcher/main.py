@@ -232,7 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for gb in args.device_memory:
         plans = [plan(m, devices=args.devices, device_gb=gb, dtype=args.dtype, headroom_gb=args.headroom,
                       workload=workload, quantized_base=args.quantized_base,
-                      activation_checkpointing=args.activation_checkpointing) for m in models]
+                      activation_checkpointing=args.activation_checkpointing,
+                      expert_parallel=args.expert_parallel) for m in models]
         tables.append(plans)
     if args.json:
         print(json.dumps([to_json(p) for plans in tables for p in plans], indent=2))
@@ -407,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
                     help="the worker's TINKERQ_ACTIVATION_CHECKPOINTING: auto (default) plans a batch checkpointed "
                          "where it would not fit otherwise, on always, off never")
+    pn.add_argument("--expert-parallel", action="store_true",
+                    help="plan full sessions of a MoE model on a group started with --expert-parallel: its routed "
+                         "experts split by expert, not gathered (docs/sharding.md#expert-parallelism)")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

@@ -520,3 +520,33 @@ def test_activation_checkpointing_is_planned_where_a_batch_would_not_fit_otherwi
             name == "gpt-oss-120b"
     text = planner.render(auto)
     assert "decoder layers checkpointed" in text and "activation checkpointing auto" in text
+
+
+def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every_ranks_rows(tmp_path: Path):
+    """``tinkerq plan --expert-parallel``: a MoE model's full sessions gather each layer without its routed experts
+    (largest_layer_dense_bytes) and plan a rank's experts for every rank's rows; LoRA and dense models unchanged."""
+    from tinkerq.recipes.families import build_family
+    from tinkerq.worker.loading.layers import decoder_layers
+    from tinkerq.worker.loading.models import load_skeleton
+
+    skeleton = load_skeleton(str(build_family("qwen3_moe", tmp_path / "moe", seed=1)))
+    moe = memory.ModelShape.of(skeleton)
+    dense_layer, moe_layer = (sum(p.numel() * 4 for p in layer.parameters()) for layer in decoder_layers(skeleton))
+    experts = 8 * (2 * 16 * 32 + 32 * 16) * 4  # layer 1's gate_up_proj (8, 32, 32) and down_proj (8, 32, 16)
+    assert moe.largest_layer_bytes == moe_layer > dense_layer  # layer 0 is dense (mlp_only_layers)
+    assert moe.largest_layer_dense_bytes == max(dense_layer, moe_layer - experts)
+    assert memory.gather_bytes(moe, 4, weight_grads=True) - memory.gather_bytes(
+        moe, 4, weight_grads=True, expert_parallel=True) == 2 * 2 * (moe_layer - moe.largest_layer_dense_bytes)
+    assert memory.gather_bytes(moe, 1, weight_grads=True, expert_parallel=True) == 0
+    for name, moe_model in (("llama-3.1-8b", False), ("deepseek-v3.1", True), ("kimi-k2-thinking", True)):
+        fsdp = planner.plan(name, devices=8, device_gb=141)
+        ep = planner.plan(name, devices=8, device_gb=141, expert_parallel=True)
+        assert ep.expert_parallel == moe_model and ep.lora == fsdp.lora
+        if not moe_model:
+            assert ep.full == fsdp.full
+            continue
+        assert ep.full.parts["FSDP gather room"] < fsdp.full.parts["FSDP gather room"]
+        assert ep.full.shards is not None and (fsdp.full.shards is None or ep.full.shards < fsdp.full.shards)
+    out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "plan", "--model", "deepseek-v3.1",
+                          "--device-memory", "141", "--expert-parallel"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Full sessions: expert parallel" in out.stdout, out.stderr

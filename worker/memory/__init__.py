@@ -123,7 +123,8 @@ def admit_session(model: torch.nn.Module, settings: Any, sessions: Iterable[Any]
     would need (:func:`shards_for_session`, the planner's figure: docs/planning.md)."""
     shape, shards = ModelShape.of(model), settings.shards
     promised = unallocated_state_bytes(sessions)
-    needed = full_session_bytes(shape, shards) + promised
+    ep = bool(getattr(settings, "expert_parallel", False))
+    needed = full_session_bytes(shape, shards, expert_parallel=ep) + promised
     try:
         require(needed, "a new training session (weights, gradients and AdamW state"
                 + (f", 1/{shards} per shard" if shards > 1 else "")

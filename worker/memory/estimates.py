@@ -42,6 +42,9 @@ class ModelShape:
     # expert's width; part of ``intermediate``). 0 on a dense model.
     top_k: int = 0
     routed_intermediate: int = 0
+    # The largest decoder layer without its routed experts: what an expert-parallel group gathers (its experts
+    # stay split by expert: worker/sharding/experts.py). 0 where a shape is written by hand (then the whole layer).
+    largest_layer_dense_bytes: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
@@ -61,11 +64,14 @@ class ModelShape:
         vocab, hidden = (int(x) for x in embeddings.shape[-2:])
         heads = int(getattr(text, "num_attention_heads", 0) or 1)
         from tinkerq.worker.loading.layers import decoder_layers  # what fully_shard wraps one by one
+        from tinkerq.worker.lora.experts import is_fused_experts  # routed experts (expert parallelism)
 
         top_k, expert = _routed(text, hidden)
         full_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
-        layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters())
-                       for layer in decoder_layers(cast(Any, model))] if hasattr(model, "base_model") else []
+        layers = list(decoder_layers(cast(Any, model))) if hasattr(model, "base_model") else []
+        layer_bytes = [_bytes(layer.parameters()) for layer in layers]
+        dense_bytes = [size - sum(_bytes(m.parameters()) for m in layer.modules() if is_fused_experts(m))
+                       for layer, size in zip(layers, layer_bytes, strict=True)]
         return cls(
             param_bytes=sum(_local(p).numel() * p.element_size() for p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -83,7 +89,12 @@ class ModelShape:
             largest_weight_bytes=max((p.numel() * p.element_size() for p in params), default=0),
             top_k=top_k,
             routed_intermediate=top_k * expert,
+            largest_layer_dense_bytes=max(dense_bytes, default=0),
         )
+
+
+def _bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
 
 
 def _routed(text: Any, hidden: int) -> tuple[int, int]:
@@ -257,7 +268,8 @@ def request_bytes(lengths: list[int]) -> int:
 
 
 def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
-                     chunk_tokens: int | None, checkpointing: bool = False, expert_ranks: int = 1) -> int:
+                     chunk_tokens: int | None, checkpointing: bool = False, expert_ranks: int = 1,
+                     request_tokens: int | None = None) -> int:
     """The largest micro-batch's activations and loss head, of a batch of rows of these lengths.
 
     Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
@@ -281,7 +293,8 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
 
     On an expert-parallel group (``expert_ranks`` W > 1, worker/sharding/experts.py) a rank computes its experts for
     the rows every rank routes to them: at worst (every token to this rank's experts) the tokens of W ranks'
-    concurrent micro-batches, R = min(W x N, the request's tokens). A MoE model's layer then adds
+    concurrent micro-batches, R = min(W x N, the request's tokens: ``request_tokens``, else those of
+    ``lengths``). A MoE model's layer then adds
 
         (R - N) x 6 x routed x dtype_bytes             routed = top-k x the expert width (part of ``intermediate``)
         + 2 x (R + N) x top-k x hidden x dtype_bytes   the all-to-all's rows: sent and returned (N), received and
@@ -297,7 +310,7 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
             # The routed experts of up to every rank's concurrent micro-batch (never more than the request's
             # tokens), and the all-to-all's rows: sent and returned for this micro-batch, received and computed
             # for all of them.
-            routed_tokens = min(expert_ranks * n, max(n, sum(lengths)))
+            routed_tokens = min(expert_ranks * n, max(n, sum(lengths) if request_tokens is None else request_tokens))
             layer += (routed_tokens - n) * 6 * shape.routed_intermediate * shape.dtype_bytes
             layer += 2 * (routed_tokens + n) * shape.top_k * shape.hidden * shape.dtype_bytes
         if not backward:
@@ -315,7 +328,7 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
 # -- sharded groups (worker/sharding/) and LoRA tenants (worker/lora/) --------------------------------------------
 
 
-def gather_bytes(shape: ModelShape, shards: int, *, weight_grads: bool) -> int:
+def gather_bytes(shape: ModelShape, shards: int, *, weight_grads: bool, expert_parallel: bool = False) -> int:
     """FSDP's transient room on each shard of a group (worker/sharding/fsdp.py); 0 on one worker.
 
     ``fully_shard`` wraps every decoder layer and a root (the embeddings, the final norm, the output weight).
@@ -325,21 +338,24 @@ def gather_bytes(shape: ModelShape, shards: int, *, weight_grads: bool) -> int:
         gather = root + 2 x largest layer                  (full-size parameters, the model's dtype)
                x 2 when the weights train                  (their unsharded gradients, before reduce-scatter)
 
-    The 1/shards piece a shard holds anyway is not subtracted (a little high, as every estimate here).
+    The 1/shards piece a shard holds anyway is not subtracted (a little high, as every estimate here). With
+    ``expert_parallel`` a layer is gathered without its routed experts (``largest_layer_dense_bytes``).
     """
     if shards <= 1:
         return 0
-    room = shape.root_bytes + 2 * shape.largest_layer_bytes
+    layer = shape.largest_layer_dense_bytes if expert_parallel and shape.largest_layer_dense_bytes else \
+        shape.largest_layer_bytes
+    room = shape.root_bytes + 2 * layer
     return 2 * room if weight_grads else room
 
 
-def full_session_bytes(shape: ModelShape, shards: int = 1) -> int:
+def full_session_bytes(shape: ModelShape, shards: int = 1, *, expert_parallel: bool = False) -> int:
     """What a new full-parameter session needs per shard besides its requests' activations (admission's figure):
 
         full = session_state_bytes + training_working_bytes + gather_bytes(weights train)
     """
     return (session_state_bytes(shape, shards) + training_working_bytes(shape, shards)
-            + gather_bytes(shape, shards, weight_grads=True))
+            + gather_bytes(shape, shards, weight_grads=True, expert_parallel=expert_parallel))
 
 
 def lora_state_bytes(parameters: int) -> int:

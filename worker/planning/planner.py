@@ -253,22 +253,26 @@ class Plan:
     quantized_base: str = "dequantize"  # "keep": the LoRA column plans the base as stored (kept_lora_parts)
     max_lora_sessions: int = Settings.max_lora_sessions
     activation_checkpointing: str = "auto"  # the worker's TINKERQ_ACTIVATION_CHECKPOINTING planned for
+    expert_parallel: bool = False  # full sessions planned with their routed experts split by expert (a MoE model)
     notes: list[str] = field(default_factory=list)
 
 
 def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
-               checkpointing: bool = False) -> dict[str, int]:
-    """A full session's memory on each of ``shards`` devices, part by part."""
+               checkpointing: bool = False, expert_parallel: bool = False) -> dict[str, int]:
+    """A full session's memory on each of ``shards`` devices, part by part. ``expert_parallel``: a MoE layer is
+    gathered without its routed experts, and a rank's experts may get every rank's rows (worker/sharding/experts.py)."""
     lengths = rank_lengths(workload.lengths(), shards)
+    ep = expert_parallel and shards > 1
     return {
         # One worker holds the base model on its device beside the session's copy; a shard group keeps it on the
         # CPU (docs/sharding.md#memory).
         "base model (worker's copy)": snapshot_bytes(shape) if shards == 1 else 0,
         **{f"session {k}": v for k, v in session_state_parts(shape, shards).items()},
         "forward_backward working": training_working_bytes(shape, shards),
-        "FSDP gather room": gather_bytes(shape, shards, weight_grads=True),
+        "FSDP gather room": gather_bytes(shape, shards, weight_grads=True, expert_parallel=ep),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        expert_ranks=shards if ep else 1, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
 
@@ -288,13 +292,15 @@ def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
 
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
          workload: Workload | None = None, quantized_base: str = "dequantize",
-         activation_checkpointing: str = "auto") -> Plan:
+         activation_checkpointing: str = "auto", expert_parallel: bool = False) -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
     ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
     ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
     served by one process); full sessions are still planned dequantized (they need float weights).
     ``activation_checkpointing``: the worker's setting; "auto" plans a batch's activations checkpointed where they
-    would not fit otherwise, as the worker's admission decides (worker/memory/ admit_batch)."""
+    would not fit otherwise, as the worker's admission decides (worker/memory/ admit_batch).
+    ``expert_parallel``: full sessions of a MoE model on a group with --expert-parallel (LoRA groups keep FSDP's
+    layout)."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
     workload = workload or Workload()
@@ -328,7 +334,9 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
             return plain, False
         return parts(True), True
 
-    def longest_datum(fixed: int) -> int:
+    ep = expert_parallel and shape.top_k > 0  # a dense model: nothing to split by expert
+
+    def longest_datum(fixed: int, expert_ranks: int = 1) -> int:
         """The most tokens one datum may have for its activations to fit beside ``fixed`` bytes (a datum is never
         split: it runs alone in a micro-batch when longer than the budget), checkpointed unless that is off."""
         on = activation_checkpointing != "off"
@@ -336,20 +344,22 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
         while lo < hi:
             mid = (lo + hi + 1) // 2
             acts = activation_bytes(shape, [mid], microbatch_tokens=workload.microbatch_tokens, backward=True,
-                                    chunk_tokens=chunk, checkpointing=on) + request_bytes([mid])
+                                    chunk_tokens=chunk, checkpointing=on, expert_ranks=expert_ranks,
+                                    request_tokens=max(mid, workload.batch_tokens)) + request_bytes([mid])
             lo, hi = (mid, hi) if fixed + acts <= usable else (lo, mid - 1)
         return lo
 
     def full_at(n: int) -> tuple[dict[str, int], bool]:
-        return checkpointed(lambda on: full_parts(shape, n, workload, chunk, on))
+        return checkpointed(lambda on: full_parts(shape, n, workload, chunk, on, expert_parallel=ep))
 
     n_full = shards_needed(lambda n: sum(full_at(n)[0].values()), usable, limit=MAX_SHARDS)
     at = n_full if n_full is not None and n_full <= devices else devices
     parts, on = full_at(at)
-    every = full_parts(shape, devices, workload, chunk)
+    every = full_parts(shape, devices, workload, chunk, expert_parallel=ep)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
-                    longest_datum=longest_datum(sum(every.values()) - every["activations"]), checkpointing=on)
+                    longest_datum=longest_datum(sum(every.values()) - every["activations"],
+                                                devices if ep and devices > 1 else 1), checkpointing=on)
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
     adapter = max(1, lora_state_bytes(adapter_parameters))
@@ -387,7 +397,7 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
                 workload, adapter_parameters, full, lora, quantized, quantized_base,
-                activation_checkpointing=activation_checkpointing)
+                activation_checkpointing=activation_checkpointing, expert_parallel=ep)
 
 
 # -- output --------------------------------------------------------------------------------------------------------
@@ -453,6 +463,11 @@ def render(p: Plan) -> str:
     lines.append("")
     lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
     lines.append("")
+    if p.expert_parallel:
+        lines.append("")
+        lines.append("Full sessions: expert parallel (--expert-parallel): a MoE layer is gathered without its routed "
+                     "experts, and a rank's experts are planned for every rank's rows at once (the most uneven "
+                     "routing). LoRA groups keep FSDP's layout.")
     lines.append(f"({unit}; activation checkpointing {p.activation_checkpointing}: TINKERQ_ACTIVATION_CHECKPOINTING; "
                  f"the longest datum is planned checkpointed unless it is off. "
                  f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
@@ -469,7 +484,8 @@ def render_markdown(plans: list[Plan]) -> str:
     p0 = plans[0]
     head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
-            f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}.\n\n")
+            f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}"
+            f"{'; full sessions of MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
              "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "
