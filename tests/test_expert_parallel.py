@@ -120,8 +120,8 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
     unsharded worker on the same model: per-token outputs, gradient norms and the weights after pipelined steps
     (each datum a different length, several per rank) agree to float tolerance; the group reports its shards; its
     snapshot samples alike; a state saved by either resumes on the other and trains on alike; a LoRA tenant on
-    the group trains as on one worker. The group runs with its decoder layers checkpointed (each layer's
-    all-to-alls run again in the backward)."""
+    the group trains as on one worker, and the base samples alike. The group runs with its decoder layers
+    checkpointed (each layer's all-to-alls run again in the backward)."""
     from tests.test_sharding import ShardGroup, _assert_same_outputs
     from tinkerq.producer import ServiceClient
 
@@ -179,6 +179,13 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
             finally:
                 one.close()
                 two.close()
+            # The base model samples from the group as from one worker.
+            prompt, params = types.ModelInput.from_ints([4, 5, 6]), types.SamplingParams(max_tokens=4, seed=2)
+            base = [sc.create_sampling_client(base_model=name).sample(prompt, 2, params).result(timeout=120).sequences
+                    for name in ("moe-one", "moe-ep")]
+            assert [s.tokens for s in base[1]] == [s.tokens for s in base[0]]
+            for a, b in zip(*base, strict=True):
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
             # A LoRA tenant on the same group (its frozen base keeps FSDP's layout) trains as on one worker.
             lora = [sc.create_lora_training_client(name, rank=4, seed=3).result(timeout=120)
                     for name in ("moe-one", "moe-ep")]
