@@ -173,6 +173,16 @@ def _same_weights(one, two, tag: str) -> float:
     return max_weight_diff(AutoModelForCausalLM.from_pretrained(path_one), path_two)
 
 
+def _trains_as_one(one, two, batches, tag: str) -> None:
+    """The same pipelined steps on ``one`` (an unsharded worker) and ``two`` (the group): losses, gradient norms and
+    the weights after them agree."""
+    losses_one, norms_one = _steps(one, batches)
+    losses_two, norms_two = _steps(two, batches)
+    assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
+    assert norms_two == pytest.approx(norms_one, rel=1e-5)
+    assert _same_weights(one, two, tag) < 1e-5
+
+
 def test_a_group_over_two_hosts_trains_as_one_worker(two_hosts, hosts, net_redis, net_service, service, model_dir):
     rng = np.random.default_rng(90)
     batches = [make_batch(rng, n) for n in (3, 5, 2)]
@@ -180,11 +190,7 @@ def test_a_group_over_two_hosts_trains_as_one_worker(two_hosts, hosts, net_redis
     two = net_service.create_training_client(two_hosts.name)
     try:
         assert two.info.extra["shards"] == 2
-        losses_one, norms_one = _steps(one, batches)
-        losses_two, norms_two = _steps(two, batches)
-        assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
-        assert norms_two == pytest.approx(norms_one, rel=1e-5)
-        assert _same_weights(one, two, "multihost") < 1e-5
+        _trains_as_one(one, two, batches, "multihost")
     finally:
         one.close()
         two.close()
@@ -216,12 +222,7 @@ def test_experts_split_over_two_hosts_train_as_one_worker(hosts, net_redis, net_
         one = net_service.create_training_client("moe-one-host")
         two = net_service.create_training_client(group.name)
         try:
-            batches = [make_batch(np.random.default_rng(91), n) for n in (3, 5, 2)]
-            losses_one, norms_one = _steps(one, batches)
-            losses_two, norms_two = _steps(two, batches)
-            assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-5)
-            assert norms_two == pytest.approx(norms_one, rel=1e-5)
-            assert _same_weights(one, two, "multihost-ep") < 1e-5
+            _trains_as_one(one, two, [make_batch(np.random.default_rng(91), n) for n in (3, 5, 2)], "multihost-ep")
         finally:
             one.close()
             two.close()
