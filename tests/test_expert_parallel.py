@@ -137,6 +137,9 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
             time.sleep(1.0)
             group.start(0, flags)
             group.wait_serving(sc.connection)
+            # Registered as expert parallel (`tinkerq fleet status` shows it), the unsharded worker not.
+            assert [r.get("expert_parallel") for r in sc.connection.workers_serving("moe-ep")] == [True]
+            assert [r.get("expert_parallel") for r in sc.connection.workers_serving("moe-one")] == [False]
             one, two = sc.create_training_client("moe-one"), sc.create_training_client("moe-ep")
             try:
                 assert two.info.extra["shards"] == 2 and two.info.num_parameters == one.info.num_parameters

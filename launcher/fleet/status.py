@@ -55,6 +55,7 @@ def fleet_status(args: argparse.Namespace) -> int:
             running = ((stats.get(node) or {}).get("tinkerq") or {}).get("running") or [] if node else []
             doing = ", ".join(running_task(t) for t in running) or "idle"
             shards = f"  {r['shards']} shards" if r.get("shards", 1) > 1 else ""
+            shards += " (expert parallel)" if shards and r.get("expert_parallel") else ""
             print(f"    {r['worker']}  {r['base_model']}{shards}  {r.get('dtype', '?')}  loss head "
                   f"{r.get('loss_backend', '?')}  -> {doing}")
         sessions = session_lines(conn.store)

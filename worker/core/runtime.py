@@ -98,7 +98,8 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         connection.store, base_model, worker_id, settings.heartbeat_s,
         info={"num_parameters": service.num_parameters, "device": settings.device, "dtype": settings.dtype,
               "loss_backend": service.logprobs.backend, "shards": settings.shards, "role": settings.role,
-              "vocab_size": service.vocab_size, "max_seq_len": service.max_seq_len},
+              "expert_parallel": settings.expert_parallel, "vocab_size": service.vocab_size,
+              "max_seq_len": service.max_seq_len},
         consuming=liveness, on_redis_back=redis_back,
     )
     if shards is not None:
