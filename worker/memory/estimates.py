@@ -67,7 +67,7 @@ class ModelShape:
         from tinkerq.worker.lora.experts import is_fused_experts  # routed experts (expert parallelism)
 
         top_k, expert = _routed(text, hidden)
-        full_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
+        full_bytes = _bytes(params)
         layers = list(decoder_layers(cast(Any, model))) if hasattr(model, "base_model") else []
         layer_bytes = [_bytes(layer.parameters()) for layer in layers]
         dense_bytes = [size - sum(_bytes(m.parameters()) for m in layer.modules() if is_fused_experts(m))
