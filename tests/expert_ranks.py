@@ -111,3 +111,32 @@ def compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: 
                        "rows": [m._tinkerq_ep_rows for n, m in root.lm.named_modules() if n in by_expert]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def peak_pass(rank: int, world: int, port: int, path: str, out: str, rows: int, tokens: int) -> None:
+    """This rank's peak RSS growth over one checkpointed forward_backward pass of an expert-parallel model whose every
+    token is routed into rank 0's experts (after a warm-up pass), its gradients allocated by the pass."""
+    from tests.helpers import peak_rss_growth
+
+    mesh = _join(rank, world, port)
+    torch.set_num_threads(1)
+    root, _ = _expert_parallel(path, mesh)
+    _skew(root.lm, world)
+    vocab = root.lm.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randint(0, vocab, (rows, tokens), generator=gen)
+    mask = torch.ones_like(batch, dtype=torch.bool)
+
+    def step() -> None:
+        with activation_checkpointing.enabled(True):
+            (root(batch, mask, torch.roll(batch, -1, 1)).sum() * world).backward()
+        for p in root.parameters():
+            p.grad = None
+
+    step()  # torch's, gloo's and the allocator's one-time costs are not the pass's
+    dist.barrier()
+    growth = peak_rss_growth(step)
+    rows_computed = [m._tinkerq_ep_rows for m in root.lm.modules() if hasattr(m, "_tinkerq_ep")]
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"growth": growth, "rows": rows_computed}))
+    dist.barrier()
+    dist.destroy_process_group()

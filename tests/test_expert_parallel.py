@@ -250,3 +250,29 @@ def test_admission_counts_every_ranks_rows_at_the_experts_of_an_expert_parallel_
     assert acts(dense, many, 4) == acts(dense, many, 1)
     kw = dict(microbatch_tokens=64, backward=True, chunk_tokens=None, shards=4)
     assert batch_bytes(moe, many, expert_parallel=True, **kw) - batch_bytes(moe, many, **kw) == four - one
+
+
+def test_every_token_to_one_ranks_experts_stays_within_what_the_worker_admits(tmp_path):
+    """Routing imbalance must not exceed the memory admitted: on 4 ranks, every token routed into rank 0's experts,
+    decoder layers checkpointed, each rank's peak RSS growth over a forward_backward pass stays within what the
+    worker admits for it (worker/memory/: the batch with its expert-parallel term, and FSDP's gather room without
+    the routed experts). A Qwen3-MoE of ~30 MiB, so the pass's memory is far above the allocator's noise."""
+    from tinkerq.recipes.families import build_model
+    from tinkerq.worker.memory import ModelShape, batch_bytes, gather_bytes
+    from tinkerq.worker.training.logprobs import chunk_tokens
+
+    world, rows, tokens = 4, 2, 96
+    build_model("qwen3_moe", 0, vocab_size=2000, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                num_experts=16, num_experts_per_tok=4, num_hidden_layers=2, mlp_only_layers=[],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64).save_pretrained(tmp_path / "model")
+    torch.multiprocessing.spawn(expert_ranks.peak_pass, args=(world, _port(), str(tmp_path / "model"), str(tmp_path),
+                                                             rows, tokens), nprocs=world)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert ranks[0]["rows"] == [world * rows * tokens * 4] * 2 and all(r["rows"] == [0, 0] for r in ranks[1:])
+    shape = ModelShape.of(load_skeleton(str(tmp_path / "model")))
+    admitted = batch_bytes(shape, [tokens] * (rows * world), microbatch_tokens=16384, backward=True,
+                           chunk_tokens=chunk_tokens(shape.vocab), shards=world, checkpointing=True,
+                           expert_parallel=True) + gather_bytes(shape, world, weight_grads=True, expert_parallel=True)
+    growth = [r["growth"] for r in ranks]
+    print(f"\npeak growth per rank {[round(g / 2**20, 1) for g in growth]} MiB; admitted {admitted / 2**20:.1f} MiB")
+    assert max(growth) <= admitted, (growth, admitted)
