@@ -217,10 +217,13 @@ def test_a_queued_request_has_one_task_succeeded_event_at_its_real_end(service, 
     app = make_celery(Settings(broker_url=redis_url))
     events: list[dict] = []
     conn = Connection(redis_url)
-    receiver = app.events.Receiver(conn, handlers={"task-succeeded": events.append})
+    listening = threading.Event()  # set by the first other event received (the workers' heartbeats, every 2 s)
+    receiver = app.events.Receiver(conn, handlers={"task-succeeded": events.append, "*": lambda e: listening.set()})
     listener = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False), daemon=True)
     listener.start()
-    time.sleep(1.0)  # the receiver's queue is bound before anything is sent
+    # The receiver's queue must be bound before anything is sent: a fixed sleep was too short once in CI (the first
+    # two requests' events went out before it was).
+    assert listening.wait(30), "no event reached the receiver in 30 s"
     tc = service.create_training_client(str(model_dir))
     try:
         futures = [tc.forward_backward(make_batch(np.random.default_rng(31), 2)),
