@@ -171,3 +171,44 @@ def peak_growth(fn: Any) -> tuple[int, float]:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024 - before, seconds
     raise RuntimeError("no VmHWM")
+
+
+class RankGroup:
+    """What worker/sharding/fsdp.shard uses of a ShardGroup: the device mesh of a gloo group on the CPU."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+
+
+def join_group(rank: int, world: int, port: int) -> RankGroup:
+    """In a rank started by :func:`spawn_ranks`: join the gloo group (one torch thread per rank)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    return RankGroup(init_device_mesh("cpu", (world,)))
+
+
+def leave_group(rank: int, out: str, found: Any) -> None:
+    """Write this rank's findings to ``<out>/rank<r>.json`` (read by :func:`spawn_ranks`), then leave the group."""
+    import json
+
+    import torch.distributed as dist
+
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable[..., None], ranks: int, args: tuple[Any, ...], out: str) -> list[Any]:
+    """Run ``fn(rank, ranks, port, *args)`` in ``ranks`` processes (torch.multiprocessing.spawn; ``port``: a free
+    one for the group's rendezvous) and return what each wrote with :func:`leave_group` into ``out``."""
+    import json
+
+    import torch
+
+    torch.multiprocessing.spawn(fn, args=(ranks, free_port(), *args), nprocs=ranks)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]

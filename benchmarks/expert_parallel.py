@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _fleet import machine, median, peak_growth, print_table
+from _fleet import join_group, leave_group, machine, median, peak_growth, print_table, spawn_ranks
 
 MiB = 1 << 20
 
@@ -37,26 +34,17 @@ def _model(experts: int) -> dict[str, Any]:
                 num_key_value_heads=4, head_dim=64)
 
 
-class _Group:
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-
-
 def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tokens: int, out: str,
           skew: bool) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from tinkerq.worker.loading.models import load_skeleton
     from tinkerq.worker.sharding.fsdp import shard
     from tinkerq.worker.sharding.streaming import fill_shards
     from tinkerq.worker.training.logprobs import LogprobComputer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    group = _Group(init_device_mesh("cpu", (world,)))
+    group = join_group(rank, world, port)
     skeleton = load_skeleton(path)
 
     def build(expert_parallel: bool) -> Any:
@@ -90,9 +78,7 @@ def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tok
             measured = peak_growth(lambda k=kind: step(models[k]))
             if rep:
                 got[kind].append(measured)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(rank, out, got)
 
 
 def main() -> None:
@@ -105,7 +91,6 @@ def main() -> None:
     parser.add_argument("--skew", action="store_true", help="every token routed into rank 0's experts")
     args = parser.parse_args()
 
-    import torch
 
     from tinkerq.recipes.families import build_model
     from tinkerq.worker.loading.models import load_skeleton
@@ -120,12 +105,7 @@ def main() -> None:
         directory = Path(tmp, "model")
         build_model("qwen3_moe", 0, **spec).save_pretrained(directory)
         shape = ModelShape.of(load_skeleton(str(directory)))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_rank, args=(args.ranks, port, str(directory), args.reps, args.rows,
-                                                 args.tokens, tmp, args.skew), nprocs=args.ranks)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+        ranks = spawn_ranks(_rank, args.ranks, (str(directory), args.reps, args.rows, args.tokens, tmp, args.skew), tmp)
     rows, medians = [], {}
     for kind in ("fsdp", "ep"):
         peaks = [p for r in ranks for p, _ in r[kind]]

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _fleet import machine, median, peak_growth, print_table
+from _fleet import join_group, leave_group, machine, median, peak_growth, print_table, spawn_ranks
 
 MiB = 1 << 20
 MODELS: dict[str, dict[str, Any]] = {
@@ -37,25 +34,16 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-class _Group:
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-
-
 def _rank(rank: int, world: int, port: int, path: str, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from tinkerq.worker.loading.models import load_causal_lm, load_skeleton
     from tinkerq.worker.sharding.fsdp import shard
     from tinkerq.worker.sharding.streaming import fill_shards
     from tinkerq.worker.training.logprobs import LogprobComputer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    group = _Group(init_device_mesh("cpu", (world,)))
+    group = join_group(rank, world, port)
 
     def whole() -> Any:
         model = load_causal_lm(path)
@@ -78,9 +66,7 @@ def _rank(rank: int, world: int, port: int, path: str, reps: int, out: str) -> N
             if rep:
                 got[kind].append(measured)
             held.clear()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(rank, out, got)
 
 
 def main() -> None:
@@ -89,7 +75,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
 
-    import torch
 
     from tinkerq.recipes.families import build_model
     from tinkerq.worker.loading.models import load_skeleton
@@ -104,12 +89,7 @@ def main() -> None:
             directory = Path(tmp, config["family"])
             build_model(config.pop("family"), 0, **config).save_pretrained(directory)
             shape = ModelShape.of(load_skeleton(str(directory)))
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            torch.multiprocessing.spawn(_rank, args=(args.ranks, port, str(directory), args.reps, tmp),
-                                        nprocs=args.ranks)
-            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+            ranks = spawn_ranks(_rank, args.ranks, (str(directory), args.reps, tmp), tmp)
             planned = shape.param_bytes // args.ranks + streamed_load_bytes(shape)
             medians = {}
             for kind in ("whole", "streamed"):

@@ -10,7 +10,6 @@ the served path: a 2-rank expert-parallel group trains a full session as one uns
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tests.conftest import WORKER_MICROBATCH_TOKENS, start_named_worker
 from tests.helpers import build_tiny_llama, make_batch, max_weight_diff
 from tinkerq import types
 from tinkerq.errors import ValidationError
+from tinkerq.launcher.processes import free_port
 from tinkerq.recipes.families import MOE_FAMILIES, build_family
 from tinkerq.settings import Settings, SettingsError
 from tinkerq.worker.loading.models import load_skeleton
@@ -32,14 +32,8 @@ pytestmark = pytest.mark.timeout(600)
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(world: int, paths: list[str], out: Path, skew: bool = False, checkpointing: bool = False) -> list[dict]:
-    torch.multiprocessing.spawn(expert_ranks.compare, args=(world, _port(), paths, str(out), skew, checkpointing),
+    torch.multiprocessing.spawn(expert_ranks.compare, args=(world, free_port(), paths, str(out), skew, checkpointing),
                                 nprocs=world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -99,7 +93,6 @@ def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
 def test_the_worker_command_refuses_expert_parallel_where_it_cannot_apply(redis_url, tmp_path):
     """At start-up, before any rank waits for the others: exit status 2 and a line that says what to do."""
     from tests.test_sharding import _exits_with
-    from tinkerq.launcher.processes import free_port
 
     dense = build_tiny_llama(tmp_path / "llama")
     group = ["--shards", "2", "--rank", "1", "--rendezvous", f"tcp://127.0.0.1:{free_port()}"]
@@ -265,8 +258,8 @@ def test_every_token_to_one_ranks_experts_stays_within_what_the_worker_admits(tm
     build_model("qwen3_moe", 0, vocab_size=2000, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                 num_experts=16, num_experts_per_tok=4, num_hidden_layers=2, mlp_only_layers=[],
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64).save_pretrained(tmp_path / "model")
-    torch.multiprocessing.spawn(expert_ranks.peak_pass, args=(world, _port(), str(tmp_path / "model"), str(tmp_path),
-                                                             rows, tokens), nprocs=world)
+    torch.multiprocessing.spawn(expert_ranks.peak_pass, nprocs=world,
+                                args=(world, free_port(), str(tmp_path / "model"), str(tmp_path), rows, tokens))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert ranks[0]["rows"] == [world * rows * tokens * 4] * 2 and all(r["rows"] == [0, 0] for r in ranks[1:])
     shape = ModelShape.of(load_skeleton(str(tmp_path / "model")))

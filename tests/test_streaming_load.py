@@ -9,7 +9,6 @@ shard plus what the planner allows for the load, far from the whole model.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import transformers
 
 from tests import streaming_ranks
+from tinkerq.launcher.processes import free_port
 from tinkerq.recipes.families import FAMILIES, build_family
 from tinkerq.recipes.published import LAYOUTS, build_published
 from tinkerq.worker.checkpoints.reader import ModelLoadError
@@ -26,15 +26,9 @@ from tinkerq.worker.memory.estimates import ModelShape, streamed_load_bytes
 pytestmark = pytest.mark.timeout(600)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(fn, world: int, *args) -> list[dict]:
     out = args[-1]
-    torch.multiprocessing.spawn(fn, args=(world, _port(), *args), nprocs=world)
+    torch.multiprocessing.spawn(fn, args=(world, free_port(), *args), nprocs=world)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -92,7 +86,7 @@ def test_a_weight_missing_from_the_files_is_a_clear_error(tmp_path):
     tensors = load_file(directory / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    torch.multiprocessing.spawn(streaming_ranks.load_error, args=(1, _port(), str(directory), str(tmp_path)),
+    torch.multiprocessing.spawn(streaming_ranks.load_error, args=(1, free_port(), str(directory), str(tmp_path)),
                                 nprocs=1)
     message = json.loads((tmp_path / "rank0.json").read_text())["error"]
     assert "model.layers.1.mlp.down_proj.weight" in message and "not in its files" in message, message
