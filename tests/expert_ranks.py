@@ -140,3 +140,106 @@ def peak_pass(rank: int, world: int, port: int, path: str, out: str, rows: int, 
     Path(out, f"rank{rank}.json").write_text(json.dumps({"growth": growth, "rows": rows_computed}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _lora_datums(vocab: int, seed: int, count: int):
+    """``count`` datums of different lengths, the last rows' weights partly masked (variable-length, masked)."""
+    import numpy as np
+
+    from tinkerq import types
+
+    gen = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        n = int(gen.integers(4, 13))
+        tokens = gen.integers(0, vocab, n + 1)
+        weights = np.ones(n, dtype=np.float32)
+        weights[: i % 3] = 0.0
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+                               loss_fn_inputs={"target_tokens": tokens[1:].tolist(), "weights": weights}))
+    return out
+
+
+def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: bool = False,
+                 checkpointing: bool = False) -> None:
+    """LoRA tenants on an expert-parallel base (its experts and the tenants' per-expert factors split by expert,
+    worker/sharding/experts.py) against the same tenants on the whole model loaded by ``from_pretrained``: one mixed
+    pass of three tenants (each request's datums split over the ranks), its outputs on rank 0, every factor's whole
+    gradient, and the factors after an AdamW step, on every rank."""
+    from tinkerq import types
+    from tinkerq.worker.lora.batch import LossItem
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.sharding.experts import shard_expert_factors
+    from tinkerq.worker.sharding.fsdp import shard_frozen
+    from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
+
+    mesh = _join(rank, world, port)
+    torch.set_num_threads(1)
+    group = ShardGroup(ShardSpec(world, rank, "127.0.0.1", port, "cpu", 60.0, 60.0))
+    group.mesh = mesh  # the collectives the sessions use run on the default group, joined above
+    configs = [types.LoraConfig(rank=4, seed=1), types.LoraConfig(rank=8, seed=2, train_attn=False),
+               types.LoraConfig(rank=4, seed=3, train_mlp=False)]  # the last adapts no expert
+    adam = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0, eps=1e-3)
+    found = {}
+    for path in paths:
+        skeleton = load_skeleton(path)
+        model = copy.deepcopy(skeleton)
+        base = LoraBase(model, LogprobComputer(skeleton, device="cpu"), model_dir=path, microbatch_tokens=64,
+                        group=group, device="cpu")
+
+        def fill(root: torch.nn.Module, lm, skeleton=skeleton, path=path) -> None:
+            fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
+
+        base.root = shard_frozen(model, group, base.logprobs, fill, expert_parallel=True)
+        base.shard_adapter = lambda adapter: shard_expert_factors(adapter, mesh)
+        reference = load_causal_lm(path)
+        ref_base = LoraBase(reference, LogprobComputer(reference, device="cpu"), model_dir=path,
+                            microbatch_tokens=64, device="cpu")
+        if skew:
+            _skew(base.model, world)
+            _skew(reference, world)
+        mine = [LoraSession(f"t{i}", base, c, base_model="m") for i, c in enumerate(configs)]
+        theirs = [LoraSession(f"r{i}", ref_base, c, base_model="m") for i, c in enumerate(configs)]
+        vocab = reference.get_input_embeddings().weight.shape[0]
+        batches = [_lora_datums(vocab, 40 + i, 2 * world + i) for i in range(len(configs))]
+        items = [LossItem(s, b, "cross_entropy", None, checkpointing=checkpointing)
+                 for s, b in zip(mine, batches, strict=True)]
+        refs = [LossItem(s, b, "cross_entropy", None) for s, b in zip(theirs, batches, strict=True)]
+        base.run_pass(items, True)
+        ref_base.run_pass(refs, True)
+        result = {"logprob_diff": 0.0, "grad_diff": 0.0, "weight_diff": 0.0, "sharded_factors": 0,
+                  "rows": [m._tinkerq_ep_rows for m in base.model.modules() if hasattr(m, "_tinkerq_ep")]}
+        for item, ref in zip(items, refs, strict=True):
+            assert item.error is None and ref.error is None, (item.error, ref.error)
+            if rank == 0:
+                for a, b in zip(item.output.loss_fn_outputs, ref.output.loss_fn_outputs, strict=True):
+                    diff = float(abs(a["logprobs"].to_numpy() - b["logprobs"].to_numpy()).max())
+                    result["logprob_diff"] = max(result["logprob_diff"], diff)
+        for s, r in zip(mine, theirs, strict=True):
+            result["sharded_factors"] += sum(isinstance(p, DTensor) for p in s.engine.params)
+            saved = s.engine.gather_state()  # a collective: every rank, in order
+            if rank == 0:
+                for name, want in zip(r.engine.param_names, r.engine.grads(), strict=True):
+                    got = saved.grads[name]
+                    scale = max(1.0, float(want.abs().max()))
+                    result["grad_diff"] = max(result["grad_diff"], float((got - want).abs().max()) / scale)
+            s.optim_step(adam)
+            r.optim_step(adam)
+            weights = s.engine.gather_weights()
+            if rank == 0:
+                for name, want in r.adapter.named_pairs():
+                    diff = float((weights[name] - want.detach()).abs().max())
+                    result["weight_diff"] = max(result["weight_diff"], diff)
+        # Trained, the adapters change the outputs (B was zero): a forward-only pass of new datums on both.
+        probes = [_lora_datums(vocab, 60 + i, world + i) for i in range(len(configs))]
+        items = [LossItem(s, b, "cross_entropy", None) for s, b in zip(mine, probes, strict=True)]
+        refs = [LossItem(s, b, "cross_entropy", None) for s, b in zip(theirs, probes, strict=True)]
+        base.run_pass(items, False)
+        ref_base.run_pass(refs, False)
+        result["trained_logprob_diff"] = max(
+            (float(abs(a["logprobs"].to_numpy() - b["logprobs"].to_numpy()).max())
+             for item, ref in zip(items, refs, strict=True) if rank == 0
+             for a, b in zip(item.output.loss_fn_outputs, ref.output.loss_fn_outputs, strict=True)), default=0.0)
+        found[path] = result
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()

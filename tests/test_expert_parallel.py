@@ -73,6 +73,35 @@ def test_four_ranks_and_every_token_to_one_ranks_experts(tmp_path):
     assert ranks[0][model]["rows"][0] > 0 and all(r[model]["rows"] == [0] for r in ranks[1:]), ranks
 
 
+def _spawn_lora(world: int, paths: list[str], out: Path, skew: bool = False, checkpointing: bool = False) -> dict:
+    torch.multiprocessing.spawn(expert_ranks.lora_compare, nprocs=world,
+                                args=(world, free_port(), paths, str(out), skew, checkpointing))
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def test_lora_tenants_on_an_expert_parallel_base_equal_the_whole_model(tmp_path):
+    """Three LoRA tenants (expert factors of rank 4 and 8, one adapting no expert) in one mixed pass over an
+    expert-parallel base, each tenant's per-expert factors split with the experts: every MoE family on 2 ranks, and
+    Qwen3-MoE on 4 ranks with every token routed into rank 0's experts and the layers checkpointed (the other ranks
+    receive no rows, and still join every collective). Outputs, every factor's whole gradient and the factors after
+    an AdamW step equal the same tenants on the whole model loaded by ``from_pretrained``."""
+    models = [str(build_family(f, tmp_path / f, seed=3)) for f in MOE_FAMILIES]
+    (tmp_path / "two").mkdir()
+    (tmp_path / "skew").mkdir()
+    runs = [(_spawn_lora(2, models, tmp_path / "two"), models),
+            (_spawn_lora(4, models[:1], tmp_path / "skew", skew=True, checkpointing=True), models[:1])]
+    for ranks, paths in runs:
+        for path in paths:
+            zero = ranks[0][path]
+            assert zero["logprob_diff"] < 1e-5 and zero["grad_diff"] < 4e-5 and zero["weight_diff"] < 1e-5, (path, zero)
+            assert zero["trained_logprob_diff"] < 1e-5, (path, zero)
+            # Two of the three tenants adapt the experts: their w1/w3 B and w2 A live with the experts on each rank.
+            assert all(r[path]["sharded_factors"] > 0 and r[path]["sharded_factors"] % 2 == 0
+                       for r in ranks.values()), path
+    skewed = runs[1][0]
+    assert skewed[0][models[0]]["rows"][0] > 0 and all(skewed[r][models[0]]["rows"] == [0] for r in (1, 2, 3))
+
+
 def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(SettingsError, match="--shards N"):
         Settings.from_env({"TINKERQ_EXPERT_PARALLEL": "1"})
@@ -112,9 +141,10 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
     """Two real `tinkerq worker --shards 2 --expert-parallel` processes serving a tiny Qwen3-MoE, against one
     unsharded worker on the same model: per-token outputs, gradient norms and the weights after pipelined steps
     (each datum a different length, several per rank) agree to float tolerance; the group reports its shards; its
-    snapshot samples alike; a state saved by either resumes on the other and trains on alike; a LoRA tenant on
-    the group trains as on one worker, and the base samples alike. The group runs with its decoder layers
-    checkpointed (each layer's all-to-alls run again in the backward)."""
+    snapshot samples alike; a state saved by either resumes on the other and trains on alike; the base samples
+    alike; a LoRA tenant on the group (its per-expert factors split with the experts) saves the same archive bytes as
+    on one worker, trains alike, and its snapshot samples alike. The group runs with its decoder layers checkpointed
+    (each layer's all-to-alls run again in the backward)."""
     from tests.test_sharding import ShardGroup, _assert_same_outputs
     from tinkerq.producer import ServiceClient
 
@@ -182,15 +212,37 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
             assert [s.tokens for s in base[1]] == [s.tokens for s in base[0]]
             for a, b in zip(*base, strict=True):
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
-            # A LoRA tenant on the same group (its frozen base keeps FSDP's layout) trains as on one worker.
+            # A LoRA tenant on the same group (its base split by expert, its per-expert factors with their experts)
+            # trains as on one worker; its archives are the same files.
             lora = [sc.create_lora_training_client(name, rank=4, seed=3).result(timeout=120)
                     for name in ("moe-one", "moe-ep")]
             try:
+                fresh = [Path(tc.save_weights_for_sampler(f"fresh-{i}").result(timeout=60).path)
+                         for i, tc in enumerate(lora)]
+                fresh += [Path(tc.save_state(f"fresh-state-{i}").result(timeout=60).path) for i, tc in enumerate(lora)]
+                files = [(p / "adapter_model.safetensors").read_bytes() for p in fresh]
+                # The group's factors gathered whole: the same bytes as one worker's, for the sampler and in a state.
+                assert files[0] == files[1] and files[2] == files[3]
                 for batch in batches[:2]:
                     outs = [tc.forward_backward(batch) for tc in lora]
                     _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
                     norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in lora]
                     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+                from safetensors.torch import load_file
+
+                trained = [Path(tc.save_weights_for_sampler(f"trained-{i}").result(timeout=60).path)
+                           for i, tc in enumerate(lora)]
+                got, want = (load_file(str(p / "adapter_model.safetensors")) for p in reversed(trained))
+                assert got.keys() == want.keys() and any(k.endswith("experts.w1.lora_B.weight") for k in got)
+                for key, tensor in want.items():
+                    assert got[key].shape == tensor.shape and float((got[key] - tensor).abs().max()) < 1e-5, key
+                # Its snapshot samples alike: rank 1 computes rank 0's rows at its experts with the factors shipped.
+                prompt, params = types.ModelInput.from_ints([2, 7, 1]), types.SamplingParams(max_tokens=4, seed=4)
+                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=120)
+                        .sequences for tc in lora]
+                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]]
+                for a, b in zip(*seqs, strict=True):
+                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
             finally:
                 for tc in lora:
                     tc.close()

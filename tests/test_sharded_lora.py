@@ -49,17 +49,19 @@ CONFIGS = [  # tenants with different targets: every rank's backward must still 
 class Group:
     """Rank 0 here, ranks 1..N-1 as `tinkerq worker` processes."""
 
-    def __init__(self, model_dir: Path, shards: int, logs: Path) -> None:
+    def __init__(self, model_dir: Path, shards: int, logs: Path, expert_parallel: bool = False) -> None:
         self.model_dir = model_dir
+        self.expert_parallel = expert_parallel
         address = f"tcp://127.0.0.1:{free_port()}"
         env = {"TINKERQ_MICROBATCH_TOKENS": str(MICROBATCH_TOKENS), "TINKERQ_COLLECTIVE_TIMEOUT_S": "120",
                "TINKERQ_RENDEZVOUS_TIMEOUT_S": "120", "TINKERQ_LOSS_BACKEND": "torch"}
+        ep = ["--expert-parallel"] if expert_parallel else []
         self.procs = [start_process(worker_command(str(model_dir), threads=1, extra=[
-            "--shards", str(shards), "--rank", str(rank), "--rendezvous", address]), logs / f"rank{rank}.log", env)
-            for rank in range(1, shards)]
+            "--shards", str(shards), "--rank", str(rank), "--rendezvous", address, *ep]), logs / f"rank{rank}.log",
+            env) for rank in range(1, shards)]
         settings = Settings.from_env({}, shards=shards, shard_rank=0, rendezvous=address,
-                                     microbatch_tokens=MICROBATCH_TOKENS,
-                                 collective_timeout_s=120.0, rendezvous_timeout_s=120.0, loss_backend="torch")
+                                     microbatch_tokens=MICROBATCH_TOKENS, expert_parallel=expert_parallel,
+                                     collective_timeout_s=120.0, rendezvous_timeout_s=120.0, loss_backend="torch")
         self.host: ShardHost = build_host(str(model_dir), settings)
         self.host.group.form()
 
@@ -82,9 +84,14 @@ def model_dir(request, tmp_path_factory) -> Path:
     return build_family(request.param, out, seed=3)
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=["2", "4", "4-ep"])
 def group(request, model_dir, tmp_path_factory) -> Iterator[Group]:
-    g = Group(model_dir, request.param, tmp_path_factory.mktemp("shard-logs"))
+    """2 or 4 ranks; "4-ep": 4 ranks of a MoE model expert parallel (its experts and the tenants' per-expert factors
+    split by expert, worker/sharding/experts.py)."""
+    ranks, _, ep = request.param.partition("-")
+    if ep and model_dir.name.startswith("sharded-lora-llama"):
+        pytest.skip("expert parallelism is for mixture-of-experts models")
+    g = Group(model_dir, int(ranks), tmp_path_factory.mktemp("shard-logs"), expert_parallel=bool(ep))
     yield g
     g.stop()
 
@@ -116,12 +123,21 @@ def _assert_same_grads(one: LoraSession, other: LoraSession) -> None:
     The ranks' partial sums are added in another order than one process adds them (and with other intra-op thread
     counts): a CI run saw 1.03e-5 of the largest element on qwen3_moe, so the bound is 4e-5 (float32 rounding over a
     few hundred terms), far below what a dropped datum or a rank counted twice changes."""
-    for g, h in zip(one.engine.grads(), other.engine.grads(), strict=True):
+    for g, h in zip(_whole_grads(one), _whole_grads(other), strict=True):
         assert float((g - h).abs().max()) <= GRAD_TOLERANCE * max(1.0, float(h.abs().max()))
 
 
+def _whole_grads(session: LoraSession) -> list[torch.Tensor]:
+    """The pending gradients, whole: gathered from every rank where per-expert factors are sharded."""
+    if not session.sharded:
+        return session.engine.grads()
+    saved = session._run("gather_state")
+    return [saved.grads[n] if saved.grads else torch.zeros(shape)
+            for n, shape in zip(session.engine.param_names, session.engine.shapes().values(), strict=True)]
+
+
 def _max_diff(one: LoraSession, other: LoraSession) -> float:
-    a, b = dict(one.adapter.named_pairs()), dict(other.adapter.named_pairs())
+    a, b = one._whole_weights(), other._whole_weights()
     assert a.keys() == b.keys()
     return max(float((a[n] - b[n]).detach().abs().max()) for n in a)
 
@@ -290,8 +306,26 @@ def test_the_base_is_sharded_once_and_adapters_are_whole_on_each_rank(group):
         local = sum(p.to_local().numel() for p in layer_params)
         assert local <= whole / group.host.group.world + 64 * len(layer_params)  # 1/N, plus padding of uneven dims
         assert not any(p.requires_grad for p in base.model.parameters())
-        # whole copies (a follower's copy that drifted would change its rows' logprobs: the tests above compare them)
-        assert all(not isinstance(p, DTensor) for p in sharded[0].engine.params)
+        world = group.host.group.world
+        if not group.expert_parallel:
+            # whole copies (a follower's copy that drifted would change its rows' logprobs: the tests above compare)
+            assert all(not isinstance(p, DTensor) for p in sharded[0].engine.params)
+            return
+        # Expert parallel: each rank holds E/N experts of the base, and of each adapter's per-expert factors (w1/w3's
+        # B, w2's A); the shared factors and every other target's are whole on every rank.
+        experts = [m for m in base.model.modules() if hasattr(m, "_tinkerq_ep")]
+        assert experts and all(m.gate_up_proj.to_local().shape[0] == m.num_experts // world for m in experts)
+        for s in sharded:
+            for name, p in s.adapter.named_pairs():
+                per_expert = p.dim() == 3 and p.shape[0] > 1
+                assert isinstance(p, DTensor) == per_expert, name
+                if per_expert:
+                    assert p.to_local().shape[0] == p.shape[0] // world, name
+        assert any(isinstance(p, DTensor) for p in sharded[0].engine.params)  # CONFIGS[0] adapts the experts
+        from tinkerq.worker.lora.adapter import Adapter
+
+        whole_bytes = Adapter(base.targets(CONFIGS[0]), CONFIGS[0], "cpu").state_bytes()
+        assert sharded[0].adapter.state_bytes() < whole_bytes  # rank 0 keeps only its experts' factors
     finally:
         for s in sharded:
             s.close()

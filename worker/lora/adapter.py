@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from tinkerq import types
 from tinkerq.errors import ValidationError
@@ -71,6 +72,14 @@ class Target:
     def parameters_per_rank(self) -> int:
         a, b = self.shapes(1)
         return math.prod(a) + math.prod(b)
+
+    def expert_parameters_per_rank(self) -> int:
+        """Of :meth:`parameters_per_rank`, the per-expert factor's (w1/w3's B, w2's A): what an expert-parallel group
+        splits with the experts (worker/sharding/experts.py); 0 for a Linear."""
+        if not self.experts:
+            return 0
+        a, b = self.shapes(1)
+        return math.prod(b) if self.shared_a else math.prod(a)
 
 
 def adaptable(model: torch.nn.Module) -> list[Part]:
@@ -239,12 +248,12 @@ class Adapter(torch.nn.Module):
             a = torch.empty(a_shape)
             for piece in a.view(-1, config.rank, t.in_features):  # each expert's (r, in) drawn as a dense A
                 torch.nn.init.kaiming_uniform_(piece, a=math.sqrt(5), generator=generator)
-            key = _key(t.name)
+            key = adapter_key(t.name)
             self.a[key] = torch.nn.Parameter(a.to(device))
             self.b[key] = torch.nn.Parameter(torch.zeros(b_shape, device=device))
 
     def pair(self, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        key = _key(target)
+        key = adapter_key(target)
         return (self.a[key], self.b[key]) if key in self.a else None
 
     def named_pairs(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -252,18 +261,21 @@ class Adapter(torch.nn.Module):
         PEFT export all use (``base_model.model.`` + this name is PEFT's key)."""
         out = []
         for t in self.targets:
-            key = _key(t.name)
+            key = adapter_key(t.name)
             out += [(f"{t.name}.lora_A.weight", self.a[key]), (f"{t.name}.lora_B.weight", self.b[key])]
         return out
 
     def frozen(self) -> FrozenAdapter:
         """A detached copy of the current weights (for sampling), unaffected by later training."""
-        return FrozenAdapter({t.name: (self.a[_key(t.name)].detach().clone(), self.b[_key(t.name)].detach().clone())
-                              for t in self.targets}, self.scaling)
+        return FrozenAdapter({t.name: (self.a[key].detach().clone(), self.b[key].detach().clone())
+                              for t in self.targets for key in [adapter_key(t.name)]}, self.scaling)
 
     def state_bytes(self) -> int:
         """What the session keeps: weights, pending gradients and AdamW's two moments (float32 each)."""
-        return LORA_BYTES_PER_PARAMETER * sum(p.numel() for p in self.parameters())
+        def local(p: torch.Tensor) -> int:  # per-expert factors sharded with their experts: this rank's slice
+            return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+        return LORA_BYTES_PER_PARAMETER * sum(local(p) for p in self.parameters())
 
 
 class FrozenAdapter:
@@ -318,5 +330,5 @@ class FrozenAdapter:
         return cls.from_tensors(tensors, scaling, device)
 
 
-def _key(name: str) -> str:
+def adapter_key(name: str) -> str:
     return name.replace(".", "__")  # ParameterDict keys cannot hold dots

@@ -211,16 +211,20 @@ def _run(items: list[LossItem], model: torch.nn.Module, logprobs: LogprobCompute
     # One request that needs its layers checkpointed (worker/memory/ admit_batch) checkpoints its whole pass: the
     # numbers are the same either way, only the memory differs.
     checkpointed = backward and any(item.checkpointing for item in items)
+    passing = [item.target.adapter for item in items]  # the same on every rank: an adapter's index is global
     for step in steps:
         with activation_checkpointing.enabled(checkpointed):
-            _run_step(step, forward, head, device, backward, group)
+            _run_step(step, forward, head, device, backward, group, passing)
 
 
 def _run_step(step: list[Micro] | None, forward: Any, head: str, device: torch.device, backward: bool,
-              group: Collectives) -> None:
-    """One forward (and backward) of a pass: its micro-batches stacked, each routed to its own adapter."""
+              group: Collectives, passing: list[Any]) -> None:
+    """One forward (and backward) of a pass: its micro-batches stacked, each routed to its own adapter. Every
+    adapter of the pass is ``passing``: an expert-parallel group's ranks compute each other's rows of them
+    (worker/sharding/experts.py), an idle step's rank too."""
     if step is None:
-        _idle_step(forward, device, backward)
+        with routed([], head, passing=passing):
+            _idle_step(forward, device, backward)
         return
     batches = [_padded(m, device) for m in step]
     tokens, mask, targets = (torch.cat([b[k] for b in batches]) if len(batches) > 1 else batches[0][k]
@@ -230,7 +234,7 @@ def _run_step(step: list[Micro] | None, forward: Any, head: str, device: torch.d
     for m in step:
         groups.append((m.item.target.adapter, slice(at, at + m.rows)))
         at += m.rows
-    with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length):
+    with torch.set_grad_enabled(backward), routed(groups, head, length=step[0].length, passing=passing):
         lp = forward(tokens, mask.long(), targets)  # (B, T)
     total = None
     lps = torch.split(lp, [m.rows for m in step])  # views; one concatenated gradient on the way back

@@ -207,6 +207,22 @@ def register(module: torch.nn.Module, name: str) -> None:
         cls._tinkerq_original_forward = original  # type: ignore[attr-defined]
 
 
+def registered_name(module: torch.nn.Module) -> str | None:
+    """The name ``module`` was registered under (:func:`register`), or None: not a LoRA base's experts."""
+    entry = _registered.get(id(module))
+    return entry[1] if entry is not None and entry[0] is module else None
+
+
+def rows_forward(module: Any, name: str, rows: torch.Tensor, expert: torch.Tensor, adapters: list[Any],
+                 group: torch.Tensor) -> torch.Tensor | None:
+    """Expert outputs (M, H), unweighted, for ``rows`` (M, H): row i through expert ``expert[i]`` of ``module``
+    with the deltas of ``adapters[group[i]]`` (None: no adapter); None when no adapter targets ``name``. An
+    expert-parallel rank computes the rows other ranks sent to its experts this way (worker/sharding/experts.py):
+    ``module`` then sees only its own experts, and each adapter's factors are its slices of them."""
+    ones = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
+    return _dispatch(module, name, rows, expert.unsqueeze(1), ones, adapters, group, None)
+
+
 def lora_dense_experts_forward(module: torch.nn.Module, name: str, hidden_states: torch.Tensor) -> torch.Tensor | None:
     """A dense-dispatch experts module's output (E * N, H) on ``hidden_states`` (E * N, H) (expert-major: each
     expert's N tokens, scaled by its routing weight, zero where not routed), each token with its adapter's deltas;
@@ -215,7 +231,7 @@ def lora_dense_experts_forward(module: torch.nn.Module, name: str, hidden_states
     from tinkerq.worker.lora import routing
 
     route = routing.current()
-    if route is None:
+    if route is None or not route.groups:  # (no group: a shard group's idle step, which adapts nothing)
         return None
     lay = layout(module, name)
     x = hidden_states.view(lay.num_experts, -1, lay.hidden)  # (E, N, H)
@@ -316,7 +332,7 @@ def lora_experts_forward(module: torch.nn.Module, name: str, hidden_states: torc
     from tinkerq.worker.lora import routing
 
     route = routing.current()
-    if route is None:
+    if route is None or not route.groups:  # (no group: a shard group's idle step, which adapts nothing)
         return None
     n_tokens = top_k_index.shape[0]
     # G adapters (or None), and the group of each token (N,)
@@ -377,7 +393,7 @@ def _dispatch(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, t
     weights = top_k_weights.reshape(-1)[order].to(out.dtype)[:, None]  # (S, 1)
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=device)
-    final = (out * weights)[unsort].view(n_tokens, top_k, -1).sum(1)  # (N, H)
+    final = (out * weights)[unsort].view(n_tokens, top_k, out.shape[1]).sum(1)  # (N, H) (N may be 0)
 
     down = pairs[DOWN]
     if any(p is not None for p in down):
@@ -385,7 +401,7 @@ def _dispatch(module: torch.nn.Module, name: str, hidden_states: torch.Tensor, t
         a_stack = _stack([p[0] if p is not None else None for p in down], (experts, rank, lay.intermediate), 1, rank,
                          dtype, device)  # (E * G, r, I)
         ha = grouped_linear(h, a_stack, per_segment)  # (S, r)
-        ha = (ha * weights)[unsort].view(n_tokens, top_k, -1).sum(1)  # (N, r): the routing-weighted sum per token
+        ha = (ha * weights)[unsort].view(n_tokens, top_k, ha.shape[1]).sum(1)  # (N, r): routing-weighted, per token
         parts = [F.linear(rows[:, :pair[1].shape[2]] * scalings[g], pair[1][0].to(dtype))
                  if pair is not None and rows.shape[0] else None
                  for g, (pair, rows) in enumerate(zip(down, members.gather(ha), strict=True))]  # (n_g, H)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -66,8 +66,13 @@ Rows = slice | torch.Tensor  # a contiguous range, or row indices (B',)
 
 class Routing:
     def __init__(self, groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
-                 batch: int | None = None, length: int | None = None) -> None:
+                 batch: int | None = None, length: int | None = None,
+                 passing: Sequence[AdapterWeights] | None = None) -> None:
         self.groups = groups
+        # Every adapter of the pass, in an order every rank of a shard group shares (a pass's requests): on an
+        # expert-parallel group a token's rows reach other ranks' experts carrying the index of their adapter here
+        # (:meth:`token_ids`, worker/sharding/experts.py). None: this forward's own groups' adapters.
+        self.passing = list(passing) if passing is not None else [a for a, _ in groups if a is not None]
         self.head = head  # the output projection's name: the fused loss head asks for its pairs
         self.batch = batch  # rows in the forward (row-index groups need it; contiguous groups cover the batch)
         self.length = length  # tokens per row, when known: products over (B * T) flattened tokens run per group
@@ -82,7 +87,7 @@ class Routing:
         if self.contiguous:  # then the groups must cover the batch, in order
             starts = [rows.start or 0 for _, rows in groups]  # type: ignore[union-attr]
             stops = [rows.stop for _, rows in groups]  # type: ignore[union-attr]
-            if starts != [0, *stops[:-1]]:
+            if groups and starts != [0, *stops[:-1]]:
                 raise ValueError("contiguous routing groups must cover the batch in order")
             self.sizes = [b - a for a, b in zip(starts, stops, strict=True)]
 
@@ -102,7 +107,7 @@ class Routing:
     def tiled_head(self) -> bool:
         """Whether the loss head runs over every group's tokens in tiles (worker/lora/head.py): contiguous groups,
         one group too (alone as among others), products in tiles."""
-        return self.head is not None and self.contiguous and PRODUCTS == "tiles"
+        return self.head is not None and self.contiguous and bool(self.groups) and PRODUCTS == "tiles"
 
     def per_group(self) -> bool:
         """Whether products over the batch run per group or in tiles: contiguous groups (in tiles, one group too:
@@ -197,6 +202,16 @@ class Routing:
         self._token_groups = (n_tokens, (adapters, token_group))
         return adapters, token_group
 
+    def token_ids(self, n_tokens: int, device: torch.device) -> torch.Tensor:
+        """Each of the (N,) flattened tokens' adapter as its index in :attr:`passing`, -1 for none (N,) long. A
+        forward of no group (a shard group's idle step) has no adapter on any token."""
+        if not self.groups:
+            return torch.full((n_tokens,), -1, dtype=torch.long, device=device)
+        adapters, token_group = self.token_groups(n_tokens, device)
+        index = {id(a): i for i, a in enumerate(self.passing)}
+        lookup = torch.tensor([index[id(a)] if a is not None else -1 for a in adapters], dtype=torch.long)
+        return lookup.to(device)[token_group]
+
     def token_sizes(self, n_tokens: int) -> list[int] | None:
         """Each group's count of the (N,) flattened tokens when groups are contiguous (they then are in order);
         None for row-index groups."""
@@ -264,12 +279,14 @@ def current() -> Routing | None:
 
 @contextlib.contextmanager
 def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = None,
-           batch: int | None = None, length: int | None = None) -> Iterator[Routing]:
+           batch: int | None = None, length: int | None = None,
+           passing: Sequence[AdapterWeights] | None = None) -> Iterator[Routing]:
     """Route this thread's forwards through ``groups`` (adapter, rows) until the block ends; ``batch``: the rows
     in the forward, needed when groups are row indices; ``length``: tokens per row (B, T), so that products over
-    the flattened tokens of several contiguous groups run per group too."""
+    the flattened tokens of several contiguous groups run per group too; ``passing``: every adapter of the pass
+    (:attr:`Routing.passing`)."""
     previous = current()
-    _local.routing = routing = Routing(groups, head, batch, length)
+    _local.routing = routing = Routing(groups, head, batch, length, passing)
     try:
         with _PerGroupProducts(routing) if routing.per_group() else contextlib.nullcontext():
             yield routing

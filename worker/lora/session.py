@@ -53,6 +53,9 @@ class LoraBase:
         self.head = routing.install(model)
         model.requires_grad_(False)  # frozen: backward reaches the adapters only (full sessions train copies)
         self.root: torch.nn.Module | None = None
+        # On an expert-parallel group (worker/sharding/experts.py): keeps a new adapter's per-expert factors with
+        # their experts, a slice on each rank. None: adapters are whole on every rank.
+        self.shard_adapter: Callable[[Adapter], None] | None = None
         self.leader: Callable[[list[LossItem], bool], None] | None = None
         # The base unsharded, for merged files (a shard group's: read from the files by rank 0, on demand).
         self.whole: Callable[[], PreTrainedModel] = lambda: model
@@ -75,7 +78,7 @@ class LoraBase:
     def forward(self, adapter: Any) -> Any:
         """The engine's forward for ``adapter`` alone: every row routed to it."""
         def run(tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            with routing.routed([(adapter, slice(0, tokens.shape[0]))], self.head):
+            with routing.routed([(adapter, slice(0, tokens.shape[0]))], self.head, passing=[adapter]):
                 return self._logprobs(tokens, mask, targets)
         return run
 
@@ -110,6 +113,9 @@ class LoraSession:
         self.base_model = base_model
         self.config = config
         self.adapter = Adapter(base.targets(config), config, base.device)
+        self.sharded = base.shard_adapter is not None  # its per-expert factors: this rank's slices
+        if base.shard_adapter is not None:
+            base.shard_adapter(self.adapter)
         self.engine = TrainingEngine(base.forward(self.adapter), self.adapter.named_pairs(), base.group,
                                      microbatch_tokens=base.microbatch_tokens, device=base.device, replicated=True)
         self._run_command: Runner = run or (lambda op, **args: execute(self.engine, op, args, {}))
@@ -163,7 +169,17 @@ class LoraSession:
     def snapshot(self) -> FrozenAdapter:
         """The adapter's current weights, frozen, for sampling over the shared base (worker/sampling/snapshots.py)."""
         self._touch()
-        return self.adapter.frozen()
+        if not self.sharded:
+            return self.adapter.frozen()
+        return FrozenAdapter.from_tensors(self._whole_weights(), self.adapter.scaling, self.base.device)
+
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """Every A and B whole, by PEFT name: gathered from the ranks where per-expert factors are sharded."""
+        if not self.sharded:
+            return dict(self.adapter.named_pairs())
+        weights = self._run("gather_weights")
+        assert weights is not None  # this is the leader
+        return cast(dict[str, torch.Tensor], weights)
 
     # -- files ---------------------------------------------------------------------------------------------
 
@@ -178,7 +194,7 @@ class LoraSession:
         """A PEFT adapter directory (and, with ``merged``, the merged full model in ``merged/``)."""
         self._touch()
         final = checkpoints.weights_path(checkpoint_dir, self.model_id, name, external=external)
-        weights: dict[str, torch.Tensor] = dict(self.adapter.named_pairs())
+        weights = self._whole_weights()
 
         def fill(tmp: Path) -> None:
             self._write_adapter(tmp, base_model, weights)
@@ -186,7 +202,9 @@ class LoraSession:
             checkpoints.write_weights_marker(tmp, base_model, lora=config_dict(self.config), expires_at=expires_at)
             if merged:  # loadable by its own path too: it expires with the adapter
                 (tmp / "merged").mkdir()
-                write_merged(self.base.whole(), self.adapter.frozen(), tmp / "merged")
+                frozen = FrozenAdapter.from_tensors(weights, self.adapter.scaling, torch.device("cpu")) \
+                    if self.sharded else self.adapter.frozen()  # (a group's whole base is read onto the CPU)
+                write_merged(self.base.whole(), frozen, tmp / "merged")
                 checkpoints.copy_tokenizer_files(self.base.model_dir, tmp / "merged")
                 checkpoints.write_weights_marker(tmp / "merged", base_model, expires_at=expires_at)
 

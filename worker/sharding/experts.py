@@ -36,6 +36,7 @@ expert factors travelling with the tokens is the next step (docs/sharding.md).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types as pytypes
 from typing import Any
@@ -46,7 +47,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from tinkerq.errors import ValidationError
+from tinkerq.errors import ServerError, ValidationError
+from tinkerq.worker.lora import experts as lora_experts
+from tinkerq.worker.lora import routing
+from tinkerq.worker.lora.adapter import adapter_key
 from tinkerq.worker.lora.experts import is_fused_experts, layout
 
 log = logging.getLogger("tinkerq.shards")
@@ -136,6 +140,14 @@ class _LocalExperts:
 
 def _expert_parallel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    route = routing.current()
+    # Products here run as called: the slot tensors' row counts could equal the batch's by chance.
+    with route.whole() if route is not None else contextlib.nullcontext():
+        return _dispatched(self, hidden_states, top_k_index, top_k_weights, route)
+
+
+def _dispatched(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, route: routing.Routing | None) -> torch.Tensor:
     mesh, experts = self._tinkerq_ep  # type: ignore[misc]
     group, world = mesh.get_group(), mesh.size()
     per = experts // world
@@ -153,13 +165,15 @@ def _expert_parallel_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
 
     sent = hidden_states[torch.div(order, k, rounding_mode="floor")]  # (N k, H) each slot's token, sorted
     received = _exchange(sent, recv_sizes, send_sizes, group)  # (M, H)
-    local_index = torch.empty(rows, dtype=flat.dtype, device=flat.device)
-    dist.all_to_all_single(local_index, (flat - owner * per)[order].contiguous(), recv_sizes, send_sizes, group=group)
+    # Each slot's local expert index and its token's adapter (its index in the pass, -1: none) in one integer.
+    tenant = route.token_ids(n, flat.device) if route is not None else torch.full((n,), -1, device=flat.device)
+    packed = (flat - owner * per) + per * (tenant.repeat_interleave(k) + 1)  # (N k,)
+    arrived = torch.empty(rows, dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(arrived, packed[order].contiguous(), recv_sizes, send_sizes, group=group)
+    local_index, tenant_of_row = arrived % per, torch.div(arrived, per, rounding_mode="floor") - 1  # (M,) each
 
     view = _LocalExperts(self, world, experts)
-    forward = getattr(type(self), "_tinkerq_original_forward", type(self).forward)  # LoRA's wrapper, if any: not here
-    ones = torch.ones((rows, 1), dtype=top_k_weights.dtype, device=top_k_weights.device)
-    out = forward(view, received, local_index.unsqueeze(1), ones)  # (M, H) unweighted
+    out = _local_rows(self, view, received, local_index, tenant_of_row, route, mesh.get_local_rank(), per)
     # The output must depend on what arrived even when nothing did (the eager forward then returns fresh zeros):
     # otherwise this rank would skip the first all-to-all's backward that every other rank runs.
     out = out + received.sum() * 0
@@ -167,6 +181,66 @@ def _expert_parallel_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     back = _exchange(out.to(hidden_states.dtype), send_sizes, recv_sizes, group)  # (N k, H) sorted
     unsorted = back[torch.argsort(order)].view(n, k, hidden)  # (N, k, H)
     return (unsorted * top_k_weights.unsqueeze(-1)).to(hidden_states.dtype).sum(1)  # (N, H)
+
+
+def _local_rows(module: torch.nn.Module, view: _LocalExperts, rows: torch.Tensor, local_index: torch.Tensor,
+                tenant: torch.Tensor, route: routing.Routing | None, rank: int, per: int) -> torch.Tensor:
+    """This rank's experts over the rows every rank sent them (M, H), unweighted: each row with its adapter's
+    expert deltas (the adapters of the pass, their factors sliced to these experts) where the pass has any."""
+    name = lora_experts.registered_name(module)
+    passing = route.passing if route is not None else []
+    if name is not None and passing:
+        adapters = [_LocalFactors(a, rank, per) for a in passing] + [None]  # the last: rows of no adapter
+        group = torch.where(tenant < 0, len(passing), tenant)
+        out = lora_experts.rows_forward(view, name, rows, local_index, adapters, group)
+        if out is not None:
+            return out
+    elif bool((tenant >= 0).any()):  # another rank's rows need adapters this rank does not have: a bug
+        raise ServerError(f"rank {rank} received rows of a LoRA adapter it does not hold")
+    forward = getattr(type(module), "_tinkerq_original_forward", type(module).forward)  # not LoRA's wrapper
+    ones = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
+    return forward(view, rows, local_index.unsqueeze(1), ones)
+
+
+class _LocalFactors:
+    """An adapter seen by one rank's experts: a per-expert factor (E, ...) is this rank's E/N experts' slice (a
+    DTensor sharded with the experts: its local part); shared factors (1, ...) and other targets as they are."""
+
+    def __init__(self, adapter: Any, rank: int, per: int) -> None:
+        self._adapter, self._rank, self._per = adapter, rank, per
+        self.scaling = adapter.scaling
+
+    def pair(self, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        pair = self._adapter.pair(target)
+        if pair is None:
+            return None
+        a, b = (self._local(t) for t in pair)
+        return a, b
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t.to_local()
+        if t.dim() == 3 and t.shape[0] > 1:  # whole per-expert factors (a snapshot): this rank's experts
+            return t[self._rank * self._per:(self._rank + 1) * self._per]
+        return t
+
+
+def shard_expert_factors(adapter: Any, mesh: DeviceMesh) -> None:
+    """Keep each per-expert factor of ``adapter`` (worker/lora/adapter.py: w1/w3's B (E, I, r), w2's A (E, r, I))
+    only for this rank's experts: a DTensor sharded on dim 0 like the experts themselves, its local part sliced
+    from the whole factor as initialised (so a group's adapter starts as an unsharded worker's). The shared factors
+    stay whole on every rank (their gradients are summed over the ranks by the engine)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    for target in adapter.targets:
+        if not target.experts:
+            continue
+        store = adapter.b if target.shared_a else adapter.a
+        key = adapter_key(target.name)
+        whole = store[key].detach()
+        per = target.experts // world
+        local = whole[rank * per:(rank + 1) * per].clone()
+        store[key] = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                           shape=whole.shape, stride=whole.stride()))
 
 
 def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Any) -> torch.Tensor:

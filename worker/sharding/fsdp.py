@@ -59,7 +59,8 @@ def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, 
     return module
 
 
-def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill) -> LogprobModule:
+def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill, *,
+                 expert_parallel: bool = False) -> LogprobModule:
     """Shard a frozen base (LoRA sessions' shared base: no gradients, no optimizer state, 1/N per rank).
 
     Its input embeddings' output requires grad in every backward, so a backward always runs through every
@@ -74,7 +75,7 @@ def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobCom
         return None
 
     model.get_input_embeddings().register_forward_hook(through)
-    return shard(model, group, logprobs, fill)
+    return shard(model, group, logprobs, fill, expert_parallel=expert_parallel)
 
 
 def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer, fill: Fill,

@@ -10,6 +10,7 @@ by rank 0 alone from tensors gathered to it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -24,11 +25,14 @@ from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
 from tinkerq.worker.loading.models import load_causal_lm
+from tinkerq.worker.lora import routing
+from tinkerq.worker.lora.adapter import FrozenAdapter
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
+from tinkerq.worker.sharding.experts import shard_expert_factors
 from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
-from tinkerq.worker.sharding.sampling import GroupSampling, join_forward
+from tinkerq.worker.sharding.sampling import GroupSampling, join_forward, mirror_on_follower, send_mirrored
 from tinkerq.worker.sharding.streaming import allocate, fill_shards
 from tinkerq.worker.training.engine import TrainingEngine, tied_names
 from tinkerq.worker.training.logprobs import LogprobComputer
@@ -47,9 +51,12 @@ class ShardHost:
         self.logprobs = logprobs
         self.microbatch_tokens = microbatch_tokens
         self.sessions: dict[str, TrainingEngine] = {}  # every training session's engine on this rank
-        self.lora_sessions: dict[str, LoraSession] = {}  # the LoRA ones (their adapters: whole copies)
+        self.lora_sessions: dict[str, LoraSession] = {}  # the LoRA ones (adapters whole, but for EP expert factors)
         self._lora_base: LoraBase | None = None  # made by the first LoRA session: the base sharded once, frozen
         self._sampling: GroupSampling | None = None  # rank 0: sampling over that base (sampling_model)
+        # A follower of an expert-parallel group: its experts' slices of the LoRA snapshots rank 0 samples
+        # (worker/sharding/sampling.py AdapterMirror), by serial.
+        self._mirrored: dict[int, FrozenAdapter] = {}
         self.shapes = {n: list(p.shape) for n, p in base_model.named_parameters() if p.requires_grad}
         self.tied = tied_names(base_model)
         # Rank 0 only: called (outside the group lock) when the group breaks, and when it has re-formed.
@@ -68,7 +75,14 @@ class ShardHost:
             call = args.get("call")
             base = self.lora_base()
             assert base.root is not None
-            return call() if call is not None else join_forward(base.root, self.group.spec.device)
+            mirror = args.get("mirror")
+            if call is not None:
+                send_mirrored(args.get("tensors") or [])
+                return call()
+            passing = mirror_on_follower(self._mirrored, mirror, self.group.mesh, self.group.spec.device) \
+                if mirror is not None else []
+            with routing.routed([], passing=passing) if passing else contextlib.nullcontext():
+                return join_forward(base.root, self.group.spec.device)
         model_id = str(args["model_id"])
         if op == "create":
             return self._create(model_id, args.get("lora"), str(args.get("base_model", "")))
@@ -121,7 +135,11 @@ class ShardHost:
             model.__dict__.pop("_tinkerq_lora_hooks", None)  # the copy gets hooks of its own (the original's are inert)
             base = LoraBase(model, self.logprobs, model_dir=self.model_dir, microbatch_tokens=self.microbatch_tokens,
                             group=self.group, device=self.group.spec.device)
-            base.root = shard_frozen(model, self.group, self.logprobs, self.fill)
+            base.root = shard_frozen(model, self.group, self.logprobs, self.fill, expert_parallel=self.expert_parallel)
+            if self.expert_parallel:  # the tenants' per-expert factors live with their experts
+                mesh = self.group.mesh
+                assert mesh is not None  # a formed group
+                base.shard_adapter = lambda adapter: shard_expert_factors(adapter, mesh)
             base.whole = self.whole_model  # merged files: rank 0 reads the whole base for them
             if self.group.is_leader:
                 base.leader = lambda items, backward: self.run("lora_pass", items=items, backward=backward)
@@ -161,6 +179,7 @@ class ShardHost:
         self.sessions.clear()
         self.lora_sessions.clear()
         self._lora_base = self._sampling = None
+        self._mirrored.clear()
 
     # -- rank 0 ---------------------------------------------------------------------------------------------
 
@@ -306,7 +325,7 @@ def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
     elif op == "optim_step":
         args = {**args, "adam": messages.encode_adam(args["adam"])}
     elif op == "sample_forward":
-        args = {}  # rank 0's forward stays on rank 0
+        args = {"mirror": args.get("mirror")}  # rank 0's forward stays on rank 0; new factors follow by broadcast
     elif op == "lora_pass":
         args = {"backward": args["backward"], "requests": [
             {"model_id": item.target.model_id, "checkpointing": item.checkpointing,

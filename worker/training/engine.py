@@ -110,7 +110,12 @@ class TrainingEngine:
         # does after a backward pass that reached all of them.
         for p in self.params:
             p.grad = torch.zeros_like(p)
-        self.optimizer = torch.optim.AdamW(self.params, lr=0.0, weight_decay=0.0)
+        # A LoRA adapter on an expert-parallel group mixes whole tensors and DTensors (its per-expert factors,
+        # worker/sharding/experts.py): AdamW's fused loops take one kind per parameter group.
+        kinds = _kinds(self.params)
+        self.mixed = all(kinds)
+        self.optimizer = torch.optim.AdamW([{"params": ps} for ps in kinds if ps] if self.mixed else self.params,
+                                           lr=0.0, weight_decay=0.0)
         self.steps = 0
 
     def shapes(self) -> dict[str, list[int]]:
@@ -173,7 +178,8 @@ class TrainingEngine:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.group.sum_tensors([p.grad for p in self.params])  # type: ignore[misc]
+        # A DTensor's gradient is already whole for its shard: the ranks that hold it computed every rank's rows.
+        self.group.sum_tensors([p.grad for p in self.params if not isinstance(p, DTensor)])  # type: ignore[misc]
 
     def set_aside(self) -> list[torch.Tensor]:
         """Take the pending gradients out of ``p.grad`` so the next backward fills fresh ones."""
@@ -206,8 +212,8 @@ class TrainingEngine:
 
     def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
         grads = self.grads()
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # a DTensor over shards: reduced below
-        norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
+        total = _total_norm(grads)
+        norm = float(total)
         if not math.isfinite(norm):
             for g in grads:
                 g.zero_()
@@ -216,7 +222,11 @@ class TrainingEngine:
                 f"unchanged and the pending gradients were discarded"
             )
         if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, adam.grad_clip_norm, total)
+            if self.mixed:  # torch's clip takes one kind of tensor: each kind, by the same coefficient
+                for kind in _kinds(self.params):
+                    torch.nn.utils.clip_grads_with_norm_(kind, adam.grad_clip_norm, total)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(self.params, adam.grad_clip_norm, total)
         for group in self.optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
@@ -309,6 +319,22 @@ class TrainingEngine:
                 else:  # AdamW starts this parameter afresh at its next step, as in a new session
                     self.optimizer.state.pop(p, None)
         self.steps = int(saved.meta["optimizer_steps"]) if optimizer else 0
+
+
+def _kinds(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``tensors`` split into whole ones and DTensors, each in order."""
+    return [t for t in tensors if not isinstance(t, DTensor)], [t for t in tensors if isinstance(t, DTensor)]
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of every gradient together, a plain tensor (a collective where some are DTensor shards: every rank
+    calls it). Whole tensors and DTensors (an adapter on an expert-parallel group) are normed apart, then joined."""
+    norms = []
+    for kind in _kinds(grads):
+        if kind:
+            n = torch.nn.utils.get_total_norm(kind, norm_type=2.0)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 class RequestPart:
