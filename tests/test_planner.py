@@ -523,8 +523,9 @@ def test_activation_checkpointing_is_planned_where_a_batch_would_not_fit_otherwi
 
 
 def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every_ranks_rows(tmp_path: Path):
-    """``tinkerq plan --expert-parallel``: a MoE model's full sessions gather each layer without its routed experts
-    (largest_layer_dense_bytes) and plan a rank's experts for every rank's rows; LoRA and dense models unchanged."""
+    """``tinkerq plan --expert-parallel``: a MoE model's full sessions and LoRA base gather each layer without its
+    routed experts (largest_layer_dense_bytes) and plan a rank's experts for every rank's rows; a LoRA tenant's
+    per-expert factors are split over the ranks; dense models unchanged."""
     from tinkerq.recipes.families import build_family
     from tinkerq.worker.loading.layers import decoder_layers
     from tinkerq.worker.loading.models import load_skeleton
@@ -541,12 +542,22 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
     for name, moe_model in (("llama-3.1-8b", False), ("deepseek-v3.1", True), ("kimi-k2-thinking", True)):
         fsdp = planner.plan(name, devices=8, device_gb=141)
         ep = planner.plan(name, devices=8, device_gb=141, expert_parallel=True)
-        assert ep.expert_parallel == moe_model and ep.lora == fsdp.lora
+        assert ep.expert_parallel == moe_model
         if not moe_model:
-            assert ep.full == fsdp.full
+            assert ep.full == fsdp.full and ep.lora == fsdp.lora
             continue
-        assert ep.full.parts["FSDP gather room"] < fsdp.full.parts["FSDP gather room"]
-        assert ep.full.shards is not None and (fsdp.full.shards is None or ep.full.shards < fsdp.full.shards)
+        for kind in ("full", "lora"):
+            a, b = getattr(ep, kind), getattr(fsdp, kind)
+            assert a.parts["FSDP gather room"] < b.parts["FSDP gather room"], kind
+            assert a.shards is not None and (b.shards is None or a.shards < b.shards), kind
+        # A tenant's per-expert factors are split with the experts: its adapter on each rank is what is left of it.
+        assert ep.lora.adapter_bytes < fsdp.lora.adapter_bytes
+    shape, rank = memory.ModelShape.of(skeleton), 8
+    whole, split = planner.lora_parameters(skeleton, rank), planner.lora_expert_parameters(skeleton, rank)
+    assert split == rank * 8 * (16 + 16 + 16)  # w1/w3 B (8, 16, r) and w2 A (8, r, 16): layer 1's experts
+    assert memory.lora_state_bytes(whole, expert_parameters=split, expert_ranks=4) == 16 * (whole - split + split // 4)
+    assert memory.lora_state_bytes(whole) == 16 * whole and shape.top_k > 0
     out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "plan", "--model", "deepseek-v3.1",
                           "--device-memory", "141", "--expert-parallel"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "Full sessions: expert parallel" in out.stdout, out.stderr
+    assert out.returncode == 0 and "Expert parallel (--expert-parallel)" in out.stdout, out.stderr
+    assert "adapter per tenant (expert factors split)" in out.stdout

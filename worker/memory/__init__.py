@@ -170,19 +170,26 @@ def _room(exc: CapacityError, device: str | torch.device) -> int:
 
 
 def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any],
-                       model: torch.nn.Module | None = None, *, sharded_base: bool = False) -> None:
+                       model: torch.nn.Module | None = None, *, sharded_base: bool = False,
+                       expert_parallel: bool = False, expert_parameters: int = 0) -> None:
     """Refuse a new LoRA session whose adapter would not fit: its float32 weights, pending gradients and AdamW
     moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet. Given the base
     ``model``, the refusal also says whether more shards would make room (:func:`shards_for_lora`).
     ``sharded_base``: the first LoRA session of a shard group, which also makes the group's sharded copy of the
-    base (:func:`lora_base_bytes` + FSDP's gather room, per shard)."""
+    base (:func:`lora_base_bytes` + FSDP's gather room, per shard). ``expert_parallel``: an expert-parallel group (its
+    base's MoE layers gathered without their experts), over whose ranks the adapter's ``expert_parameters`` (its
+    per-expert factors) are split."""
     promised = unallocated_state_bytes(sessions)
+    ep = expert_parallel and settings.shards > 1
     base = 0
     if sharded_base and model is not None:
         shape = ModelShape.of(model)
-        base = lora_base_bytes(shape, settings.shards) + gather_bytes(shape, settings.shards, weight_grads=False)
+        base = lora_base_bytes(shape, settings.shards) + gather_bytes(shape, settings.shards, weight_grads=False,
+                                                                      expert_parallel=ep)
+    state = lora_state_bytes(parameters, expert_parameters=expert_parameters if ep else 0,
+                             expert_ranks=settings.shards)
     try:
-        require(lora_state_bytes(parameters) + promised + base,
+        require(state + promised + base,
                 f"a new LoRA adapter ({parameters:,} parameters: weights, gradients and AdamW state"
                 + (f"; {describe(promised)} of it is the AdamW state open sessions allocate at their first "
                    f"optim_step" if promised else "")
@@ -235,7 +242,7 @@ def admit_batch(model: torch.nn.Module, settings: Any, lengths: list[int], *, ba
         return batch_bytes(ModelShape.of(model), lengths, microbatch_tokens=settings.microbatch_tokens,
                            backward=backward, chunk_tokens=chunk, shards=settings.shards, lora=lora,
                            checkpointing=checkpointing,
-                           expert_parallel=bool(getattr(settings, "expert_parallel", False)) and not lora)
+                           expert_parallel=bool(getattr(settings, "expert_parallel", False)))
 
     op = "forward_backward" if backward else "forward"
     what = (f"{op} on {len(lengths)} datum(s), {sum(lengths)} tokens, longest {max(lengths, default=0)} "

@@ -358,13 +358,17 @@ def full_session_bytes(shape: ModelShape, shards: int = 1, *, expert_parallel: b
             + gather_bytes(shape, shards, weight_grads=True, expert_parallel=expert_parallel))
 
 
-def lora_state_bytes(parameters: int) -> int:
-    """One LoRA tenant's adapter: float32 weights, pending gradients, AdamW's two moments (16 B per parameter).
+def lora_state_bytes(parameters: int, *, expert_parameters: int = 0, expert_ranks: int = 1) -> int:
+    """One LoRA tenant's adapter on one rank: float32 weights, pending gradients, AdamW's two moments (16 B per
+    parameter).
 
     On a shard group each rank holds the whole adapter (replicated: a request's datums are split across ranks,
-    every rank trains the same A and B), so this is per shard too and more shards do not make it smaller.
+    every rank trains the same A and B), so this is per shard too and more shards do not make it smaller; except on
+    an expert-parallel group (``expert_ranks`` ranks), where the ``expert_parameters`` of it (the per-expert factors:
+    w1/w3's B, w2's A) are split with the experts (worker/sharding/experts.py).
     """
-    return LORA_BYTES_PER_PARAMETER * parameters
+    per_rank = parameters - expert_parameters + -(-expert_parameters // max(1, expert_ranks))
+    return LORA_BYTES_PER_PARAMETER * per_rank
 
 
 def lora_base_bytes(shape: ModelShape, shards: int = 1) -> int:

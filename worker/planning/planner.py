@@ -124,6 +124,13 @@ def lora_parameters(model: torch.nn.Module, rank: int) -> int:
     return rank * sum(t.parameters_per_rank() for t in find_targets(model, types.LoraConfig(rank=1)))
 
 
+def lora_expert_parameters(model: torch.nn.Module, rank: int) -> int:
+    """Of :func:`lora_parameters`, the per-expert factors': split with the experts on an expert-parallel group."""
+    from tinkerq.worker.lora.adapter import find_targets
+
+    return rank * sum(t.expert_parameters_per_rank() for t in find_targets(model, types.LoraConfig(rank=1)))
+
+
 # -- quantized checkpoints (docs/planning.md#quantized-checkpoints) ------------------------------------------------
 
 
@@ -278,14 +285,18 @@ def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
 
 
 def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
-               checkpointing: bool = False) -> dict[str, int]:
-    """A LoRA group's memory on each of ``shards`` devices, without its tenants' adapters."""
+               checkpointing: bool = False, expert_parallel: bool = False) -> dict[str, int]:
+    """A LoRA group's memory on each of ``shards`` devices, without its tenants' adapters. ``expert_parallel``: as
+    for :func:`full_parts` (the frozen base's MoE layers gathered without their routed experts; a rank's experts
+    planned for every rank's rows)."""
     lengths = rank_lengths(workload.lengths(), shards)
+    ep = expert_parallel and shards > 1
     return {
         "frozen base (shared)": lora_base_bytes(shape, shards),
-        "FSDP gather room": gather_bytes(shape, shards, weight_grads=False),
+        "FSDP gather room": gather_bytes(shape, shards, weight_grads=False, expert_parallel=ep),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        expert_ranks=shards if ep else 1, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
 
@@ -299,8 +310,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     served by one process); full sessions are still planned dequantized (they need float weights).
     ``activation_checkpointing``: the worker's setting; "auto" plans a batch's activations checkpointed where they
     would not fit otherwise, as the worker's admission decides (worker/memory/ admit_batch).
-    ``expert_parallel``: full sessions of a MoE model on a group with --expert-parallel (LoRA groups keep FSDP's
-    layout)."""
+    ``expert_parallel``: a MoE model's group with --expert-parallel: full sessions and the LoRA base split by
+    expert, each tenant's per-expert factors with their experts."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
     workload = workload or Workload()
@@ -362,31 +373,38 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
                                                 devices if ep and devices > 1 else 1), checkpointing=on)
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
-    adapter = max(1, lora_state_bytes(adapter_parameters))
+    expert_parameters = lora_expert_parameters(model, workload.lora_rank) if ep else 0
+
+    def adapter_at(n: int) -> int:
+        """One tenant's adapter on each of ``n`` ranks (its per-expert factors split with the experts under EP)."""
+        return max(1, lora_state_bytes(adapter_parameters, expert_parameters=expert_parameters, expert_ranks=n))
 
     def lora_at(n: int) -> tuple[dict[str, int], bool]:
-        return checkpointed(lambda on: lora_parts(shape, n, workload, chunk, on), adapter)
+        return checkpointed(lambda on: lora_parts(shape, n, workload, chunk, on, expert_parallel=ep), adapter_at(n))
 
     def tenants(n: int) -> int:
         """Adapters that fit beside the base and a batch; the batch checkpointed unless that is off (under auto the
         worker checkpoints a batch once the tenants leave too little room for it plainly)."""
-        parts = lora_parts(shape, n, workload, chunk, activation_checkpointing != "off")
-        return max(0, (usable - sum(parts.values())) // adapter)
+        parts = lora_parts(shape, n, workload, chunk, activation_checkpointing != "off", expert_parallel=ep)
+        return max(0, (usable - sum(parts.values())) // adapter_at(n))
 
-    n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter, usable, limit=MAX_SHARDS)
+    n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
     at = n_lora if n_lora is not None and n_lora <= devices else devices
     parts, on = lora_at(at)
-    every = lora_parts(shape, devices, workload, chunk)
+    every = lora_parts(shape, devices, workload, chunk, expert_parallel=ep)
+    adapter = adapter_at(at)
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0, adapter_bytes=adapter,
                     tenants=tenants(at),
                     tenants_all_devices=tenants(devices),
-                    longest_datum=longest_datum(sum(every.values()) + adapter - every["activations"]),
+                    longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
+                                                devices if ep and devices > 1 else 1),
                     checkpointing=on)
     quantized = quantized_checkpoint(config, model)
     if quantized_base not in ("dequantize", "keep"):
         raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
     if quantized_base == "keep" and quantized is not None:
+        adapter = adapter_at(1)  # a kept base is served by one process
         parts, on = checkpointed(lambda c: kept_lora_parts(shape, quantized, workload, chunk, c), adapter)
         fixed = sum(parts.values())
         fits = fixed + adapter <= usable
@@ -450,7 +468,8 @@ def render(p: Plan) -> str:
         full = p.full.parts.get(label)
         lora = p.lora.parts.get(label)
         rows.append((f"  {label}", "-" if full is None else gb(full), "-" if lora is None else gb(lora)))
-    rows.append(("  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
+    rows.append(("  adapter per tenant (expert factors split)" if p.expert_parallel else
+                 "  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
     rows.append((f"  total, {unit} (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
     rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
                                                f"{p.lora.tenants_all_devices:,} at {p.devices}"))
@@ -465,9 +484,9 @@ def render(p: Plan) -> str:
     lines.append("")
     if p.expert_parallel:
         lines.append("")
-        lines.append("Full sessions: expert parallel (--expert-parallel): a MoE layer is gathered without its routed "
-                     "experts, and a rank's experts are planned for every rank's rows at once (the most uneven "
-                     "routing). LoRA groups keep FSDP's layout.")
+        lines.append("Expert parallel (--expert-parallel): a MoE layer is gathered without its routed experts, and "
+                     "a rank's experts are planned for every rank's rows at once (the most uneven routing); a LoRA "
+                     "tenant's per-expert factors are split with the experts.")
     lines.append(f"({unit}; activation checkpointing {p.activation_checkpointing}: TINKERQ_ACTIVATION_CHECKPOINTING; "
                  f"the longest datum is planned checkpointed unless it is off. "
                  f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
@@ -485,7 +504,7 @@ def render_markdown(plans: list[Plan]) -> str:
     head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
             f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}"
-            f"{'; full sessions of MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}.\n\n")
+            f"{'; MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
              "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "

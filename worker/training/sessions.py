@@ -87,8 +87,11 @@ class SessionFactory:
         targets = find_targets(self.model, lora) if self.shards is not None else self.lora().targets(lora)
         self._make_room("lora", slots, close)
         parameters = lora.rank * sum(t.parameters_per_rank() for t in targets)
+        # On an expert-parallel group the per-expert factors are split with the experts (worker/sharding/experts.py).
         memory.admit_lora_session(parameters, self.settings, [slot.session for slot in slots.values()], self.model,
-                                  sharded_base=self.shards is not None and not self.shards.has_lora_base)
+                                  sharded_base=self.shards is not None and not self.shards.has_lora_base,
+                                  expert_parallel=self.shards is not None and self.shards.expert_parallel,
+                                  expert_parameters=lora.rank * sum(t.expert_parameters_per_rank() for t in targets))
         if self.shards is not None:  # the adapter and its AdamW state on every rank, over the base sharded once
             return self.shards.open_lora(model_id, lora, base_model=self.base_model)
         return LoraSession(model_id, self.lora(), lora, base_model=self.base_model)
