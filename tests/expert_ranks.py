@@ -161,11 +161,12 @@ def _lora_datums(vocab: int, seed: int, count: int):
 
 
 def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, skew: bool = False,
-                 checkpointing: bool = False) -> None:
+                 checkpointing: bool = False, kept: bool = False) -> None:
     """LoRA tenants on an expert-parallel base (its experts and the tenants' per-expert factors split by expert,
     worker/sharding/experts.py) against the same tenants on the whole model loaded by ``from_pretrained``: one mixed
     pass of three tenants (each request's datums split over the ranks), its outputs on rank 0, every factor's whole
-    gradient, and the factors after an AdamW step, on every rank."""
+    gradient, and the factors after an AdamW step, on every rank. ``kept``: the base's quantized routed experts kept
+    as stored (each rank only its experts'), against the whole model dequantized on load."""
     from tinkerq import types
     from tinkerq.worker.lora.batch import LossItem
     from tinkerq.worker.lora.session import LoraBase, LoraSession
@@ -190,7 +191,8 @@ def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, s
         def fill(root: torch.nn.Module, lm, skeleton=skeleton, path=path) -> None:
             fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
 
-        base.root = shard_frozen(model, group, base.logprobs, fill, expert_parallel=True)
+        base.root = shard_frozen(model, group, base.logprobs, fill, expert_parallel=True,
+                                 kept_from=path if kept else None)
         base.shard_adapter = lambda adapter: shard_expert_factors(adapter, mesh)
         reference = load_causal_lm(path)
         ref_base = LoraBase(reference, LogprobComputer(reference, device="cpu"), model_dir=path,
@@ -207,8 +209,12 @@ def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, s
         refs = [LossItem(s, b, "cross_entropy", None) for s, b in zip(theirs, batches, strict=True)]
         base.run_pass(items, True)
         ref_base.run_pass(refs, True)
+        from tinkerq.worker.loading import quantized_base
+
         result = {"logprob_diff": 0.0, "grad_diff": 0.0, "weight_diff": 0.0, "sharded_factors": 0,
-                  "rows": [m._tinkerq_ep_rows for m in base.model.modules() if hasattr(m, "_tinkerq_ep")]}
+                  "rows": [m._tinkerq_ep_rows for m in base.model.modules() if hasattr(m, "_tinkerq_ep")],
+                  "kept_modules": sum(quantized_base.stored_bytes(m) > 0 for m in base.model.modules()),
+                  "stored_bytes": sum(quantized_base.stored_bytes(m) for m in base.model.modules())}
         for item, ref in zip(items, refs, strict=True):
             assert item.error is None and ref.error is None, (item.error, ref.error)
             if rank == 0:

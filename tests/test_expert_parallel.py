@@ -73,10 +73,21 @@ def test_four_ranks_and_every_token_to_one_ranks_experts(tmp_path):
     assert ranks[0][model]["rows"][0] > 0 and all(r[model]["rows"] == [0] for r in ranks[1:]), ranks
 
 
-def _spawn_lora(world: int, paths: list[str], out: Path, skew: bool = False, checkpointing: bool = False) -> dict:
+def _spawn_lora(world: int, paths: list[str], out: Path, skew: bool = False, checkpointing: bool = False,
+                kept: bool = False) -> dict:
     torch.multiprocessing.spawn(expert_ranks.lora_compare, nprocs=world,
-                                args=(world, free_port(), paths, str(out), skew, checkpointing))
+                                args=(world, free_port(), paths, str(out), skew, checkpointing, kept))
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def _assert_lora_equal(ranks: dict, paths: list[str]) -> None:
+    for path in paths:
+        zero = ranks[0][path]
+        assert zero["logprob_diff"] < 1e-5 and zero["grad_diff"] < 4e-5 and zero["weight_diff"] < 1e-5, (path, zero)
+        assert zero["trained_logprob_diff"] < 1e-5, (path, zero)
+        # Two of the three tenants adapt the experts: their w1/w3 B and w2 A live with the experts on each rank.
+        assert all(r[path]["sharded_factors"] > 0 and r[path]["sharded_factors"] % 2 == 0
+                   for r in ranks.values()), path
 
 
 def test_lora_tenants_on_an_expert_parallel_base_equal_the_whole_model(tmp_path):
@@ -91,15 +102,30 @@ def test_lora_tenants_on_an_expert_parallel_base_equal_the_whole_model(tmp_path)
     runs = [(_spawn_lora(2, models, tmp_path / "two"), models),
             (_spawn_lora(4, models[:1], tmp_path / "skew", skew=True, checkpointing=True), models[:1])]
     for ranks, paths in runs:
-        for path in paths:
-            zero = ranks[0][path]
-            assert zero["logprob_diff"] < 1e-5 and zero["grad_diff"] < 4e-5 and zero["weight_diff"] < 1e-5, (path, zero)
-            assert zero["trained_logprob_diff"] < 1e-5, (path, zero)
-            # Two of the three tenants adapt the experts: their w1/w3 B and w2 A live with the experts on each rank.
-            assert all(r[path]["sharded_factors"] > 0 and r[path]["sharded_factors"] % 2 == 0
-                       for r in ranks.values()), path
+        _assert_lora_equal(ranks, paths)
+        assert all(r[p]["kept_modules"] == 0 for r in ranks.values() for p in paths)
     skewed = runs[1][0]
     assert skewed[0][models[0]]["rows"][0] > 0 and all(skewed[r][models[0]]["rows"] == [0] for r in (1, 2, 3))
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3-fp8", "kimi_k2-int4", "gpt_oss-mxfp4"])
+def test_lora_over_an_expert_parallel_base_kept_quantized_equals_the_dequantized_model(tmp_path, layout):
+    """--quantized-base keep on an expert-parallel group: each rank keeps only its experts' stored parts (block FP8,
+    INT4, MXFP4 as the model makers publish them: recipes/published.py), read from the files, and dequantizes them
+    when used; the rest is dequantized into FSDP shards. Three LoRA tenants train as on the whole model
+    dequantized on load, on 2 ranks and on 4 with every token routed into rank 0's experts."""
+    from tinkerq.recipes.published import build_published
+
+    path = str(build_published(layout, tmp_path / layout))
+    (tmp_path / "two").mkdir()
+    (tmp_path / "skew").mkdir()
+    two = _spawn_lora(2, [path], tmp_path / "two", kept=True)
+    _assert_lora_equal(two, [path])
+    four = _spawn_lora(4, [path], tmp_path / "skew", skew=True, checkpointing=True, kept=True)
+    _assert_lora_equal(four, [path])
+    # Each rank holds only its own experts' stored parts: half of them on 2 ranks, a quarter on 4.
+    assert all(r[path]["kept_modules"] >= 1 for r in [*two.values(), *four.values()])
+    assert {r[path]["stored_bytes"] for r in two.values()} == {2 * r[path]["stored_bytes"] for r in four.values()}
 
 
 def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
@@ -321,3 +347,55 @@ def test_every_token_to_one_ranks_experts_stays_within_what_the_worker_admits(tm
     growth = [r["growth"] for r in ranks]
     print(f"\npeak growth per rank {[round(g / 2**20, 1) for g in growth]} MiB; admitted {admitted / 2**20:.1f} MiB")
     assert max(growth) <= admitted, (growth, admitted)
+
+
+@pytest.mark.timeout(420)
+def test_a_group_keeps_a_published_fp8_base_split_by_expert(redis_url, tmp_path):
+    """`tinkerq worker --shards 2 --expert-parallel --quantized-base keep` on a DeepSeek-V3 checkpoint as published
+    (block FP8, per-expert keys, its MTP layer): each rank keeps its experts' stored parts; a LoRA tenant trains, and
+    its snapshot samples, as on one worker that dequantized the checkpoint on load; a full session is one user error
+    naming the fix."""
+    from tests.test_sharding import ShardGroup, _assert_same_outputs
+    from tinkerq.errors import TinkerqError
+    from tinkerq.producer import ServiceClient
+    from tinkerq.recipes.published import build_published
+
+    model = build_published("deepseek_v3-fp8", tmp_path / "deepseek-fp8")
+    checkpoints = tmp_path / "checkpoints"
+    env = {"TINKERQ_CHECKPOINT_DIR": str(checkpoints), "TINKERQ_MICROBATCH_TOKENS": str(WORKER_MICROBATCH_TOKENS)}
+    one_proc = start_named_worker(model, redis_url, "fp8-one", tmp_path / "one.log", env=env,
+                                  extra=["--dtype", "float32"])
+    group = ShardGroup(model, redis_url, tmp_path, checkpoints, "fp8-kept")
+    try:
+        with ServiceClient(broker_url=redis_url) as sc:
+            flags = ("--expert-parallel", "--quantized-base", "keep", "--dtype", "float32")
+            group.start(1, flags)
+            group.start(0, flags)
+            group.wait_serving(sc.connection)
+            lora = [sc.create_lora_training_client(name, rank=4, seed=11).result(timeout=120)
+                    for name in ("fp8-one", "fp8-kept")]
+            try:
+                rng = np.random.default_rng(12)
+                for batch in [make_batch(rng, n) for n in (3, 4)]:
+                    outs = [tc.forward_backward(batch) for tc in lora]
+                    _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
+                    norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in lora]
+                    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+                prompt, params = types.ModelInput.from_ints([3, 1, 4]), types.SamplingParams(max_tokens=4, seed=5)
+                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=120)
+                        .sequences for tc in lora]
+                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]]
+                for a, b in zip(*seqs, strict=True):
+                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+            finally:
+                for tc in lora:
+                    tc.close()
+            with pytest.raises(TinkerqError, match="quantized-base dequantize"):
+                sc.create_training_client("fp8-kept").result(timeout=60)
+    finally:
+        group.stop()
+        one_proc.terminate()
+        one_proc.wait(30)
+    for rank in (0, 1):
+        log = (tmp_path / f"fp8-kept-rank{rank}.log").read_text()
+        assert "kept quantized: 1 experts module(s), this rank's experts as stored" in log, rank

@@ -267,9 +267,10 @@ class Settings:
                                 "(N > 1), or leave it out")
         if self.quantized_base not in ("dequantize", "keep"):
             raise SettingsError(f"TINKERQ_QUANTIZED_BASE must be dequantize or keep, got {self.quantized_base!r}")
-        if self.quantized_base == "keep" and self.shards > 1:
-            raise SettingsError("--quantized-base keep serves a base from one process: use --shards 1, or "
-                                "--quantized-base dequantize for a shard group")
+        if self.quantized_base == "keep" and self.shards > 1 and not self.expert_parallel:
+            raise SettingsError("--quantized-base keep on a shard group keeps a MoE model's routed experts as stored, "
+                                "split by expert: add --expert-parallel, or use --quantized-base dequantize (or "
+                                "--shards 1)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SettingsError(f"TINKERQ_DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.loss_backend not in ("auto", "apex", "torch", "reference"):

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -299,14 +300,17 @@ def _quantized(checkpoint: Checkpoint, weight: str, stored: dict[str, torch.Tens
     return qf.QuantizedTensor(qf.INT4_PACKED, {"packed": packed, "scale": scale}, (rows, cols), (group,))
 
 
-def read_quantized_tensors(directory: str | Path) -> dict[str, qf.QuantizedTensor]:
-    """Every quantized weight of the checkpoint in ``directory``, as stored, keyed by its weight name (fp8 and int4:
-    ``...weight``; mxfp4: e.g. ``model.layers.0.mlp.experts.gate_up_proj``, shape the stored rows (E, 2I, H)); {}
-    for an unquantized checkpoint. Checked as :func:`open_checkpoint` checks; ModelLoadError on a bad checkpoint."""
-    checkpoint = open_checkpoint(Path(directory))
-    names = {p for parts in checkpoint.quantized.values() for p in parts.values()}
+def read_quantized_tensors(directory: str | Path, select: Callable[[str], bool] | None = None, *,
+                           checkpoint: Checkpoint | None = None) -> dict[str, qf.QuantizedTensor]:
+    """Every quantized weight of the checkpoint in ``directory`` (or those whose name ``select`` takes), as stored,
+    keyed by its weight name (fp8 and int4: ``...weight``; mxfp4: e.g. ``model.layers.0.mlp.experts.gate_up_proj``,
+    shape the stored rows (E, 2I, H)); {} for an unquantized checkpoint. Checked as :func:`open_checkpoint` checks;
+    ModelLoadError on a bad checkpoint. ``checkpoint``: that directory already opened (read many times)."""
+    checkpoint = checkpoint or open_checkpoint(Path(directory))
+    weights = [w for w in checkpoint.quantized if select is None or select(w)]
+    names = {p for w in weights for p in checkpoint.quantized[w].values()}
     stored = {n: _read(checkpoint.headers[n], n) for n in names}
-    return {weight: _quantized(checkpoint, weight, stored) for weight in checkpoint.quantized}
+    return {weight: _quantized(checkpoint, weight, stored) for weight in weights}
 
 
 class LazyTensors:

@@ -59,6 +59,23 @@ _STACKED = re.compile(r"^(?P<module>.+)\.(?P<proj>gate_up_proj|up_proj|down_proj
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
+def expert_key(key: str) -> tuple[str, int | None, str] | None:
+    """A checkpoint name of routed experts' weights as (experts module, expert index or None when the tensor is
+    stacked over the experts, projection), or None for any other name."""
+    match = _PER_EXPERT.match(key)
+    if match:
+        return match["module"], int(match["expert"]), match["proj"]
+    match = _STACKED.match(key)
+    return (match["module"], None, match["proj"]) if match else None
+
+
+def expert_parameter(projection: str, gated: bool) -> str:
+    """The fused-experts parameter a checkpoint projection (:func:`expert_key`) fills."""
+    if projection in _ROLE:
+        return "down_proj" if _ROLE[projection] == "down" else "gate_up_proj" if gated else "up_proj"
+    return projection
+
+
 class KeepQuantizedError(UserError):
     """The checkpoint's quantized tensors cannot be kept on this model (the message says which, and what to do)."""
 
@@ -104,10 +121,12 @@ class KeptStats:
 # -- placing the checkpoint's tensors -------------------------------------------------------------------------------
 
 
-def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor]) -> KeptStats:
+def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor],
+                   device: torch.device | None = None) -> KeptStats:
     """Replace every float weight of ``model`` that ``quantized`` (checkpoint name -> stored tensor) holds by its
     stored parts, dequantized on access. Raises :class:`KeepQuantizedError` (nothing changed) when a name matches
-    no Linear or fused-experts module, or a shape differs from the model's."""
+    no Linear or fused-experts module, or a shape differs from the model's. ``device``: where the stored parts go
+    (default: the weight's; a skeleton's weights are on the meta device)."""
     modules = dict(model.named_modules())
     # module -> parameter -> [(source, its stored tensor: per-expert tensors stacked over the experts)]
     plans: dict[str, dict[str, list[tuple[Source, QuantizedTensor]]]] = {}
@@ -149,7 +168,7 @@ def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor]
         plans.setdefault(name, {}).setdefault(param, []).append(
             (_source(tensors[0], param, role if param == "gate_up_proj" else "all", True), stacked))
     stats = KeptStats(tensors=len(quantized))
-    if any(p.device.type == "cpu" for p in model.parameters()):
+    if (device is not None and device.type == "cpu") or any(p.device.type == "cpu" for p in model.parameters()):
         fix_mmap_threshold()
     for name, params in plans.items():
         module = modules[name]
@@ -163,7 +182,7 @@ def keep_quantized(model: torch.nn.Module, quantized: dict[str, QuantizedTensor]
         stats.dequantized_bytes += sum(t.numel() * t.element_size() for t in before.values())
         stats.largest_module_bytes = max(stats.largest_module_bytes,
                                          sum(t.numel() * t.element_size() for t in before.values()))
-        _install(module, name, params, dtype)
+        _install(module, name, params, dtype, device)
         stats.modules += 1
         stats.names.append(name)
         stats.stored_bytes += stored_bytes(module)
@@ -210,14 +229,14 @@ def _source(q: QuantizedTensor, param: str, role: str, stacked: bool, shape: tup
 
 
 def _install(module: torch.nn.Module, name: str, params: dict[str, list[tuple[Source, QuantizedTensor]]],
-             dtype: torch.dtype) -> None:
+             dtype: torch.dtype, device: torch.device | None = None) -> None:
     """Swap ``module``'s class, drop its float weights and register the stored parts as buffers."""
     shapes = {p: tuple(getattr(module, p).shape) for p in params}
     # Read once from the float weights: the adapter factory and every forward read it, and must not dequantize
     # to get shapes.
     if not isinstance(module, torch.nn.Linear):
         module._tinkerq_layout = _layout(module, name)  # type: ignore[assignment]  # a plain attribute
-    device = getattr(module, next(iter(params))).device
+    device = device or getattr(module, next(iter(params))).device
     for param in params:
         del module._parameters[param]  # the float weight: freed once nothing else holds it
     for sources in params.values():
@@ -290,14 +309,29 @@ def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) + kept
 
 
+def kept_weight_keys(model: torch.nn.Module, keys: list[str]) -> set[str]:
+    """Of the checkpoint names ``keys``, those of routed-experts weights ``model`` keeps quantized (a loader of the
+    rest leaves them out)."""
+    kept = {name for name, m in model.named_modules() if _STATE in m.__dict__}
+    out = set()
+    for key in keys:
+        parsed = expert_key(key)
+        if parsed is not None and parsed[0] in kept:
+            module = model.get_submodule(parsed[0])
+            if expert_parameter(parsed[2], bool(getattr(module, "has_gate", True))) in _state(module).sources:
+                out.add(key)
+    return out
+
+
 def is_kept(model: torch.nn.Module) -> bool:
     """Whether any module of ``model`` is kept quantized."""
     return any(_STATE in m.__dict__ for m in model.modules())
 
 
-def refuse_full_session(model: torch.nn.Module) -> None:
-    """A user error when ``model``'s base is kept quantized (a full session needs float weights)."""
-    if is_kept(model):
+def refuse_full_session(model: torch.nn.Module, *, kept: bool = False) -> None:
+    """A user error when ``model``'s base is kept quantized, or ``kept`` says so (a shard group's: its ranks hold
+    the kept parts): a full session needs float weights."""
+    if kept or is_kept(model):
         raise FullSessionOnQuantizedBase(FULL_SESSION_MESSAGE)
 
 
@@ -343,12 +377,29 @@ def _kept_apply(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor
     return self
 
 
+_plain_state = 0  # inside without_kept_weights(): state_dict() leaves the kept weights out
+
+
 def _kept_save(self: torch.nn.Module, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
     """``state_dict()`` gives the dequantized weights under their own names, as the float model would (merged
     LoRA files are written from it); the stored parts are non-persistent buffers."""
     super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
+    if _plain_state:
+        return
     for name in _state(self).sources:
         destination[prefix + name] = _weight(self, name).detach()
+
+
+@contextlib.contextmanager
+def without_kept_weights() -> Iterator[None]:
+    """``state_dict()`` without the kept modules' weights while the block runs: a loader filling the rest of a
+    model (worker/sharding/streaming.py) asks for its keys, which must not dequantize every kept weight."""
+    global _plain_state
+    _plain_state += 1
+    try:
+        yield
+    finally:
+        _plain_state -= 1
 
 
 def _refuse_copy(self: torch.nn.Module, memo: dict[int, Any]) -> Any:

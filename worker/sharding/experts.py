@@ -37,8 +37,10 @@ expert factors travelling with the tokens is the next step (docs/sharding.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types as pytypes
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,10 +50,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tinkerq.errors import ServerError, ValidationError
+from tinkerq.worker.checkpoints.quant_formats import QuantizedTensor
+from tinkerq.worker.loading import quantized_base
 from tinkerq.worker.lora import experts as lora_experts
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import adapter_key
-from tinkerq.worker.lora.experts import is_fused_experts, layout
+from tinkerq.worker.lora.experts import ExpertsLayout, is_fused_experts, layout
 
 log = logging.getLogger("tinkerq.shards")
 
@@ -83,17 +87,29 @@ def check_expert_parallel(model: torch.nn.Module, world: int) -> list[tuple[str,
     return modules
 
 
-def distribute_experts(model: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn.Parameter]:
+def distribute_experts(model: torch.nn.Module, mesh: DeviceMesh, *,
+                       kept_from: str | None = None) -> set[torch.nn.Parameter]:
     """Make every routed-experts module of ``model`` (a skeleton: parameters on the meta device) expert-parallel over
     ``mesh``; returns the parameters now sharded by expert, which FSDP must leave alone (``ignored_params``).
-    Raises as :func:`check_expert_parallel`."""
+    Raises as :func:`check_expert_parallel`.
+
+    ``kept_from``: the checkpoint directory of a base kept quantized (``--quantized-base keep``): each expert weight
+    the checkpoint stores quantized keeps this rank's experts' stored parts, read from the files now (only those
+    experts), dequantized when a forward uses them (worker/loading/quantized_base.py); its other expert parameters
+    (gpt-oss's biases) are split as above."""
     world = mesh.size()
     modules = check_expert_parallel(model, world)
+    kept = _quantized_expert_weights(kept_from, modules) if kept_from is not None else {}
+    whole = {name: layout(module, name) for name, module in modules}  # all E experts, before any is split
     sharded: set[torch.nn.Parameter] = set()
     for name, module in modules:
-        experts = layout(module, name).num_experts
+        experts = whole[name].num_experts
         for pname, p in list(module.named_parameters(recurse=False)):
             if p.dim() == 0 or p.shape[0] != experts:
+                continue
+            if pname in kept.get(name, ()):  # a placeholder of this rank's shape, never allocated: replaced below
+                module.register_parameter(pname, torch.nn.Parameter(torch.empty(
+                    (experts // world, *p.shape[1:]), dtype=p.dtype, device="meta"), requires_grad=False))
                 continue
             local = torch.empty((experts // world, *p.shape[1:]), dtype=p.dtype, device=p.device)
             param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape,
@@ -104,8 +120,63 @@ def distribute_experts(model: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn
         # An instance attribute: deep copies rebind it to the copy (copy's MethodType handling).
         module.forward = pytypes.MethodType(_expert_parallel_forward, module)  # type: ignore[method-assign]
     log.info("expert parallel over %d ranks: %d MoE layer(s), experts per rank %s", world, len(modules),
-             "/".join(sorted({str(layout(m, n).num_experts // world) for n, m in modules})))
+             "/".join(sorted({str(lay.num_experts // world) for lay in whole.values()})))
+    if kept:
+        assert kept_from is not None
+        _keep_local_experts(model, {n: lay for n, lay in whole.items() if n in kept}, kept_from, mesh)
     return sharded
+
+
+def _quantized_expert_weights(directory: str, modules: list[tuple[str, torch.nn.Module]]) -> dict[str, set[str]]:
+    """Experts module name -> the parameters of it the checkpoint stores quantized."""
+    from tinkerq.worker.checkpoints.reader import open_checkpoint
+
+    gated = {name: layout(module, name).gated for name, module in modules}
+    found: dict[str, set[str]] = {}
+    for key in open_checkpoint(Path(directory)).quantized:
+        parsed = quantized_base.expert_key(key)
+        if parsed is not None and parsed[0] in gated:
+            found.setdefault(parsed[0], set()).add(quantized_base.expert_parameter(parsed[2], gated[parsed[0]]))
+    return found
+
+
+def _keep_local_experts(model: torch.nn.Module, whole: dict[str, ExpertsLayout], directory: str,
+                        mesh: DeviceMesh) -> None:
+    """Read this rank's experts' stored parts of each experts module named in ``whole`` (its layout over all E
+    experts; its quantized weights now placeholders of this rank's shape) and keep them as the module's weights
+    (quantized_base.keep_quantized), experts renumbered from 0 on this rank. One module at a time: host memory holds
+    one module's parts (twice, while they are stacked), never the rank's whole share."""
+    from tinkerq.allocator import trim_heap
+    from tinkerq.worker.checkpoints.reader import open_checkpoint, read_quantized_tensors
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    checkpoint = open_checkpoint(Path(directory))
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
+        torch.device(mesh.device_type)
+    stored_bytes = dequantized_bytes = modules = 0
+    for name, lay in whole.items():
+        lo, hi = rank * lay.num_experts // world, (rank + 1) * lay.num_experts // world
+
+        def mine(key: str, name: str = name, lo: int = lo, hi: int = hi) -> bool:
+            parsed = quantized_base.expert_key(key)
+            return parsed is not None and parsed[0] == name and (parsed[1] is None or lo <= parsed[1] < hi)
+
+        local: dict[str, QuantizedTensor] = {}
+        for key, q in read_quantized_tensors(directory, mine, checkpoint=checkpoint).items():
+            _, index, projection = quantized_base.expert_key(key)  # type: ignore[misc]  # selected by mine()
+            if index is not None:  # per-expert keys: this rank's experts, from 0
+                local[f"{name}.{index - lo}.{projection}.weight"] = q
+            else:  # stacked over the experts: this rank's rows of each part
+                local[key] = QuantizedTensor(q.format, {p: t[lo:hi].clone() for p, t in q.parts.items()},
+                                             (hi - lo, *q.shape[1:]), q.block)
+        stats = quantized_base.keep_quantized(model, local, device=device)
+        del local
+        trim_heap()
+        stored_bytes, dequantized_bytes = stored_bytes + stats.stored_bytes, dequantized_bytes + stats.dequantized_bytes
+        modules += stats.modules
+        model.get_submodule(name)._tinkerq_layout = lay  # type: ignore[assignment]  # all E experts (targets)
+    log.info("kept quantized: %d experts module(s), this rank's experts as stored (%.1f MB; %.1f MB dequantized)",
+             modules, stored_bytes / 1e6, dequantized_bytes / 1e6)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -126,7 +197,8 @@ class _LocalExperts:
     the FSDP convention) and ``num_experts`` E/N; every other attribute is the module's."""
 
     def __init__(self, module: torch.nn.Module, world: int, experts: int) -> None:
-        local: dict[str, Any] = {"num_experts": experts // world}
+        lay = dataclasses.replace(layout(module, "experts"), num_experts=experts // world)
+        local: dict[str, Any] = {"num_experts": experts // world, "_tinkerq_layout": lay}
         for pname, p in module.named_parameters(recurse=False):
             if isinstance(p, DTensor):
                 part = p.to_local()

@@ -14,6 +14,7 @@ from tinkerq.errors import ShardGroupError, TinkerqError
 from tinkerq.settings import Settings
 from tinkerq.worker.loading.dtypes import served_dtype
 from tinkerq.worker.loading.models import configure_torch, load_skeleton
+from tinkerq.worker.loading.quantized_base import KEEP
 from tinkerq.worker.sharding.experts import check_expert_parallel
 from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
 from tinkerq.worker.sharding.host import ShardHost, from_wire
@@ -34,7 +35,8 @@ def build_host(model_path: str, settings: Settings) -> ShardHost:
     group = ShardGroup(spec)
     logprobs = LogprobComputer(model, settings.loss_backend, device=settings.device)
     return ShardHost(group, model, model_dir=os.path.abspath(model_path), logprobs=logprobs,
-                     microbatch_tokens=settings.microbatch_tokens, expert_parallel=settings.expert_parallel)
+                     microbatch_tokens=settings.microbatch_tokens, expert_parallel=settings.expert_parallel,
+                     kept_quantized=settings.quantized_base == KEEP)
 
 
 def run_follower(model_path: str, settings: Settings, *, threads: int | None = None) -> int:

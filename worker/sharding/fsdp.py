@@ -45,13 +45,14 @@ Fill = Callable[[torch.nn.Module, PreTrainedModel], None]
 
 
 def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill, *,
-          expert_parallel: bool = False) -> LogprobModule:
+          expert_parallel: bool = False, kept_from: str | None = None) -> LogprobModule:
     """Shard ``model`` (this rank's copy of the skeleton: parameters on the meta device) over the group, layer by
     layer, then ``fill`` its local shards; returns the root to call. ``expert_parallel``: the routed experts are
-    split by expert instead, left out of FSDP (worker/sharding/experts.py)."""
+    split by expert instead, left out of FSDP (worker/sharding/experts.py); ``kept_from``: with them, a frozen base's
+    checkpoint whose quantized experts stay as stored."""
     assert group.mesh is not None
     module = LogprobModule(model, logprobs)
-    by_expert = distribute_experts(model, group.mesh) if expert_parallel else None
+    by_expert = distribute_experts(model, group.mesh, kept_from=kept_from) if expert_parallel else None
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh, ignored_params=by_expert)
     fully_shard(module, mesh=group.mesh, ignored_params=by_expert)  # the root: embeddings, final norm, output weight
@@ -60,7 +61,7 @@ def shard(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, 
 
 
 def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobComputer, fill: Fill, *,
-                 expert_parallel: bool = False) -> LogprobModule:
+                 expert_parallel: bool = False, kept_from: str | None = None) -> LogprobModule:
     """Shard a frozen base (LoRA sessions' shared base: no gradients, no optimizer state, 1/N per rank).
 
     Its input embeddings' output requires grad in every backward, so a backward always runs through every
@@ -75,7 +76,7 @@ def shard_frozen(model: PreTrainedModel, group: ShardGroup, logprobs: LogprobCom
         return None
 
     model.get_input_embeddings().register_forward_hook(through)
-    return shard(model, group, logprobs, fill, expert_parallel=expert_parallel)
+    return shard(model, group, logprobs, fill, expert_parallel=expert_parallel, kept_from=kept_from)
 
 
 def sharded_engine(model: PreTrainedModel, group: ShardGroup, *, logprobs: LogprobComputer, fill: Fill,

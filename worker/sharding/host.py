@@ -25,6 +25,7 @@ from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.wire import messages
 from tinkerq.worker.loading.models import load_causal_lm
+from tinkerq.worker.loading.quantized_base import FULL_SESSION_MESSAGE, FullSessionOnQuantizedBase
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import FrozenAdapter
 from tinkerq.worker.lora.batch import LossItem
@@ -43,9 +44,12 @@ log = logging.getLogger("tinkerq.shards")
 
 class ShardHost:
     def __init__(self, group: ShardGroup, base_model: PreTrainedModel, *, model_dir: str,
-                 logprobs: LogprobComputer, microbatch_tokens: int, expert_parallel: bool = False) -> None:
+                 logprobs: LogprobComputer, microbatch_tokens: int, expert_parallel: bool = False,
+                 kept_quantized: bool = False) -> None:
         self.group = group
-        self.expert_parallel = expert_parallel  # full sessions' routed experts split by expert (sharding/experts.py)
+        self.expert_parallel = expert_parallel  # routed experts split by expert (sharding/experts.py)
+        # (with it) the LoRA base's quantized routed experts kept as stored (--quantized-base keep): LoRA only
+        self.kept_quantized = kept_quantized
         self.base_model = base_model  # the skeleton: every parameter on the meta device, never trained
         self.model_dir = model_dir
         self.logprobs = logprobs
@@ -99,6 +103,8 @@ class ShardHost:
         session = None
         try:
             if lora is None:
+                if self.kept_quantized:
+                    raise FullSessionOnQuantizedBase(FULL_SESSION_MESSAGE)
                 self.sessions[model_id] = sharded_engine(copy.deepcopy(self.base_model), self.group,
                                                          logprobs=self.logprobs, fill=self.fill,
                                                          microbatch_tokens=self.microbatch_tokens,
@@ -135,7 +141,8 @@ class ShardHost:
             model.__dict__.pop("_tinkerq_lora_hooks", None)  # the copy gets hooks of its own (the original's are inert)
             base = LoraBase(model, self.logprobs, model_dir=self.model_dir, microbatch_tokens=self.microbatch_tokens,
                             group=self.group, device=self.group.spec.device)
-            base.root = shard_frozen(model, self.group, self.logprobs, self.fill, expert_parallel=self.expert_parallel)
+            base.root = shard_frozen(model, self.group, self.logprobs, self.fill, expert_parallel=self.expert_parallel,
+                                     kept_from=self.model_dir if self.kept_quantized else None)
             if self.expert_parallel:  # the tenants' per-expert factors live with their experts
                 mesh = self.group.mesh
                 assert mesh is not None  # a formed group

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from tinkerq.allocator import GLIBC
 from tinkerq.worker.checkpoints.reader import LazyTensors, ModelLoadError, open_checkpoint
+from tinkerq.worker.loading import quantized_base
 
 log = logging.getLogger("tinkerq.shards")
 
@@ -62,14 +63,17 @@ def fill_shards(root: torch.nn.Module, model: PreTrainedModel, skeleton: PreTrai
         return current
 
     lazy = LazyTensors(open_checkpoint(directory), dtype)
+    # Routed experts kept quantized (worker/sharding/experts.py) hold their stored parts already: not read again.
+    kept = quantized_base.kept_weight_keys(model, list(lazy.entries))
     config = LoadStateDictConfig(pretrained_model_name_or_path=model_dir, dtype=dtype,
                                  dtype_plan=model._get_dtype_plan(dtype),
                                  weight_mapping=cast(Any, get_model_conversion_mapping(model, None, None)))
     try:
         # The loader reads each weight into the model's own DTensors: only this rank's rows of it (transformers'
         # DtensorShardOperation), and of a MoE layer's per-expert tensors only this rank's experts.
-        with _caught(put), _one_at_a_time():
-            info, _ = convert_and_load_state_dict_in_model(model, dict(lazy.entries), config)
+        with _caught(put), _one_at_a_time(), quantized_base.without_kept_weights():
+            entries = {k: v for k, v in lazy.entries.items() if k not in kept}
+            info, _ = convert_and_load_state_dict_in_model(model, entries, config)
     finally:
         lazy.close()
     if info.mismatched_keys:
@@ -77,7 +81,8 @@ def fill_shards(root: torch.nn.Module, model: PreTrainedModel, skeleton: PreTrai
         raise ModelLoadError(f"cannot load a causal LM from {model_dir!r}: {name} has shape {tuple(got)} where "
                              f"config.json makes it {tuple(want)}; the weights and config.json are not of the same "
                              f"model (download them again)")
-    missing = _unfilled(model, filled)
+    with quantized_base.without_kept_weights():
+        missing = _unfilled(model, filled)
     if missing:
         raise ModelLoadError(f"cannot load a causal LM from {model_dir!r}: {len(missing)} weight(s) are not in its "
                              f"files ({', '.join(missing[:3])}); a shard group loads every weight from the files "

@@ -71,7 +71,8 @@ class SessionFactory:
         if isinstance(lora, dict):
             lora = types.LoraConfig(**lora)
         if lora is None:
-            refuse_full_session(self.model)  # a base kept quantized trains LoRA adapters only
+            # A base kept quantized trains LoRA adapters only (a shard group's: its ranks hold it, refused here too).
+            refuse_full_session(self.model, kept=self.shards is not None and self.shards.kept_quantized)
             self._make_room("full", slots, close)
             memory.admit_session(self.model, self.settings, [slot.session for slot in slots.values()])
             if self.shards is not None:
