@@ -282,15 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quantized-base", choices=["dequantize", "keep"],
                    help="a quantized checkpoint (FP8, MXFP4, INT4): dequantize it on load (default: "
                         "TINKERQ_QUANTIZED_BASE, else dequantize), or keep it as stored, each layer dequantized when "
-                        "used: LoRA sessions and sampling only (docs/quantized.md)")
+                        "used: LoRA sessions and sampling only; on a shard group with --expert-parallel, each shard "
+                        "keeps its own experts as stored (docs/quantized.md)")
     w.add_argument("--activation-checkpointing", choices=["auto", "on", "off"],
                    help="checkpoint each decoder layer in forward_backward (one more forward, far less memory): "
                         "auto only for a batch that would not fit otherwise, on always, off never (default: "
                         "TINKERQ_ACTIVATION_CHECKPOINTING, else auto; docs/planning.md)")
     w.add_argument("--expert-parallel", action="store_true",
                    help="with --shards N, a MoE model: each shard holds 1/N of every layer's routed experts and tokens "
-                        "travel to them (all-to-all) instead of every shard gathering whole MoE layers; full "
-                        "sessions (default: TINKERQ_EXPERT_PARALLEL, else off; docs/sharding.md)")
+                        "travel to them (all-to-all) instead of every shard gathering whole MoE layers; full sessions "
+                        "and LoRA bases, each tenant's expert factors with their experts (default: "
+                        "TINKERQ_EXPERT_PARALLEL, else off; docs/sharding.md)")
     w.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (default: TINKERQ_DTYPE, else auto: the checkpoint's own dtype, bfloat16 for "
                         "published checkpoints, on a CUDA device with bfloat16; float32 on the CPU, where "
@@ -404,13 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "dequantized to it on load)")
     pn.add_argument("--quantized-base", choices=["dequantize", "keep"], default="dequantize",
                     help="a quantized checkpoint's LoRA base: dequantized on load (default), or kept as stored on "
-                         "one device, each layer dequantized when used (the worker's --quantized-base keep)")
+                         "one device, each layer dequantized when used (the worker's --quantized-base keep); with "
+                         "--expert-parallel, a group whose shards each keep their own experts as stored")
     pn.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
                     help="the worker's TINKERQ_ACTIVATION_CHECKPOINTING: auto (default) plans a batch checkpointed "
                          "where it would not fit otherwise, on always, off never")
     pn.add_argument("--expert-parallel", action="store_true",
-                    help="plan full sessions of a MoE model on a group started with --expert-parallel: its routed "
-                         "experts split by expert, not gathered (docs/sharding.md#expert-parallelism)")
+                    help="plan a MoE model on a group started with --expert-parallel: its routed experts split by "
+                         "expert, not gathered, and LoRA tenants' expert factors with them "
+                         "(docs/sharding.md#expert-parallelism)")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

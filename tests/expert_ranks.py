@@ -215,6 +215,13 @@ def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, s
                   "rows": [m._tinkerq_ep_rows for m in base.model.modules() if hasattr(m, "_tinkerq_ep")],
                   "kept_modules": sum(quantized_base.stored_bytes(m) > 0 for m in base.model.modules()),
                   "stored_bytes": sum(quantized_base.stored_bytes(m) for m in base.model.modules())}
+        if kept:  # what this rank holds of the base, against what the worker admits for it
+            from tinkerq.worker.sharding.experts import kept_base_bytes
+
+            held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                       for p in base.model.parameters())
+            held += sum(b.numel() * b.element_size() for b in base.model.buffers())  # the kept parts too
+            result["base_held"], result["base_admitted"] = held, kept_base_bytes(skeleton, path, world)
         for item, ref in zip(items, refs, strict=True):
             assert item.error is None and ref.error is None, (item.error, ref.error)
             if rank == 0:

@@ -126,6 +126,10 @@ def test_lora_over_an_expert_parallel_base_kept_quantized_equals_the_dequantized
     # Each rank holds only its own experts' stored parts: half of them on 2 ranks, a quarter on 4.
     assert all(r[path]["kept_modules"] >= 1 for r in [*two.values(), *four.values()])
     assert {r[path]["stored_bytes"] for r in two.values()} == {2 * r[path]["stored_bytes"] for r in four.values()}
+    # The worker admits a group's first LoRA session with that base counted from the files' headers: each rank's
+    # stored experts and its share of the rest (FSDP pads uneven rows: a little more held than 1/N).
+    for r in [*two.values(), *four.values()]:
+        assert 0.95 * r[path]["base_admitted"] <= r[path]["base_held"] <= 1.05 * r[path]["base_admitted"], r[path]
 
 
 def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
@@ -136,6 +140,10 @@ def test_expert_parallel_is_refused_where_it_cannot_apply(tmp_path):
     assert Settings.from_env(group).expert_parallel is False
     with pytest.raises(SettingsError, match="TINKERQ_EXPERT_PARALLEL='maybe'"):
         Settings.from_env({"TINKERQ_EXPERT_PARALLEL": "maybe", **group})
+    # A group keeps a quantized base only split by expert (each shard its own experts as stored).
+    with pytest.raises(SettingsError, match="add --expert-parallel"):
+        Settings.from_env({"TINKERQ_QUANTIZED_BASE": "keep", **group})
+    assert Settings.from_env({"TINKERQ_QUANTIZED_BASE": "keep", "TINKERQ_EXPERT_PARALLEL": "1", **group}).shards == 2
     dense = load_skeleton(str(build_tiny_llama(tmp_path / "llama")))
     with pytest.raises(ValidationError, match="has no routed experts"):
         check_expert_parallel(dense, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -561,3 +562,32 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
                           "--device-memory", "141", "--expert-parallel"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "Expert parallel (--expert-parallel)" in out.stdout, out.stderr
     assert "adapter per tenant (expert factors split)" in out.stdout
+
+
+def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
+    """Issue 30's bar: `tinkerq plan --lineup --devices 8 --device-memory 141 --expert-parallel --quantized-base
+    keep` shows rank-32 LoRA for all nine models on one node (a tenant at least, datums of 2,048 tokens at least, host
+    RAM per rank within one device), and full fine-tuning of every model up to 120B parameters within 16 devices.
+    DeepSeek-V3.1 and Kimi-K2 need both: their checkpoints' experts kept as stored (block FP8, INT4), split by expert
+    with each tenant's expert factors."""
+    device = 141 * planner.GiB
+    for name in planner.LINEUP:
+        p = planner.plan(name, devices=8, device_gb=141, expert_parallel=True, quantized_base="keep")
+        assert p.lora.fits and p.lora.tenants >= 1 and p.lora.longest_datum >= 2048, (name, p.lora)
+        assert p.lora.host_bytes <= device, name
+        if p.parameters <= 120e9:
+            assert planner.plan(name, devices=16, device_gb=141, expert_parallel=True).full.fits, name
+    for name in ("deepseek-v3.1", "kimi-k2-thinking"):  # neither part alone takes them onto one node
+        assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=True).lora.fits, name
+        assert not planner.plan(name, devices=8, device_gb=141, quantized_base="keep").lora.fits, name
+        kept = planner.plan(name, devices=8, device_gb=141, expert_parallel=True, quantized_base="keep")
+        q = kept.quantized
+        assert q is not None and 0 < q.expert_parameters <= q.parameters and kept.lora.at > 1
+        n = kept.lora.at
+        size = 2  # bfloat16
+        shape = memory.ModelShape.of(planner.meta_model(planner.read_config(name)[1], "bfloat16"))
+        base = kept.lora.parts["frozen base, experts as stored (shared)"]
+        assert base == (shape.param_bytes - q.expert_parameters * size + math.ceil(q.expert_parameters * q.bits / 8)
+                        ) // n + shape.buffer_bytes
+        assert kept.lora.parts["a layer's experts dequantized (working)"] == planner.KEPT_LAYER_FACTOR * \
+            q.expert_layer_bytes // n

@@ -92,7 +92,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--device", help="torch device of the workers (default cpu)")
     up.add_argument("--quantized-base", choices=["dequantize", "keep"],
                     help="the workers' quantized checkpoints: dequantized on load (default: TINKERQ_QUANTIZED_BASE, "
-                         "else dequantize) or kept as stored, LoRA and sampling only (docs/quantized.md)")
+                         "else dequantize) or kept as stored, LoRA and sampling only; with --shards N "
+                         "--expert-parallel each shard keeps its own experts (docs/quantized.md)")
     up.add_argument("--activation-checkpointing", choices=["auto", "on", "off"],
                     help="the workers' activation checkpointing per decoder layer (default: "
                          "TINKERQ_ACTIVATION_CHECKPOINTING, else auto: only for a batch that would not fit otherwise; "

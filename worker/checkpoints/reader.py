@@ -56,6 +56,14 @@ class Header:
     dtype: str  # safetensors' name: F32, BF16, F8_E4M3, U8, I32, I64 ...
     shape: tuple[int, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEM_BYTES.get(self.dtype, 8)  # an unknown kind counted large
+
+
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
 
 @dataclass
 class Checkpoint:

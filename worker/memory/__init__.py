@@ -171,21 +171,23 @@ def _room(exc: CapacityError, device: str | torch.device) -> int:
 
 def admit_lora_session(parameters: int, settings: Any, sessions: Iterable[Any],
                        model: torch.nn.Module | None = None, *, sharded_base: bool = False,
-                       expert_parallel: bool = False, expert_parameters: int = 0) -> None:
+                       expert_parallel: bool = False, expert_parameters: int = 0,
+                       base_bytes: int | None = None) -> None:
     """Refuse a new LoRA session whose adapter would not fit: its float32 weights, pending gradients and AdamW
     moments (16 bytes per parameter), beside the AdamW state open sessions have not allocated yet. Given the base
     ``model``, the refusal also says whether more shards would make room (:func:`shards_for_lora`).
     ``sharded_base``: the first LoRA session of a shard group, which also makes the group's sharded copy of the
     base (:func:`lora_base_bytes` + FSDP's gather room, per shard). ``expert_parallel``: an expert-parallel group (its
     base's MoE layers gathered without their experts), over whose ranks the adapter's ``expert_parameters`` (its
-    per-expert factors) are split."""
+    per-expert factors) are split. ``base_bytes``: that base's share per rank when it is not the weights / N (a group
+    keeping its quantized experts as stored counts them from the files)."""
     promised = unallocated_state_bytes(sessions)
     ep = expert_parallel and settings.shards > 1
     base = 0
     if sharded_base and model is not None:
         shape = ModelShape.of(model)
-        base = lora_base_bytes(shape, settings.shards) + gather_bytes(shape, settings.shards, weight_grads=False,
-                                                                      expert_parallel=ep)
+        share = base_bytes if base_bytes is not None else lora_base_bytes(shape, settings.shards)
+        base = share + gather_bytes(shape, settings.shards, weight_grads=False, expert_parallel=ep)
     state = lora_state_bytes(parameters, expert_parameters=expert_parameters if ep else 0,
                              expert_ranks=settings.shards)
     try:

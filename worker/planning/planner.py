@@ -143,6 +143,8 @@ class Quantized:
     checkpoint_bytes: int  # the whole model as the checkpoint stores it (the rest in the planned dtype)
     dequantized_bytes: int  # the whole model dequantized on load (what the planner plans by default)
     layer_bytes: int = 0  # the largest decoder layer's quantized weights dequantized: a kept base's working set
+    expert_parameters: int = 0  # of ``parameters``, the routed experts' (what an expert-parallel group keeps)
+    expert_layer_bytes: int = 0  # the largest layer's quantized routed experts, dequantized
 
 
 def _routed_expert(name: str, p: torch.Tensor) -> bool:
@@ -177,8 +179,9 @@ def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quan
         first: dict[str, Any] = next(iter(groups.values()), {})
         weights: dict[str, Any] = first.get("weights") or {}
         bits = float(weights.get("num_bits", 4)) + 16 / float(weights.get("group_size", 32))
-    quantized = whole = 0
+    quantized = whole = experts = 0
     per_layer: dict[str, int] = {}
+    experts_per_layer: dict[str, int] = {}
     for name, p in model.named_parameters():
         whole += p.numel() * p.element_size()
         if chosen(name, p):
@@ -186,9 +189,12 @@ def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quan
             layer = re.search(r"\.layers\.\d+\.", name)
             key = layer.group(0) if layer else name
             per_layer[key] = per_layer.get(key, 0) + p.numel() * p.element_size()
+            if _routed_expert(name, p):
+                experts += p.numel()
+                experts_per_layer[key] = experts_per_layer.get(key, 0) + p.numel() * p.element_size()
     size = next(model.parameters()).element_size()
     return Quantized(method, what, bits, quantized, whole - quantized * size + math.ceil(quantized * bits / 8), whole,
-                     max(per_layer.values(), default=0))
+                     max(per_layer.values(), default=0), experts, max(experts_per_layer.values(), default=0))
 
 
 # A kept base's working set per layer, in units of that layer's dequantized weights: the weights built for the
@@ -207,6 +213,27 @@ def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: 
         "one layer dequantized (working)": KEPT_LAYER_FACTOR * q.layer_bytes,
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
                                         backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+        + request_bytes(lengths),
+    }
+
+
+def kept_group_lora_parts(shape: ModelShape, q: Quantized, shards: int, workload: Workload, chunk: int,
+                          checkpointing: bool = False) -> dict[str, int]:
+    """An expert-parallel LoRA group whose routed experts are kept as stored (--expert-parallel --quantized-base
+    keep, worker/sharding/experts.py): each rank holds its E/N experts' stored parts and 1/N of the rest
+    dequantized, gathers layers without their experts, dequantizes its experts of one layer at a time, and plans a
+    rank's experts for every rank's rows."""
+    lengths = rank_lengths(workload.lengths(), shards)
+    size = shape.param_bytes // max(1, shape.parameters)
+    rest = shape.param_bytes - q.expert_parameters * size  # attention, dense layers, shared experts: dequantized
+    stored = math.ceil(q.expert_parameters * q.bits / 8)
+    return {
+        "frozen base, experts as stored (shared)": (rest + stored) // shards + shape.buffer_bytes,
+        "FSDP gather room": gather_bytes(shape, shards, weight_grads=False, expert_parallel=True),
+        "a layer's experts dequantized (working)": KEPT_LAYER_FACTOR * q.expert_layer_bytes // shards,
+        "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
+                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        expert_ranks=shards, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
 
@@ -403,8 +430,33 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     quantized = quantized_checkpoint(config, model)
     if quantized_base not in ("dequantize", "keep"):
         raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
-    if quantized_base == "keep" and quantized is not None:
-        adapter = adapter_at(1)  # a kept base is served by one process
+    if quantized_base == "keep" and quantized is not None and ep and quantized.expert_parameters:
+        # An expert-parallel group keeps its routed experts as stored, each rank its own (one process: n = 1).
+        q = quantized
+
+        def kept_parts(n: int, c: bool) -> dict[str, int]:
+            return kept_lora_parts(shape, q, workload, chunk, c) if n == 1 else \
+                kept_group_lora_parts(shape, q, n, workload, chunk, c)
+
+        def kept_at(n: int) -> tuple[dict[str, int], bool]:
+            return checkpointed(lambda c: kept_parts(n, c), adapter_at(n))
+
+        def kept_tenants(n: int) -> int:
+            return max(0, (usable - sum(kept_parts(n, activation_checkpointing != "off").values())) // adapter_at(n))
+
+        n_kept = shards_needed(lambda n: sum(kept_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
+        at = n_kept if n_kept is not None and n_kept <= devices else devices
+        parts, on = kept_at(at)
+        adapter = adapter_at(at)
+        every = kept_parts(devices, False)
+        lora = KindPlan("lora", n_kept, n_kept is not None and n_kept <= devices, at, parts,
+                        sum(parts.values()) + adapter, host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
+                        adapter_bytes=adapter, tenants=kept_tenants(at), tenants_all_devices=kept_tenants(devices),
+                        longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
+                                                    devices if devices > 1 else 1),
+                        checkpointing=on)
+    elif quantized_base == "keep" and quantized is not None:
+        adapter = adapter_at(1)  # a kept base is served by one process (a group keeps it under --expert-parallel)
         parts, on = checkpointed(lambda c: kept_lora_parts(shape, quantized, workload, chunk, c), adapter)
         fixed = sum(parts.values())
         fits = fixed + adapter <= usable
@@ -454,10 +506,14 @@ def render(p: Plan) -> str:
     if p.quantized:
         q = p.quantized
         kept = p.quantized_base == "keep"
+        group = kept and p.expert_parallel and p.lora.at > 1 and q.expert_parameters > 0
         lines.append(f"checkpoint: {q.method}, {q.what} ({_count(q.parameters)} parameters at {q.bits:g} bits): "
                      f"{gb(q.checkpoint_bytes)} {unit} as stored; dequantized to {p.dtype} on load: "
                      f"{gb(q.dequantized_bytes)} {unit} (planned below"
-                     + ("; the LoRA column keeps the base as stored, on one device, each layer dequantized when "
+                     + ("; the LoRA group keeps its routed experts as stored, each rank its own, the rest "
+                        f"dequantized; a layer's experts dequantized when used: {gb(q.expert_layer_bytes)} {unit} "
+                        "for the largest, split over the ranks; --expert-parallel --quantized-base keep)" if group
+                        else "; the LoRA column keeps the base as stored, on one device, each layer dequantized when "
                         f"used: {gb(q.layer_bytes)} {unit} for the largest; --quantized-base keep)" if kept
                         else "; --quantized-base keep plans the LoRA base as stored)"))
     rows: list[tuple[str, str, str]] = [("", "full session", "LoRA group")]
@@ -504,7 +560,8 @@ def render_markdown(plans: list[Plan]) -> str:
     head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
             f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}"
-            f"{'; MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}.\n\n")
+            f"{'; MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}"
+            f"{'; quantized checkpoints kept as stored' if p0.quantized_base == 'keep' else ''}.\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
              "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "

@@ -140,6 +140,26 @@ def _quantized_expert_weights(directory: str, modules: list[tuple[str, torch.nn.
     return found
 
 
+def kept_base_bytes(skeleton: torch.nn.Module, directory: str, world: int) -> int:
+    """Per rank, the frozen base an expert-parallel group makes when it keeps its quantized routed experts as stored
+    (``distribute_experts(kept_from=...)``): its experts' stored parts, counted from the files' headers, and its
+    share of the rest, dequantized. What the worker admits a group's first LoRA session with."""
+    from tinkerq.worker.checkpoints.reader import drop_extra_layers, open_checkpoint
+
+    modules = experts_modules(skeleton)
+    kept = _quantized_expert_weights(directory, modules)
+    by_name = dict(modules)
+    dequantized = sum(getattr(by_name[m], p).numel() * getattr(by_name[m], p).element_size()
+                      for m, params in kept.items() for p in params)
+    checkpoint = open_checkpoint(Path(directory))
+    weights = drop_extra_layers(checkpoint, {w: parts for w, parts in checkpoint.quantized.items()
+                                             if (k := quantized_base.expert_key(w)) is not None and k[0] in kept})
+    stored = sum(checkpoint.headers[part].nbytes for parts in weights.values() for part in parts.values())
+    whole = sum(p.numel() * p.element_size() for p in skeleton.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in skeleton.buffers())
+    return (whole - dequantized + stored) // world + buffers
+
+
 def _keep_local_experts(model: torch.nn.Module, whole: dict[str, ExpertsLayout], directory: str,
                         mesh: DeviceMesh) -> None:
     """Read this rank's experts' stored parts of each experts module named in ``whole`` (its layout over all E

@@ -30,7 +30,7 @@ from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import FrozenAdapter
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
-from tinkerq.worker.sharding.experts import shard_expert_factors
+from tinkerq.worker.sharding.experts import kept_base_bytes, shard_expert_factors
 from tinkerq.worker.sharding.fsdp import shard_frozen, sharded_engine
 from tinkerq.worker.sharding.group import ShardGroup, describe_failure
 from tinkerq.worker.sharding.sampling import GroupSampling, join_forward, mirror_on_follower, send_mirrored
@@ -128,6 +128,12 @@ class ShardHost:
             self.lora_sessions.pop(model_id, None)
             raise
         return session
+
+    def kept_base_bytes(self) -> int | None:
+        """Per rank, the LoRA base a group keeping its experts quantized makes (None: a plain sharded base)."""
+        if not (self.kept_quantized and self.expert_parallel):
+            return None
+        return kept_base_bytes(self.base_model, self.model_dir, self.group.world)
 
     @property
     def has_lora_base(self) -> bool:

@@ -92,7 +92,9 @@ class SessionFactory:
         memory.admit_lora_session(parameters, self.settings, [slot.session for slot in slots.values()], self.model,
                                   sharded_base=self.shards is not None and not self.shards.has_lora_base,
                                   expert_parallel=self.shards is not None and self.shards.expert_parallel,
-                                  expert_parameters=lora.rank * sum(t.expert_parameters_per_rank() for t in targets))
+                                  expert_parameters=lora.rank * sum(t.expert_parameters_per_rank() for t in targets),
+                                  base_bytes=self.shards.kept_base_bytes()
+                                  if self.shards is not None and not self.shards.has_lora_base else None)
         if self.shards is not None:  # the adapter and its AdamW state on every rank, over the base sharded once
             return self.shards.open_lora(model_id, lora, base_model=self.base_model)
         return LoraSession(model_id, self.lora(), lora, base_model=self.base_model)
