@@ -11,8 +11,13 @@ Each rank reports the seconds of one pass (forward and backward, the loss scaled
 peak RSS growth during it (``VmHWM``, reset before each), alternated rep by rep after a warm-up. The model is built
 from a config with a fixed seed and written with save_pretrained (no download).
 
+With ``--lora T``, the same two layouts as a LoRA group's frozen base instead, with T tenants of rank ``--lora-rank``
+(attention, MLP and experts adapted) in one mixed pass (worker/lora/batch.py): under **fsdp** each tenant's adapter
+is whole on every rank; under **ep** its per-expert factors live with their experts (worker/sharding/experts.py).
+Each rank also reports the tenants' adapter state (weights, gradients, AdamW moments) it holds.
+
     .venv/bin/python benchmarks/expert_parallel.py [--ranks 4] [--reps 3] [--rows 2] [--tokens 128] [--experts 32]
-                                                   [--skew]
+                                                   [--skew] [--lora 2 --lora-rank 32]
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def _model(experts: int) -> dict[str, Any]:
 
 
 def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tokens: int, out: str,
-          skew: bool) -> None:
+          skew: bool, tenants: int = 0, lora_rank: int = 32) -> None:
     import torch
     import torch.distributed as dist
 
@@ -54,13 +59,13 @@ def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tok
         return shard(copy.deepcopy(skeleton), group, LogprobComputer(skeleton, device="cpu"), fill,
                      expert_parallel=expert_parallel)
 
+    if tenants:
+        _lora_rank(rank, world, port, group, skeleton, path, reps, rows, tokens, out, skew, tenants, lora_rank)
+        return
     models = {"fsdp": build(False), "ep": build(True)}
-    if skew:  # every token's experts remapped into rank 0's: the most uneven routing there is
+    if skew:
         for root in models.values():
-            for module in root.lm.modules():
-                if hasattr(module, "num_experts") and hasattr(module, "gate_up_proj"):
-                    per = module.num_experts // world
-                    module.register_forward_pre_hook(lambda mod, args, per=per: (args[0], args[1] % per, args[2]))
+            _skewed(root.lm, world)
     gen = torch.Generator().manual_seed(rank)
     tokens_ = torch.randint(0, 4000, (rows, tokens), generator=gen)
     mask = torch.ones_like(tokens_, dtype=torch.bool)
@@ -81,6 +86,74 @@ def _rank(rank: int, world: int, port: int, path: str, reps: int, rows: int, tok
     leave_group(rank, out, got)
 
 
+def _skewed(model: Any, world: int) -> None:
+    """Every token's experts remapped into rank 0's: the most uneven routing there is."""
+    for module in model.modules():
+        if hasattr(module, "num_experts") and hasattr(module, "gate_up_proj"):
+            per = module.num_experts // world
+            module.register_forward_pre_hook(lambda mod, args, per=per: (args[0], args[1] % per, args[2]))
+
+
+def _lora_rank(rank: int, world: int, port: int, group: Any, skeleton: Any, path: str, reps: int, rows: int,
+               tokens: int, out: str, skew: bool, tenants: int, lora_rank: int) -> None:
+    """``--lora``: the two layouts as a LoRA group's base, ``tenants`` adapters in one mixed pass per measurement."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from tinkerq import types
+    from tinkerq.worker.lora.batch import LossItem
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.sharding.experts import shard_expert_factors
+    from tinkerq.worker.sharding.fsdp import shard_frozen
+    from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
+    from tinkerq.worker.sharding.streaming import fill_shards
+    from tinkerq.worker.training.logprobs import LogprobComputer
+
+    collectives = ShardGroup(ShardSpec(world, rank, "127.0.0.1", port, "cpu", 300.0, 300.0))
+    collectives.mesh = group.mesh  # the sessions' collectives run on the default group, joined already
+
+    def build(expert_parallel: bool) -> list[Any]:
+        model = copy.deepcopy(skeleton)
+        base = LoraBase(model, LogprobComputer(skeleton, device="cpu"), model_dir=path, microbatch_tokens=16384,
+                        group=collectives, device="cpu")
+
+        def fill(root: Any, lm: Any) -> None:
+            fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
+
+        base.root = shard_frozen(model, collectives, base.logprobs, fill, expert_parallel=expert_parallel)
+        if expert_parallel:
+            base.shard_adapter = lambda adapter: shard_expert_factors(adapter, group.mesh)
+        if skew:
+            _skewed(model, world)
+        return [LoraSession(f"t{i}", base, types.LoraConfig(rank=lora_rank, seed=i), base_model="bench")
+                for i in range(tenants)]
+
+    sessions = {"fsdp": build(False), "ep": build(True)}
+    rng = np.random.default_rng(7)  # the same datums on every rank: each computes its share of every request
+    data = [[types.Datum(model_input=types.ModelInput.from_ints(rng.integers(0, 4000, tokens).tolist()),
+                         loss_fn_inputs={"target_tokens": rng.integers(0, 4000, tokens).tolist(),
+                                         "weights": np.ones(tokens, dtype=np.float32)})
+             for _ in range(rows * world)] for _ in range(tenants)]
+
+    def step(kind: str) -> None:
+        items = [LossItem(s, d, "cross_entropy", None) for s, d in zip(sessions[kind], data, strict=True)]
+        sessions[kind][0].pass_group.pass_here(items, True)
+        for s in sessions[kind]:
+            for p in s.engine.params:  # the pending gradients stay allocated, as in a session
+                p.grad.zero_()
+
+    got: dict[str, Any] = {"fsdp": [], "ep": [], "state": {k: sum(s.state_bytes() for s in v)
+                                                           for k, v in sessions.items()}}
+    for rep in range(reps + 1):
+        for kind in (("fsdp", "ep") if rep % 2 else ("ep", "fsdp")):
+            dist.barrier()
+            measured = peak_growth(lambda k=kind: step(k))
+            if rep:
+                got[kind].append(measured)
+    leave_group(rank, out, got)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -89,6 +162,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per datum")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--skew", action="store_true", help="every token routed into rank 0's experts")
+    parser.add_argument("--lora", type=int, default=0, metavar="T",
+                        help="a LoRA group's base instead, T tenants in one mixed pass")
+    parser.add_argument("--lora-rank", type=int, default=32)
     args = parser.parse_args()
 
 
@@ -105,8 +181,25 @@ def main() -> None:
         directory = Path(tmp, "model")
         build_model("qwen3_moe", 0, **spec).save_pretrained(directory)
         shape = ModelShape.of(load_skeleton(str(directory)))
-        ranks = spawn_ranks(_rank, args.ranks, (str(directory), args.reps, args.rows, args.tokens, tmp, args.skew), tmp)
+        ranks = spawn_ranks(_rank, args.ranks, (str(directory), args.reps, args.rows, args.tokens, tmp, args.skew,
+                                                args.lora, args.lora_rank), tmp)
     rows, medians = [], {}
+    if args.lora:
+        for kind in ("fsdp", "ep"):
+            peaks = [p for r in ranks for p, _ in r[kind]]
+            seconds = [s for r in ranks for _, s in r[kind]]
+            medians[kind] = (median(peaks), median(seconds))
+            rows.append((kind, max(r["state"][kind] for r in ranks) / MiB, median(peaks) / MiB, max(peaks) / MiB,
+                         median(seconds)))
+        print(f"\n{args.lora} LoRA tenants of rank {args.lora_rank} (attention, MLP, experts), one mixed pass of "
+              f"{args.rows} x {args.tokens} tokens per rank each")
+        print_table(["base layout", "adapters' state per rank MiB", "peak RSS growth per rank in a pass MiB (median)",
+                     "max MiB", "s per pass (median)"], rows)
+        print()
+        print_table(["state ep / fsdp", "peak ep / fsdp", "time ep / fsdp"],
+                    [(rows[1][1] / rows[0][1], medians["ep"][0] / medians["fsdp"][0],
+                      medians["ep"][1] / medians["fsdp"][1])])
+        return
     for kind in ("fsdp", "ep"):
         peaks = [p for r in ranks for p, _ in r[kind]]
         seconds = [s for r in ranks for _, s in r[kind]]

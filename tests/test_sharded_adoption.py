@@ -179,11 +179,12 @@ def test_a_killed_shard_is_restarted_and_its_group_resumes_the_session_exactly(
         group.stop()
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_resumes_exactly(
-        service, redis_url, tmp_path):
+        service, redis_url, tmp_path, lora):
     """The same with ``--expert-parallel`` on a tiny Qwen3-MoE (each rank holds 4 of its 8 experts): the group's
-    snapshots and journal re-make the session with its experts split again, and the run ends where an
-    uninterrupted one on an unsharded worker of the model does."""
+    snapshots and journal re-make the session with its experts split again (a LoRA tenant's expert factors with
+    them), and the run ends where an uninterrupted one on an unsharded worker of the model does."""
     from tinkerq.recipes.families import build_family
 
     moe = build_family("qwen3_moe", tmp_path / "qwen3-moe", seed=12)
@@ -193,8 +194,8 @@ def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_res
     ep = ("--expert-parallel",)
     group = _group(moe, redis_url, tmp_path, service, ep, TINKERQ_ADOPT_TIMEOUT_S="180")
     try:
-        tc = _open(service, group.name, False)
-        assert tc.info.extra["shards"] == 2
+        tc = _open(service, group.name, lora)
+        assert tc.info.extra["shards"] == 2 and bool(tc.info.extra.get("lora")) == lora
         rest, killed_at = _kill_mid_run(tc, batches, group.procs[1])
         group.start(1, ep)
         _first_answer_after(rest, killed_at)
@@ -203,8 +204,8 @@ def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_res
         snapshot, replayed = _replayed(log, f"re-made session {tc.model_id} after its shard group re-formed")
         assert snapshot >= 2 * EVERY and snapshot % (2 * EVERY) == 0 and replayed >= 1, (snapshot, replayed)
         assert log.count("expert parallel over 2 ranks") >= 2  # the session, and again once re-made
-        print(f"\nrestarted shard (expert parallel): snapshot after request {snapshot}, {replayed} replayed; "
-              f"weights within {diff:.2e}")
+        print(f"\nrestarted shard (expert parallel, {'LoRA' if lora else 'full'}): snapshot after request "
+              f"{snapshot}, {replayed} replayed; weights within {diff:.2e}")
         tc.close()
     finally:
         group.stop()

@@ -86,11 +86,13 @@ def model_dir(request, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["2", "4", "4-ep"])
 def group(request, model_dir, tmp_path_factory) -> Iterator[Group]:
-    """2 or 4 ranks; "4-ep": 4 ranks of a MoE model expert parallel (its experts and the tenants' per-expert factors
-    split by expert, worker/sharding/experts.py)."""
+    """2 ranks, and 4: FSDP2 alone for the dense model, expert parallel ("4-ep") for the MoE one (its experts and the
+    tenants' per-expert factors split by expert, worker/sharding/experts.py; the MoE model's FSDP2-only layout is
+    the 2-rank group's)."""
     ranks, _, ep = request.param.partition("-")
-    if ep and model_dir.name.startswith("sharded-lora-llama"):
-        pytest.skip("expert parallelism is for mixture-of-experts models")
+    dense = model_dir.name.startswith("sharded-lora-llama")
+    if ranks == "4" and bool(ep) == dense:
+        pytest.skip("4 ranks: FSDP2 alone for the dense model, expert parallel for the MoE one")
     g = Group(model_dir, int(ranks), tmp_path_factory.mktemp("shard-logs"), expert_parallel=bool(ep))
     yield g
     g.stop()
