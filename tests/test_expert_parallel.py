@@ -165,6 +165,27 @@ def test_the_worker_command_refuses_expert_parallel_where_it_cannot_apply(redis_
         assert rc == 2 and words in out, out
 
 
+def _train_alike(clients, batches) -> None:
+    """forward_backward + optim_step of each batch on both clients: the same outputs and gradient norms."""
+    from tests.test_sharding import _assert_same_outputs
+
+    for batch in batches:
+        outs = [tc.forward_backward(batch) for tc in clients]
+        _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
+        norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in clients]
+        assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+def _snapshots_sample_alike(clients, prompt: list[int], seed: int) -> None:
+    """Each client's sampling snapshot samples the same tokens, with logprobs within 1e-5."""
+    params = types.SamplingParams(max_tokens=4, seed=seed)
+    seqs = [tc.save_weights_and_get_sampling_client().sample(types.ModelInput.from_ints(prompt), 2, params)
+            .result(timeout=120).sequences for tc in clients]
+    assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]] and len(seqs[0]) == 2
+    for a, b in zip(*seqs, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
 def _losses(tc, batches) -> list[float]:
     futures = [(tc.forward_backward(b), tc.optim_step(ADAM)) for b in batches]
     return [fb.result(timeout=120).metrics["loss:sum"] for fb, _ in futures]
@@ -215,13 +236,7 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
                 assert max_weight_diff(AutoModelForCausalLM.from_pretrained(path_one), path_two) < 1e-5
                 probe = make_batch(rng, 3)
                 _assert_same_outputs(one.forward(probe).result(timeout=60), two.forward(probe).result(timeout=60), 3)
-                # Its snapshot samples as the unsharded worker's.
-                prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=1)
-                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=60)
-                        .sequences for tc in (one, two)]
-                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]] and len(seqs[0]) == 2
-                for a, b in zip(*seqs, strict=True):
-                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+                _snapshots_sample_alike((one, two), [1, 2, 3], seed=1)  # as the unsharded worker's
                 # The state (weights, AdamW moments, a pending gradient) saved by one resumes on the other, both ways.
                 two.forward_backward(probe).result(timeout=60)
                 one.forward_backward(probe).result(timeout=60)
@@ -257,11 +272,7 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
                 files = [(p / "adapter_model.safetensors").read_bytes() for p in fresh]
                 # The group's factors gathered whole: the same bytes as one worker's, for the sampler and in a state.
                 assert files[0] == files[1] and files[2] == files[3]
-                for batch in batches[:2]:
-                    outs = [tc.forward_backward(batch) for tc in lora]
-                    _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
-                    norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in lora]
-                    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+                _train_alike(lora, batches[:2])
                 from safetensors.torch import load_file
 
                 trained = [Path(tc.save_weights_for_sampler(f"trained-{i}").result(timeout=60).path)
@@ -271,12 +282,7 @@ def test_an_expert_parallel_group_of_workers_trains_as_one_worker(redis_url, tmp
                 for key, tensor in want.items():
                     assert got[key].shape == tensor.shape and float((got[key] - tensor).abs().max()) < 1e-5, key
                 # Its snapshot samples alike: rank 1 computes rank 0's rows at its experts with the factors shipped.
-                prompt, params = types.ModelInput.from_ints([2, 7, 1]), types.SamplingParams(max_tokens=4, seed=4)
-                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=120)
-                        .sequences for tc in lora]
-                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]]
-                for a, b in zip(*seqs, strict=True):
-                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+                _snapshots_sample_alike(lora, [2, 7, 1], seed=4)
             finally:
                 for tc in lora:
                     tc.close()
@@ -363,7 +369,7 @@ def test_a_group_keeps_a_published_fp8_base_split_by_expert(redis_url, tmp_path)
     (block FP8, per-expert keys, its MTP layer): each rank keeps its experts' stored parts; a LoRA tenant trains, and
     its snapshot samples, as on one worker that dequantized the checkpoint on load; a full session is one user error
     naming the fix."""
-    from tests.test_sharding import ShardGroup, _assert_same_outputs
+    from tests.test_sharding import ShardGroup
     from tinkerq.errors import TinkerqError
     from tinkerq.producer import ServiceClient
     from tinkerq.recipes.published import build_published
@@ -384,17 +390,8 @@ def test_a_group_keeps_a_published_fp8_base_split_by_expert(redis_url, tmp_path)
                     for name in ("fp8-one", "fp8-kept")]
             try:
                 rng = np.random.default_rng(12)
-                for batch in [make_batch(rng, n) for n in (3, 4)]:
-                    outs = [tc.forward_backward(batch) for tc in lora]
-                    _assert_same_outputs(outs[0].result(timeout=120), outs[1].result(timeout=120), len(batch))
-                    norms = [tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] for tc in lora]
-                    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
-                prompt, params = types.ModelInput.from_ints([3, 1, 4]), types.SamplingParams(max_tokens=4, seed=5)
-                seqs = [tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result(timeout=120)
-                        .sequences for tc in lora]
-                assert [s.tokens for s in seqs[1]] == [s.tokens for s in seqs[0]]
-                for a, b in zip(*seqs, strict=True):
-                    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+                _train_alike(lora, [make_batch(rng, n) for n in (3, 4)])
+                _snapshots_sample_alike(lora, [3, 1, 4], seed=5)
             finally:
                 for tc in lora:
                     tc.close()
