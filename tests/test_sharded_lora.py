@@ -328,6 +328,14 @@ def test_the_base_is_sharded_once_and_adapters_are_whole_on_each_rank(group):
 
         whole_bytes = Adapter(base.targets(CONFIGS[0]), CONFIGS[0], "cpu").state_bytes()
         assert sharded[0].adapter.state_bytes() < whole_bytes  # rank 0 keeps only its experts' factors
+        # A snapshot is frozen: training on does not change it (its factors gathered whole, then its own copies).
+        snapshot = sharded[0].snapshot()
+        before = {n: (a.clone(), b.clone()) for n, (a, b) in snapshot.pairs.items()}
+        sharded[0].run_loss(_batches(41, 1)[0], "cross_entropy", None, backward=True)
+        sharded[0].optim_step(ADAM)
+        assert all(torch.equal(snapshot.pairs[n][0], a) and torch.equal(snapshot.pairs[n][1], b)
+                   for n, (a, b) in before.items())
+        assert _max_diff(sharded[0], LoraSession("fresh", _alone_base(group), CONFIGS[0], base_model="tiny")) > 0
     finally:
         for s in sharded:
             s.close()

@@ -171,7 +171,9 @@ class LoraSession:
         self._touch()
         if not self.sharded:
             return self.adapter.frozen()
-        return FrozenAdapter.from_tensors(self._whole_weights(), self.adapter.scaling, self.base.device)
+        # Copies: the gathered dict hands whole (unsharded) factors over as the live parameters themselves.
+        frozen = {n: t.detach().clone() for n, t in self._whole_weights().items()}
+        return FrozenAdapter.from_tensors(frozen, self.adapter.scaling, self.base.device)
 
     def _whole_weights(self) -> dict[str, torch.Tensor]:
         """Every A and B whole, by PEFT name: gathered from the ranks where per-expert factors are sharded."""
