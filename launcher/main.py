@@ -404,17 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the served parameters' dtype (default auto, as the worker resolves it on a GPU with "
                          "bfloat16: the checkpoint's own dtype, bfloat16 for a quantized checkpoint, which is "
                          "dequantized to it on load)")
-    pn.add_argument("--quantized-base", choices=["dequantize", "keep"], default="dequantize",
-                    help="a quantized checkpoint's LoRA base: dequantized on load (default), or kept as stored on "
-                         "one device, each layer dequantized when used (the worker's --quantized-base keep); with "
-                         "--expert-parallel, a group whose shards each keep their own experts as stored")
+    pn.add_argument("--quantized-base", choices=["auto", "dequantize", "keep"], default="auto",
+                    help="a quantized checkpoint's LoRA base: dequantized on load, or kept as stored on one device, "
+                         "each layer dequantized when used (the worker's --quantized-base keep); with "
+                         "--expert-parallel, a group whose shards each keep their own experts as stored. auto "
+                         "(default): both planned, the one needing fewer devices shown, with its worker flags")
     pn.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
                     help="the worker's TINKERQ_ACTIVATION_CHECKPOINTING: auto (default) plans a batch checkpointed "
                          "where it would not fit otherwise, on always, off never")
-    pn.add_argument("--expert-parallel", action="store_true",
-                    help="plan a MoE model on a group started with --expert-parallel: its routed experts split by "
-                         "expert, not gathered, and LoRA tenants' expert factors with them "
-                         "(docs/sharding.md#expert-parallelism)")
+    pn.add_argument("--expert-parallel", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                    help="plan a MoE model on a group started with --expert-parallel (on; the flag alone): its routed "
+                         "experts split by expert, not gathered, and LoRA tenants' expert factors with them "
+                         "(docs/sharding.md#expert-parallelism); off: FSDP2 alone; auto (default): both planned, "
+                         "the one needing fewer devices shown, with its worker flags")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

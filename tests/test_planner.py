@@ -65,6 +65,10 @@ def _batch(n: int, length: int) -> list[types.Datum]:
                                         "weights": np.ones(length, dtype=np.float32)}) for _ in range(n)]
 
 
+# The layout of today's groups without --expert-parallel or --quantized-base keep (the planner's "auto" picks one).
+FSDP_ALONE = dict(expert_parallel=False, quantized_base="dequantize")
+
+
 # -- the planner's figures against measurements -----------------------------------------------------------------
 
 
@@ -499,7 +503,7 @@ def test_activation_checkpointing_is_planned_where_a_batch_would_not_fit_otherwi
     devices and every full session up to 120B parameters on 16; on and off are planned as asked."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
-    node = dict(devices=8, device_gb=141)
+    node = dict(devices=8, device_gb=141, **FSDP_ALONE)
     auto, off = (planner.plan("qwen3-235b-a22b", **node, activation_checkpointing=m) for m in ("auto", "off"))
     assert not off.lora.fits and not off.lora.checkpointing and off.lora.shards == 9
     assert auto.lora.fits and auto.lora.checkpointing and auto.lora.shards < off.lora.shards
@@ -515,9 +519,10 @@ def test_activation_checkpointing_is_planned_where_a_batch_would_not_fit_otherwi
     assert small["on"].lora.tenants >= small["auto"].lora.tenants
     assert small["on"].lora.parts["activations"] < small["auto"].lora.parts["activations"]
     for name in ("llama-3.3-70b", "gpt-oss-120b"):  # full fine-tuning within 16 devices
-        p = planner.plan(name, devices=16, device_gb=141)
+        p = planner.plan(name, devices=16, device_gb=141, **FSDP_ALONE)
         assert p.full.fits and p.full.checkpointing, name
-        assert not planner.plan(name, devices=16, device_gb=141, activation_checkpointing="off").full.fits or \
+        assert not planner.plan(name, devices=16, device_gb=141, activation_checkpointing="off",
+                                **FSDP_ALONE).full.fits or \
             name == "gpt-oss-120b"
     text = planner.render(auto)
     assert "decoder layers checkpointed" in text and "activation checkpointing auto" in text
@@ -541,8 +546,8 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
         moe, 4, weight_grads=True, expert_parallel=True) == 2 * 2 * (moe_layer - moe.largest_layer_dense_bytes)
     assert memory.gather_bytes(moe, 1, weight_grads=True, expert_parallel=True) == 0
     for name, moe_model in (("llama-3.1-8b", False), ("deepseek-v3.1", True), ("kimi-k2-thinking", True)):
-        fsdp = planner.plan(name, devices=8, device_gb=141)
-        ep = planner.plan(name, devices=8, device_gb=141, expert_parallel=True)
+        fsdp = planner.plan(name, devices=8, device_gb=141, **FSDP_ALONE)
+        ep = planner.plan(name, devices=8, device_gb=141, expert_parallel=True, quantized_base="dequantize")
         assert ep.expert_parallel == moe_model
         if not moe_model:
             assert ep.full == fsdp.full and ep.lora == fsdp.lora
@@ -565,21 +570,31 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
 
 
 def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
-    """Issue 30's bar: `tinkerq plan --lineup --devices 8 --device-memory 141 --expert-parallel --quantized-base
-    keep` shows rank-32 LoRA for all nine models on one node (a tenant at least, datums of 2,048 tokens at least, host
-    RAM per rank within one device), and full fine-tuning of every model up to 120B parameters within 16 devices.
-    DeepSeek-V3.1 and Kimi-K2 need both: their checkpoints' experts kept as stored (block FP8, INT4), split by expert
-    with each tenant's expert factors."""
+    """Issue 30's bar: `tinkerq plan --lineup --devices 8 --device-memory 141` (the command itself, its defaults:
+    the planner picks each model's layout) shows rank-32 LoRA for all nine models on one node (a tenant at least,
+    datums of 2,048 tokens at least, host RAM per rank within one device), and full fine-tuning of every model up to
+    120B parameters within 16 devices. DeepSeek-V3.1 and Kimi-K2 need both: their checkpoints' experts kept as
+    stored (block FP8, INT4), split by expert with each tenant's expert factors; the plan names those flags."""
     device = 141 * planner.GiB
-    for name in planner.LINEUP:
-        p = planner.plan(name, devices=8, device_gb=141, expert_parallel=True, quantized_base="keep")
-        assert p.lora.fits and p.lora.tenants >= 1 and p.lora.longest_datum >= 2048, (name, p.lora)
-        assert p.lora.host_bytes <= device, name
-        if p.parameters <= 120e9:
-            assert planner.plan(name, devices=16, device_gb=141, expert_parallel=True).full.fits, name
+    out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "plan", "--lineup", "--devices", "8",
+                          "--device-memory", "141", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plans = {p["model"]: p for p in json.loads(out.stdout)}
+    assert list(plans) == list(planner.LINEUP)
+    for name, p in plans.items():
+        lora = p["lora"]
+        assert lora["fits"] and lora["tenants"] >= 1 and lora["longest_datum"] >= 2048, (name, lora)
+        assert lora["host_bytes"] <= device, name
+        if p["parameters"] <= 120e9:
+            assert planner.plan(name, devices=16, device_gb=141).full.fits, name
+    for name in ("deepseek-v3.1", "kimi-k2-thinking"):
+        assert plans[name]["lora"]["flags"] == "--shards 7 --expert-parallel --quantized-base keep", name
+    assert plans["llama-3.3-70b"]["lora"]["flags"] == "--shards 2"  # a dense model: FSDP2 alone
     for name in ("deepseek-v3.1", "kimi-k2-thinking"):  # neither part alone takes them onto one node
-        assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=True).lora.fits, name
-        assert not planner.plan(name, devices=8, device_gb=141, quantized_base="keep").lora.fits, name
+        assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=True,
+                                quantized_base="dequantize").lora.fits, name
+        assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=False,
+                                quantized_base="keep").lora.fits, name
         kept = planner.plan(name, devices=8, device_gb=141, expert_parallel=True, quantized_base="keep")
         q = kept.quantized
         assert q is not None and 0 < q.expert_parameters <= q.parameters and kept.lora.at > 1
@@ -591,3 +606,25 @@ def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
                         ) // n + shape.buffer_bytes
         assert kept.lora.parts["a layer's experts dequantized (working)"] == planner.KEPT_LAYER_FACTOR * \
             q.expert_layer_bytes // n
+
+
+def test_auto_takes_the_layout_needing_the_fewest_devices():
+    """--expert-parallel auto and --quantized-base auto (the defaults): every layout a model allows is planned and
+    each column is the one needing the fewest devices, then holding the most tenants; a dense, unquantized model
+    has one layout; the flags start that group."""
+    node = dict(devices=8, device_gb=141)
+    auto = planner.plan("deepseek-v3.1", **node)
+    layouts = {(ep, base): planner.plan("deepseek-v3.1", **node, expert_parallel=ep, quantized_base=base)
+               for ep in (False, True) for base in ("dequantize", "keep")}
+    assert auto.chosen and auto.lora == layouts[True, "keep"].lora and auto.quantized_base == "keep"
+    assert auto.full == layouts[True, "dequantize"].full  # full sessions: dequantized, split by expert
+    assert all(planner._fewest_devices(auto.lora) <= planner._fewest_devices(p.lora) for p in layouts.values())
+    assert auto.full.flags == f"--shards {auto.full.shards} --expert-parallel"
+    # gpt-oss-120b: its MXFP4 base kept on one device beats 3 dequantized shards for LoRA.
+    gpt = planner.plan("gpt-oss-120b", **node)
+    assert gpt.lora.at == 1 and gpt.lora.flags == "--quantized-base keep" and gpt.lora.tenants >= 1
+    dense = planner.plan("llama-3.1-8b", **node)
+    assert not dense.chosen and dense == planner.plan("llama-3.1-8b", **node, **FSDP_ALONE)
+    assert "tinkerq worker flags" in planner.render(auto) and "Layouts chosen by the planner" in planner.render(auto)
+    with pytest.raises(planner.PlanError, match="auto, on or off"):
+        planner.plan("llama-3.1-8b", **node, expert_parallel="sometimes")

@@ -22,7 +22,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +267,7 @@ class KindPlan:
     tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
     longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
     checkpointing: bool = False  # the activations at ``at`` are planned with each decoder layer checkpointed
+    flags: str = ""  # how to start the group planned: `tinkerq worker` flags (--shards, --expert-parallel, ...)
 
 
 @dataclass
@@ -287,8 +288,9 @@ class Plan:
     quantized_base: str = "dequantize"  # "keep": the LoRA column plans the base as stored (kept_lora_parts)
     max_lora_sessions: int = Settings.max_lora_sessions
     activation_checkpointing: str = "auto"  # the worker's TINKERQ_ACTIVATION_CHECKPOINTING planned for
-    expert_parallel: bool = False  # full sessions planned with their routed experts split by expert (a MoE model)
+    expert_parallel: bool = False  # the LoRA group planned with its routed experts split by expert (a MoE model)
     notes: list[str] = field(default_factory=list)
+    chosen: bool = False  # the layouts were chosen by the planner (expert parallelism / a kept base: "auto")
 
 
 def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
@@ -328,17 +330,66 @@ def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
     }
 
 
+def _worker_flags(shards: int | None, expert_parallel: bool, kept: bool) -> str:
+    """The `tinkerq worker` flags of a group of the ``shards`` needed planned so (one process: no --shards), also
+    where they are more than --devices."""
+    if shards is None:
+        return "(never fits)"
+    flags = [f"--shards {shards}"] if shards > 1 else []
+    if expert_parallel and shards > 1:
+        flags.append("--expert-parallel")
+    if kept:
+        flags.append("--quantized-base keep")
+    return " ".join(flags) or "(one process, no flags)"
+
+
+def _fewest_devices(kind: KindPlan) -> tuple:
+    """The order in which the planner prefers one layout's plan of a kind over another's: it fits, on the fewest
+    shards, with the most tenants (LoRA), then the longest datum."""
+    return (not kind.fits, kind.shards if kind.shards is not None else MAX_SHARDS + 1, -kind.tenants,
+            -kind.tenants_all_devices, -kind.longest_datum)
+
+
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
-         workload: Workload | None = None, quantized_base: str = "dequantize",
-         activation_checkpointing: str = "auto", expert_parallel: bool = False) -> Plan:
+         workload: Workload | None = None, quantized_base: str = "auto",
+         activation_checkpointing: str = "auto", expert_parallel: bool | str = "auto") -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
     ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
     ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
-    served by one process); full sessions are still planned dequantized (they need float weights).
+    served by one process; a group keeps its routed experts under expert parallelism); full sessions are still
+    planned dequantized (they need float weights). ``"dequantize"``: dequantized on load.
     ``activation_checkpointing``: the worker's setting; "auto" plans a batch's activations checkpointed where they
     would not fit otherwise, as the worker's admission decides (worker/memory/ admit_batch).
-    ``expert_parallel``: a MoE model's group with --expert-parallel: full sessions and the LoRA base split by
-    expert, each tenant's per-expert factors with their experts."""
+    ``expert_parallel`` (True/"on", False/"off"): a MoE model's group with --expert-parallel: full sessions and the
+    LoRA base split by expert, each tenant's per-expert factors with their experts.
+    "auto" (the defaults of both): every layout the model allows is planned (a MoE model with and without expert
+    parallelism, a quantized checkpoint's LoRA base dequantized and kept), and each column takes the one needing the
+    fewest devices (then: the most tenants, the longest datum); its ``flags`` say how to start that group."""
+    ep = expert_parallel if isinstance(expert_parallel, str) else ("on" if expert_parallel else "off")
+    if ep not in ("auto", "on", "off"):
+        raise PlanError(f"--expert-parallel {expert_parallel}: auto, on or off")
+    if quantized_base not in ("auto", "dequantize", "keep"):
+        raise PlanError(f"--quantized-base {quantized_base}: auto, dequantize or keep")
+    kwargs = dict(devices=devices, device_gb=device_gb, dtype=dtype, headroom_gb=headroom_gb, workload=workload,
+                  activation_checkpointing=activation_checkpointing)
+    options = []
+    for split in ((False, True) if ep == "auto" else (ep == "on",)):
+        for base in (("dequantize", "keep") if quantized_base == "auto" else (quantized_base,)):
+            p = _plan(spec, quantized_base=base, expert_parallel=split, **kwargs)  # type: ignore[arg-type]
+            if (split and not p.expert_parallel and ep == "auto") or (
+                    base == "keep" and p.quantized is None and quantized_base == "auto"):
+                continue  # a dense model split by expert, or an unquantized one kept: the same plan again
+            options.append(p)
+    if len(options) == 1:
+        return options[0]
+    full = min(options, key=lambda p: _fewest_devices(p.full)).full
+    lora = min(options, key=lambda p: _fewest_devices(p.lora))
+    return replace(lora, full=full, chosen=True)
+
+
+def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb: float, workload: Workload | None,
+          quantized_base: str, activation_checkpointing: str, expert_parallel: bool) -> Plan:
+    """The plan of one layout (see :func:`plan`)."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
     workload = workload or Workload()
@@ -397,7 +448,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
                     longest_datum=longest_datum(sum(every.values()) - every["activations"],
-                                                devices if ep and devices > 1 else 1), checkpointing=on)
+                                                devices if ep and devices > 1 else 1), checkpointing=on,
+                    flags=_worker_flags(n_full, ep, kept=False))
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
     expert_parameters = lora_expert_parameters(model, workload.lora_rank) if ep else 0
@@ -426,10 +478,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
                     tenants_all_devices=tenants(devices),
                     longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
                                                 devices if ep and devices > 1 else 1),
-                    checkpointing=on)
+                    checkpointing=on, flags=_worker_flags(n_lora, ep, kept=False))
     quantized = quantized_checkpoint(config, model)
-    if quantized_base not in ("dequantize", "keep"):
-        raise PlanError(f"--quantized-base {quantized_base}: dequantize or keep")
     if quantized_base == "keep" and quantized is not None and ep and quantized.expert_parameters:
         # An expert-parallel group keeps its routed experts as stored, each rank its own (one process: n = 1).
         q = quantized
@@ -454,7 +504,7 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
                         adapter_bytes=adapter, tenants=kept_tenants(at), tenants_all_devices=kept_tenants(devices),
                         longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
                                                     devices if devices > 1 else 1),
-                        checkpointing=on)
+                        checkpointing=on, flags=_worker_flags(n_kept, True, kept=True))
     elif quantized_base == "keep" and quantized is not None:
         adapter = adapter_at(1)  # a kept base is served by one process (a group keeps it under --expert-parallel)
         parts, on = checkpointed(lambda c: kept_lora_parts(shape, quantized, workload, chunk, c), adapter)
@@ -463,7 +513,8 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
         room = max(0, (usable - fixed) // adapter)
         lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
                         adapter_bytes=adapter, tenants=room, tenants_all_devices=room,
-                        longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on)
+                        longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on,
+                        flags=_worker_flags(1 if fits else None, False, kept=True))
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
                 workload, adapter_parameters, full, lora, quantized, quantized_base,
@@ -534,6 +585,7 @@ def render(p: Plan) -> str:
     rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
     rows.append(("decoder layers checkpointed", "yes" if p.full.checkpointing else "no",
                  "yes" if p.lora.checkpointing else "no"))
+    rows.append(("tinkerq worker flags", p.full.flags, p.lora.flags))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines.append("")
     lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
@@ -543,6 +595,10 @@ def render(p: Plan) -> str:
         lines.append("Expert parallel (--expert-parallel): a MoE layer is gathered without its routed experts, and "
                      "a rank's experts are planned for every rank's rows at once (the most uneven routing); a LoRA "
                      "tenant's per-expert factors are split with the experts.")
+    if p.chosen:
+        lines.append("Layouts chosen by the planner (--expert-parallel auto, --quantized-base auto): each column is "
+                     "the layout needing the fewest devices, then holding the most tenants; its flags start that "
+                     "group (a group keeping a quantized base serves LoRA only).")
     lines.append(f"({unit}; activation checkpointing {p.activation_checkpointing}: TINKERQ_ACTIVATION_CHECKPOINTING; "
                  f"the longest datum is planned checkpointed unless it is off. "
                  f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
@@ -550,6 +606,10 @@ def render(p: Plan) -> str:
                  f"time; rank 0 reads the whole base ({gb(p.param_bytes)} {unit}) only while it writes a merged LoRA "
                  f"save. docs/planning.md)")
     return "\n".join(lines)
+
+
+def _md_flags(kind: KindPlan) -> str:
+    return f"`{kind.flags}`" if kind.flags.startswith("--") else "-"
 
 
 def render_markdown(plans: list[Plan]) -> str:
@@ -560,13 +620,15 @@ def render_markdown(plans: list[Plan]) -> str:
     head = (f"Per {gb(p0.device_bytes)} GiB device ({gb(p0.usable_bytes)} usable), {p0.devices} devices, {p0.dtype}; "
             f"batch {p0.workload.batch_tokens} tokens in datums of {p0.workload.seq_len}; LoRA rank "
             f"{p0.workload.lora_rank}; activation checkpointing {p0.activation_checkpointing}"
-            f"{'; MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}"
-            f"{'; quantized checkpoints kept as stored' if p0.quantized_base == 'keep' else ''}.\n\n")
+            + ("; expert parallelism and kept quantized bases chosen per model and column (the flags column)"
+               if any(p.chosen for p in plans) else
+               f"{'; MoE models expert parallel' if any(p.expert_parallel for p in plans) else ''}"
+               f"{'; quantized checkpoints kept as stored' if p0.quantized_base == 'keep' else ''}") + ".\n\n")
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
              "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "
-             "host RAM per rank GiB (full; LoRA) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "host RAM per rank GiB (full; LoRA) | worker flags (full; LoRA) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
         lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
@@ -574,7 +636,7 @@ def render_markdown(plans: list[Plan]) -> str:
                      f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
                      f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} | "
                      f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} | "
-                     f"{gb(p.full.host_bytes)}; {gb(p.lora.host_bytes)} |")
+                     f"{gb(p.full.host_bytes)}; {gb(p.lora.host_bytes)} | {_md_flags(p.full)}; {_md_flags(p.lora)} |")
     return head + "\n".join(lines)
 
 
