@@ -320,8 +320,12 @@ def capacity_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
     _llama(384, 1152, 4).save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
     name = "memory-capacity-model"
+    # A 5 s heartbeat (the default), not the tests' 1 s: this is about admission, not liveness. With 1 s a worker
+    # silent for 1.5 s is taken for lost, and one CI run on a loaded machine failed here that way (WorkerLostError
+    # instead of the refusal, right after six sessions were closed).
     proc = start_named_worker(model_dir, redis_url, name, root / "worker.log",
-                              {"TINKERQ_MEMORY_LIMIT_MB": "1200", "TINKERQ_MICROBATCH_TOKENS": str(1 << 20)},
+                              {"TINKERQ_MEMORY_LIMIT_MB": "1200", "TINKERQ_MICROBATCH_TOKENS": str(1 << 20),
+                               "TINKERQ_HEARTBEAT_S": "5"},
                               extra=["--max-sessions", "64"])
     yield name
     stop(proc.pid, timeout=20)
