@@ -233,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plans = [plan(m, devices=args.devices, device_gb=gb, dtype=args.dtype, headroom_gb=args.headroom,
                       workload=workload, quantized_base=args.quantized_base,
                       activation_checkpointing=args.activation_checkpointing,
-                      expert_parallel=args.expert_parallel) for m in models]
+                      expert_parallel=args.expert_parallel, at_shards=args.at_shards) for m in models]
         tables.append(plans)
     if args.json:
         print(json.dumps([to_json(p) for plans in tables for p in plans], indent=2))
@@ -417,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "experts split by expert, not gathered, and LoRA tenants' expert factors with them "
                          "(docs/sharding.md#expert-parallelism); off: FSDP2 alone; auto (default): both planned, "
                          "the one needing fewer devices shown, with its worker flags")
+    pn.add_argument("--at-shards", type=positive_int, metavar="N",
+                    help="give each column's memory at N shards (a group of that size), not at the fewest that fit")
     pn.add_argument("--batch-tokens", type=positive_int, default=8192,
                     help="tokens of one forward_backward, split over the shards (default 8192)")
     pn.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per datum (default 2048)")

@@ -256,3 +256,63 @@ def lora_compare(rank: int, world: int, port: int, paths: list[str], out: str, s
         found[path] = result
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def planned_peak(rank: int, world: int, port: int, paths: list[str], out: str, datums: int, seq_len: int,
+                 microbatch_tokens: int, lora_rank: int) -> None:
+    """For each model: one LoRA tenant's first forward_backward + optim_step on an expert-parallel group keeping its
+    quantized experts as stored, decoder layers checkpointed, every token routed into rank 0's experts (the routing
+    the plan covers). What this rank holds of the base and of the adapter before, and the peak of live tensor bytes
+    over the step above that (tests.helpers.LiveTensorBytes), to ``<out>/rank<r>.json``."""
+    import numpy as np
+
+    from tests.helpers import LiveTensorBytes
+    from tinkerq import types
+    from tinkerq.worker.lora.batch import LossItem
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.sharding.experts import shard_expert_factors
+    from tinkerq.worker.sharding.fsdp import shard_frozen
+    from tinkerq.worker.sharding.group import ShardGroup, ShardSpec
+
+    mesh = _join(rank, world, port)
+    torch.set_num_threads(1)
+    group = ShardGroup(ShardSpec(world, rank, "127.0.0.1", port, "cpu", 60.0, 60.0))
+    group.mesh = mesh
+
+    def nbytes(tensors) -> int:
+        return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in tensors)
+
+    found = {}
+    for path in paths:
+        skeleton = load_skeleton(path)
+        model = copy.deepcopy(skeleton)
+        base = LoraBase(model, LogprobComputer(skeleton, device="cpu"), model_dir=path,
+                        microbatch_tokens=microbatch_tokens, group=group, device="cpu")
+
+        def fill(root: torch.nn.Module, lm, skeleton=skeleton, path=path) -> None:
+            fill_shards(root, lm, skeleton, path, device="cpu", dtype=torch.float32)
+
+        base.root = shard_frozen(model, group, base.logprobs, fill, expert_parallel=True, kept_from=path)
+        base.shard_adapter = lambda adapter: shard_expert_factors(adapter, mesh)
+        _skew(base.model, world)
+        held_base = nbytes([*base.model.parameters(), *base.model.buffers()])  # the kept experts' parts: buffers
+        tenant = LoraSession("t", base, types.LoraConfig(rank=lora_rank, seed=1), base_model="m")
+        vocab = skeleton.get_input_embeddings().weight.shape[0]
+        gen = np.random.default_rng(7)
+        data = []
+        for _ in range(datums):
+            tokens = gen.integers(0, vocab, seq_len + 1)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+                                    loss_fn_inputs={"target_tokens": tokens[1:].tolist(),
+                                                    "weights": np.ones(seq_len, dtype=np.float32)}))
+        item = LossItem(tenant, data, "cross_entropy", None, checkpointing=True)
+        dist.barrier()
+        with LiveTensorBytes() as live:
+            base.run_pass([item], True)
+            tenant.optim_step(types.AdamParams(learning_rate=1e-3))
+        assert item.error is None, item.error
+        found[path] = {"base": held_base, "adapter": nbytes(tenant.engine.params), "step_peak": live.peak,
+                       "rows": [m._tinkerq_ep_rows for m in base.model.modules() if hasattr(m, "_tinkerq_ep")]}
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()

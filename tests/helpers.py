@@ -64,6 +64,65 @@ def peak_rss_growth(fn) -> int:
     raise AssertionError("no VmHWM")
 
 
+class LiveTensorBytes:
+    """The peak of live tensor bytes while it is on, above what was live before: what
+    ``torch.cuda.max_memory_allocated`` counts on a GPU, on the CPU (whose allocator keeps no such count).
+
+    A dispatch mode sees every operator's outputs (autograd's backward, checkpointing's recomputation, FSDP's
+    all-gather buffers and DTensors' local tensors included); each new storage counts until it is freed (a weakref
+    finalizer on it). Tensors made outside the dispatcher (a file read by safetensors) are not seen."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+        self._mode = None
+
+    def _count(self, t: torch.Tensor) -> None:
+        import weakref
+
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        n = storage.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+        def freed(key: int = key, n: int = n) -> None:
+            self.live -= n
+            self._seen.discard(key)
+
+        weakref.finalize(storage, freed)
+
+    def __enter__(self) -> LiveTensorBytes:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        tracker._count(t)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
 def reference_logprobs(model: torch.nn.Module, datum: types.Datum) -> torch.Tensor:
     """log p(target_i | input_<=i) for one datum, unpadded, full logits: the plain definition."""
     tokens = torch.tensor(datum.model_input.to_ints()).unsqueeze(0)

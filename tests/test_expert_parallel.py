@@ -365,6 +365,46 @@ def test_every_token_to_one_ranks_experts_stays_within_what_the_worker_admits(tm
     assert max(growth) <= admitted, (growth, admitted)
 
 
+def test_the_plan_covers_each_ranks_measured_peak_on_a_kept_expert_parallel_group(tmp_path):
+    """Issue 30, part 5: `tinkerq plan --expert-parallel --quantized-base keep --activation-checkpointing on` at 4
+    shards against each rank's measured peak of live tensor bytes (what `torch.cuda.max_memory_allocated` counts on
+    a GPU; tests.helpers.LiveTensorBytes on the CPU) over a LoRA tenant's first forward_backward + optim_step, every
+    token routed into rank 0's experts (the routing the plan covers), on the published DeepSeek-V3 FP8 and Kimi-K2
+    INT4 layouts. The base a rank holds and the adapter are what is planned (within 1%; the adapter's 16 bytes per
+    parameter are its weights, gradients and AdamW moments); the total covers every rank's peak. It does not meet
+    the issue's 15%: on rank 0 the plan is 1.7x (FP8) and 2.2x (INT4) the peak, the activation terms being upper
+    bounds calibrated on the CPU's RSS (docs/planning.md, the measured check); the bound below keeps that figure
+    from drifting either way."""
+    from tinkerq.recipes.published import build_published
+    from tinkerq.worker.planning import planner
+
+    world, datums, seq_len, micro, rank = 4, 8, 64, 256, 8
+    paths = [str(build_published(name, tmp_path / name)) for name in ("deepseek_v3-fp8", "kimi_k2-int4")]
+    torch.multiprocessing.spawn(expert_ranks.planned_peak, nprocs=world,
+                                args=(world, free_port(), paths, str(tmp_path), datums, seq_len, micro, rank))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    workload = planner.Workload(batch_tokens=datums * seq_len, seq_len=seq_len, microbatch_tokens=micro,
+                                lora_rank=rank)
+    for path in paths:
+        p = planner.plan(path, devices=world, device_gb=64, dtype="float32", headroom_gb=0, workload=workload,
+                         quantized_base="keep", expert_parallel="on", activation_checkpointing="on", at_shards=world)
+        lora = p.lora
+        assert lora.at == world and lora.checkpointing and p.expert_parallel, lora
+        planned_base = lora.parts["frozen base, experts as stored (shared)"]
+        measured = []
+        for r, found in enumerate(ranks):
+            m = found[path]
+            assert all(rows == 0 for rows in m["rows"]) == (r > 0), (r, m["rows"])  # only rank 0's experts compute
+            assert abs(m["base"] - planned_base) <= 0.01 * planned_base, (path, r, m["base"], planned_base)
+            assert 4 * m["adapter"] == lora.adapter_bytes, (path, r)
+            measured.append(m["base"] + m["adapter"] + m["step_peak"])
+        print(f"\n{Path(path).name}: planned per rank {lora.total:,} B "
+              f"({', '.join(f'{k} {v:,}' for k, v in lora.parts.items())}, adapter {lora.adapter_bytes:,}); "
+              f"measured peak per rank {[f'{x:,}' for x in measured]}; plan / rank 0 {lora.total / measured[0]:.2f}")
+        assert max(measured) == measured[0]
+        assert measured[0] <= lora.total <= 2.5 * measured[0], (path, lora.total, measured)
+
+
 @pytest.mark.timeout(420)
 def test_a_group_keeps_a_published_fp8_base_split_by_expert(redis_url, tmp_path):
     """`tinkerq worker --shards 2 --expert-parallel --quantized-base keep` on a DeepSeek-V3 checkpoint as published

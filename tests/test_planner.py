@@ -626,5 +626,7 @@ def test_auto_takes_the_layout_needing_the_fewest_devices():
     dense = planner.plan("llama-3.1-8b", **node)
     assert not dense.chosen and dense == planner.plan("llama-3.1-8b", **node, **FSDP_ALONE)
     assert "tinkerq worker flags" in planner.render(auto) and "Layouts chosen by the planner" in planner.render(auto)
+    at8 = planner.plan("deepseek-v3.1", **node, at_shards=8)  # --at-shards: the parts of a group of that size
+    assert at8.lora.shards == auto.lora.shards == 7 and at8.lora.at == 8 and at8.lora.total < auto.lora.total
     with pytest.raises(planner.PlanError, match="auto, on or off"):
         planner.plan("llama-3.1-8b", **node, expert_parallel="sometimes")

@@ -352,7 +352,8 @@ def _fewest_devices(kind: KindPlan) -> tuple:
 
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
          workload: Workload | None = None, quantized_base: str = "auto",
-         activation_checkpointing: str = "auto", expert_parallel: bool | str = "auto") -> Plan:
+         activation_checkpointing: str = "auto", expert_parallel: bool | str = "auto",
+         at_shards: int | None = None) -> Plan:
     """The plan of ``spec`` (a lineup name, a model directory or a config.json) on ``devices`` devices of
     ``device_gb`` GiB each, ``headroom_gb`` of which stay free (CUDA context, allocator slack, NCCL buffers).
     ``quantized_base="keep"``: a quantized checkpoint's LoRA base kept as stored, on one device (a kept base is
@@ -364,14 +365,17 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     LoRA base split by expert, each tenant's per-expert factors with their experts.
     "auto" (the defaults of both): every layout the model allows is planned (a MoE model with and without expert
     parallelism, a quantized checkpoint's LoRA base dequantized and kept), and each column takes the one needing the
-    fewest devices (then: the most tenants, the longest datum); its ``flags`` say how to start that group."""
+    fewest devices (then: the most tenants, the longest datum); its ``flags`` say how to start that group.
+    ``at_shards``: the parts given at that many shards instead of at the fewest that fit (the CLI's --at-shards)."""
     ep = expert_parallel if isinstance(expert_parallel, str) else ("on" if expert_parallel else "off")
     if ep not in ("auto", "on", "off"):
         raise PlanError(f"--expert-parallel {expert_parallel}: auto, on or off")
     if quantized_base not in ("auto", "dequantize", "keep"):
         raise PlanError(f"--quantized-base {quantized_base}: auto, dequantize or keep")
+    if at_shards is not None and not 0 < at_shards <= MAX_SHARDS:
+        raise PlanError(f"--at-shards {at_shards}: between 1 and {MAX_SHARDS}")
     kwargs = dict(devices=devices, device_gb=device_gb, dtype=dtype, headroom_gb=headroom_gb, workload=workload,
-                  activation_checkpointing=activation_checkpointing)
+                  activation_checkpointing=activation_checkpointing, at_shards=at_shards)
     options = []
     for split in ((False, True) if ep == "auto" else (ep == "on",)):
         for base in (("dequantize", "keep") if quantized_base == "auto" else (quantized_base,)):
@@ -388,7 +392,7 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
 
 
 def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb: float, workload: Workload | None,
-          quantized_base: str, activation_checkpointing: str, expert_parallel: bool) -> Plan:
+          quantized_base: str, activation_checkpointing: str, expert_parallel: bool, at_shards: int | None) -> Plan:
     """The plan of one layout (see :func:`plan`)."""
     from tinkerq.worker.training.logprobs import chunk_tokens
 
@@ -442,7 +446,7 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         return checkpointed(lambda on: full_parts(shape, n, workload, chunk, on, expert_parallel=ep))
 
     n_full = shards_needed(lambda n: sum(full_at(n)[0].values()), usable, limit=MAX_SHARDS)
-    at = n_full if n_full is not None and n_full <= devices else devices
+    at = at_shards or (n_full if n_full is not None and n_full <= devices else devices)
     parts, on = full_at(at)
     every = full_parts(shape, devices, workload, chunk, expert_parallel=ep)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
@@ -468,7 +472,7 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         return max(0, (usable - sum(parts.values())) // adapter_at(n))
 
     n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
-    at = n_lora if n_lora is not None and n_lora <= devices else devices
+    at = at_shards or (n_lora if n_lora is not None and n_lora <= devices else devices)
     parts, on = lora_at(at)
     every = lora_parts(shape, devices, workload, chunk, expert_parallel=ep)
     adapter = adapter_at(at)
@@ -495,7 +499,7 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
             return max(0, (usable - sum(kept_parts(n, activation_checkpointing != "off").values())) // adapter_at(n))
 
         n_kept = shards_needed(lambda n: sum(kept_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
-        at = n_kept if n_kept is not None and n_kept <= devices else devices
+        at = at_shards or (n_kept if n_kept is not None and n_kept <= devices else devices)
         parts, on = kept_at(at)
         adapter = adapter_at(at)
         every = kept_parts(devices, False)
