@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tests.helpers import adamw_step, build_tiny_llama, make_batch, reference_logprobs, rl_batch
+from tests.helpers import LiveTensorBytes, adamw_step, build_tiny_llama, make_batch, reference_logprobs, rl_batch
 from tinkerq import types
 from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.validation import validate_lora
+from tinkerq.worker import memory
 from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
 from tinkerq.worker.lora.batch import LossItem, run_pass
 from tinkerq.worker.lora.session import LoraBase, LoraSession, write_merged
@@ -165,7 +166,11 @@ def test_export_round_trip_to_peft_and_merged(base, model_dir, tmp_path):
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     data = make_batch(np.random.default_rng(2), 3)
     ours = s.run_loss(data, "cross_entropy", None, backward=False)
-    path = s.save_weights(str(tmp_path), "trained", base_model=str(model_dir), merged=True)
+    with LiveTensorBytes() as live:  # what it allocated stays within the admitted figure (one module in float32)
+        path = s.save_weights(str(tmp_path), "trained", base_model=str(model_dir), merged=True)
+    admitted = memory.merged_save_bytes(memory.ModelShape.of(base.model), s.num_parameters(), whole_base=False)
+    print(f"\nmerged save: peak {live.peak:,} B of new tensors, admitted {admitted:,} B")
+    assert live.peak <= admitted
     oracle = peft_model(model_dir, path)
     merged = load(f"{path}/merged")
     for d, o in zip(data, ours.loss_fn_outputs, strict=True):

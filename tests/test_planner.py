@@ -253,6 +253,25 @@ def _medium() -> LlamaForCausalLM:
                                         num_attention_heads=4, num_key_value_heads=2)).eval()
 
 
+def test_a_merged_save_that_cannot_fit_is_refused_before_the_base_is_read(monkeypatch: pytest.MonkeyPatch):
+    """save_weights_for_sampler(merged=True): the merged copies and one module in float32; on a shard group's rank 0
+    the whole base read from the files too. Refused with what to do instead when it does not fit."""
+    model = _medium()
+    shape = memory.ModelShape.of(model)
+    alone = memory.merged_save_bytes(shape, 1000, whole_base=False)
+    group = memory.merged_save_bytes(shape, 1000, whole_base=True)
+    # float32: one module merged is one more copy of its weights; the adapter's 1000 parameters twice
+    assert alone == 2 * shape.param_bytes + 2 * shape.largest_weight_bytes + 8000
+    assert group - alone == shape.param_bytes + shape.buffer_bytes
+    _room(monkeypatch, alone)
+    memory.admit_merged_save(model, Settings(), 1000, whole_base=False)  # fits on a worker whose base is in memory
+    with pytest.raises(CapacityError) as info:
+        memory.admit_merged_save(model, Settings(), 1000, whole_base=True)
+    message = info.value.message
+    assert "a merged save" in message and "rank 0's host" in message and "nothing was allocated" in message
+    assert "save without merged=true" in message.lower() and info.value.details["needed_bytes"] == group
+
+
 def test_a_full_session_that_cannot_fit_is_refused_with_the_shards_it_needs(monkeypatch: pytest.MonkeyPatch):
     model = _medium()
     shape = memory.ModelShape.of(model)

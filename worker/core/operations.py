@@ -142,6 +142,9 @@ class Operations:
         external = flag(body, "external", False, "save_weights_for_sampler")
         expires_at = expires_at_of(body)
         keep_newest = retention.keep_newest_of(body, "save_weights_for_sampler")
+        if merged and session.kind == "lora":  # a full session's weights are merged already: nothing more is made
+            adapter = session.describe()["lora"]["trainable_parameters"]
+            memory.admit_merged_save(self.model, self.settings, adapter, whole_base=self.settings.shards > 1)
         path = session.save_weights(self.settings.checkpoint_dir, name, base_model=self.base_model, merged=merged,
                                     expires_at=expires_at, external=external)
         self.sweep_checkpoints()

@@ -261,24 +261,31 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
     """
     state = {n: t.detach() for n, t in model.state_dict().items()}
     parts = {p.name: p for p in adaptable(model)}
-    merged_experts: dict[str, dict[str, torch.Tensor]] = {}  # experts module -> {parameter: float32 merged}
-    merged_linears: dict[str, torch.Tensor] = {}  # Linear -> float32 merged weight (its parts added in turn)
-    for name, (a, b) in adapter.pairs.items():
-        part = parts[name]
-        if a.dim() == 3:  # an expert projection: <experts module>.<w1|w2|w3>
-            lay = experts.layout(part.module, part.module_name)
-            experts.merge(part.module, name.rsplit(".", 1)[1], experts.delta_weight(a, b, adapter.scaling), lay,
-                          merged_experts.setdefault(part.module_name, {}))
-            continue
-        linear: Any = part.module
-        weight = merged_linears.setdefault(part.module_name, linear.weight.detach().float().clone())
-        rows = slice(*part.rows) if part.rows is not None else slice(None)
-        weight[rows] += adapter.scaling * (b.float() @ a.float())
-    for module_name, weight in merged_linears.items():
-        state[f"{module_name}.weight"] = weight.to(state[f"{module_name}.weight"].dtype)
-    for module_name, params in merged_experts.items():
-        for param, value in params.items():
-            state[f"{module_name}.{param}"] = value.to(state[f"{module_name}.{param}"].dtype)
+    by_module: dict[str, list[str]] = {}  # a module's adapted parts (q/k/v of a fused Linear, w1/w2/w3 of experts)
+    for name in adapter.pairs:
+        by_module.setdefault(parts[name].module_name, []).append(name)
+    # One module at a time: its weights merged in float32, then back in their dtype before the next one, so the
+    # float32 copies never add up (worker/memory/estimates.py merged_save_bytes).
+    for module_name, names in by_module.items():
+        merged: dict[str, torch.Tensor] = {}  # parameter -> float32 merged copy
+        for name in names:
+            part = parts[name]
+            a, b = adapter.pairs[name]
+            if a.dim() == 3:  # an expert projection: <experts module>.<w1|w2|w3>
+                lay = experts.layout(part.module, part.module_name)
+                experts.merge(part.module, name.rsplit(".", 1)[1], experts.delta_weight(a, b, adapter.scaling), lay,
+                              merged)
+                continue
+            linear: Any = part.module
+            if "weight" not in merged:
+                merged["weight"] = linear.weight.detach().float().clone()
+            weight = merged["weight"]
+            rows = slice(*part.rows) if part.rows is not None else slice(None)
+            weight[rows] += adapter.scaling * (b.float() @ a.float())
+        for param, value in merged.items():
+            key = f"{module_name}.{param}"
+            state[key] = value.to(state[key].dtype)
+        del merged
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     untie = head_name in adapter.pairs and model.config.tie_word_embeddings

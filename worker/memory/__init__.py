@@ -38,6 +38,7 @@ from tinkerq.worker.memory.estimates import (
     gather_bytes,
     lora_base_bytes,
     lora_state_bytes,
+    merged_save_bytes,
     microbatches,
     request_bytes,
     sample_bytes,
@@ -64,9 +65,10 @@ from tinkerq.worker.memory.release import _LIBC, LARGE_BYTES, is_large, release_
 __all__ = [  # what is free, what things need, giving back (their modules), and admission (here)
     "HOST_HEADROOM_BYTES", "LARGE_BYTES", "LORA_BYTES_PER_PARAMETER", "REQUEST_BYTES_PER_DATUM",
     "REQUEST_BYTES_PER_TOKEN", "_LIBC", "CapacityError", "Free", "MiB", "ModelShape", "activation_bytes",
-    "admit_batch", "admit_lora_session", "admit_sample", "admit_session", "admit_snapshot", "batch_bytes",
-    "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free", "is_large",
-    "lora_base_bytes", "lora_state_bytes", "meminfo_available", "microbatches", "release_memory", "request_bytes",
+    "admit_batch", "admit_lora_session", "admit_merged_save", "admit_sample", "admit_session", "admit_snapshot",
+    "batch_bytes", "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free",
+    "is_large", "lora_base_bytes", "lora_state_bytes", "meminfo_available", "merged_save_bytes", "microbatches",
+    "release_memory", "request_bytes",
     "require", "rss_bytes", "sample_bytes", "session_state_bytes", "session_state_parts", "shards_for_lora",
     "shards_for_session", "shards_needed", "snapshot_bytes", "streamed_load_bytes", "training_working_bytes",
     "unallocated_state_bytes",
@@ -219,6 +221,19 @@ def admit_snapshot(model: torch.nn.Module, settings: Any, sessions: Iterable[Any
     require(needed, "a sampling snapshot (a copy of the weights)", settings.device,
             limit_mb=settings.memory_limit_mb,
             advice="close unused training clients (tc.close()) or lower TINKERQ_MAX_SAMPLERS, then retry")
+
+
+def admit_merged_save(model: torch.nn.Module, settings: Any, adapter_parameters: int, *, whole_base: bool) -> None:
+    """Refuse a merged LoRA save (``save_weights_for_sampler(merged=True)``) that would not fit, before the base is
+    read or copied: on a shard group's rank 0 the whole base is read onto the host for it."""
+    shape = ModelShape.of(model)
+    device = "cpu" if whole_base else settings.device
+    require(merged_save_bytes(shape, adapter_parameters, whole_base=whole_base),
+            "a merged save (the base with the adapter merged in"
+            + (", read whole onto rank 0's host from the files)" if whole_base else ")"),
+            device, limit_mb=settings.memory_limit_mb,
+            advice="save without merged=True: the archive's PEFT adapter loads over the base model in vLLM, PEFT "
+                   "or transformers, and merges there (docs/lora.md)")
 
 
 def admit_sample(model: torch.nn.Module, settings: Any, prompt_tokens: int, max_tokens: int,

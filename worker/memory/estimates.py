@@ -194,6 +194,24 @@ def snapshot_bytes(shape: ModelShape) -> int:
     return shape.param_bytes + shape.buffer_bytes
 
 
+def merged_save_bytes(shape: ModelShape, adapter_parameters: int, *, whole_base: bool) -> int:
+    """A merged LoRA save (worker/lora/session.py ``write_merged``): the base with each adapted weight replaced by
+    a merged copy, written as a plain model directory.
+
+        merged = weights                         the merged copies (their dtype; every weight at most)
+               + weights                         save_pretrained's copy of each tensor as it writes (measured: the
+                                                 whole state, transformers 5)
+               + 2 x largest weight x 4 / dtype  one module's weights merged in float32 at a time
+               + 2 x adapter x 4                 its float32 weights: the copy the archive is written from, and
+                                                 the frozen one merged in
+               + weights + buffers               a shard group's rank 0 only: the whole base, read from the files
+                                                 (a worker's own base is in memory already)
+    """
+    fp32_module = 2 * shape.largest_weight_bytes * 4 // max(1, shape.dtype_bytes)
+    return (2 * shape.param_bytes + fp32_module + 2 * 4 * adapter_parameters
+            + (shape.param_bytes + shape.buffer_bytes if whole_base else 0))
+
+
 def unallocated_state_bytes(sessions: Iterable[Any]) -> int:
     """AdamW moments that open sessions will allocate at their first optim_step (2 x their weights).
 

@@ -608,7 +608,7 @@ def render(p: Plan) -> str:
                  f"The worker admits at most {p.max_lora_sessions} LoRA sessions: TINKERQ_MAX_LORA_SESSIONS. "
                  f"Host RAM: each rank of a shard group reads only its own shards from the files, one weight at a "
                  f"time; rank 0 reads the whole base ({gb(p.param_bytes)} {unit}) only while it writes a merged LoRA "
-                 f"save. docs/planning.md)")
+                 f"save, refused first when its host lacks the room. docs/planning.md)")
     return "\n".join(lines)
 
 
