@@ -582,8 +582,9 @@ def render(p: Plan) -> str:
     rows.append(("  adapter per tenant (expert factors split)" if p.expert_parallel else
                  "  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
     rows.append((f"  total, {unit} (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
+    split = " expert-parallel" if p.expert_parallel and p.devices > 1 else ""  # how the group of all would be made
     rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
-                                               f"{p.lora.tenants_all_devices:,} at {p.devices}"))
+                                               f"{p.lora.tenants_all_devices:,} at {p.devices}{split}"))
     rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
                  f"{p.lora.longest_datum:,} (one tenant)"))
     rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
