@@ -444,3 +444,38 @@ def test_worker_rss_returns_near_its_baseline_after_large_requests(model_dir, re
         assert growth <= kept + 96 * MiB, "worker RSS did not come back after large requests"
     finally:
         stop(proc.pid, timeout=20)
+
+
+def test_a_merged_save_that_does_not_fit_is_refused_and_the_session_serves_on(redis_url, tmp_path):
+    """save_weights_for_sampler(merged=True) on a real worker whose cap leaves room for a LoRA tenant but not for
+    the merged copies (a 94M-parameter base, 377 MB in float32; about 0.8 GB for its merged save): one
+    CapacityError naming the fix reaches the caller, nothing is written, and the tenant trains and saves on."""
+    from tinkerq.launcher.processes import stop
+    from tinkerq.producer import ServiceClient
+    from tinkerq.recipes.demo_model import build_tokenizer
+
+    model_dir = tmp_path / "large-llama"
+    _llama(1024, 2816, 8).save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    checkpoints = tmp_path / "checkpoints"
+    name = "merged-capacity-model"
+    proc = start_named_worker(model_dir, redis_url, name, tmp_path / "worker.log",
+                              {"TINKERQ_MEMORY_LIMIT_MB": "1200", "TINKERQ_HEARTBEAT_S": "5",
+                               "TINKERQ_CHECKPOINT_DIR": str(checkpoints)})
+    try:
+        with ServiceClient(broker_url=redis_url) as sc:
+            tc = sc.create_lora_training_client(name, rank=4)
+            data = make_batch(np.random.default_rng(3), 2)
+            tc.forward_backward(data, "cross_entropy").result(timeout=120)
+            err = tc.save_weights_for_sampler("too-big", merged=True).exception(timeout=120)
+            assert isinstance(err, CapacityError) and isinstance(err, ServerError), err
+            assert "a merged save" in err.message and "nothing was allocated" in err.message, err.message
+            assert "without merged=True" in err.message, err.message
+            print(f"\nrefused: {err.message}")
+            assert not list(checkpoints.rglob("too-big*"))  # nothing written
+            # The session is untouched: it steps, and saves its adapter (the suggested fix).
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
+            path = tc.save_weights_for_sampler("adapter-only").result(timeout=120).path
+            assert Path(path, "adapter_model.safetensors").is_file()
+    finally:
+        stop(proc.pid, timeout=20)
