@@ -65,7 +65,8 @@ from tinkerq.worker.memory.release import _LIBC, LARGE_BYTES, is_large, release_
 __all__ = [  # what is free, what things need, giving back (their modules), and admission (here)
     "HOST_HEADROOM_BYTES", "LARGE_BYTES", "LORA_BYTES_PER_PARAMETER", "REQUEST_BYTES_PER_DATUM",
     "REQUEST_BYTES_PER_TOKEN", "_LIBC", "CapacityError", "Free", "MiB", "ModelShape", "activation_bytes",
-    "admit_batch", "admit_lora_session", "admit_merged_save", "admit_sample", "admit_session", "admit_snapshot",
+    "admit_batch", "admit_lora_session", "admit_lora_snapshot", "admit_merged_save", "admit_sample", "admit_session",
+    "admit_snapshot",
     "batch_bytes", "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free",
     "is_large", "lora_base_bytes", "lora_state_bytes", "meminfo_available", "merged_save_bytes", "microbatches",
     "release_memory", "request_bytes",
@@ -234,6 +235,14 @@ def admit_merged_save(model: torch.nn.Module, settings: Any, adapter_parameters:
             device, limit_mb=settings.memory_limit_mb,
             advice="save without merged=True: the archive's PEFT adapter loads over the base model in vLLM, PEFT "
                    "or transformers, and merges there (docs/lora.md)")
+
+
+def admit_lora_snapshot(adapter_parameters: int, settings: Any) -> None:
+    """Refuse a LoRA sampler snapshot (the adapter's weights, frozen: 4 bytes per float32 parameter, whole on a shard
+    group's rank 0) that would not fit; small on most models, 11.5 GiB at rank 32 on DeepSeek-V3.1."""
+    require(4 * adapter_parameters, "a LoRA sampling snapshot (a frozen copy of the adapter)", settings.device,
+            limit_mb=settings.memory_limit_mb,
+            advice="close unused training or sampling clients, or lower TINKERQ_MAX_SAMPLERS, then retry")
 
 
 def admit_sample(model: torch.nn.Module, settings: Any, prompt_tokens: int, max_tokens: int,

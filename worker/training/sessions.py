@@ -109,6 +109,8 @@ class SessionFactory:
         """Refuse (CapacityError) a sampler whose weights copy would not fit; a LoRA sampler is its adapter only."""
         if session.kind == "full":
             memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
+        else:
+            memory.admit_lora_snapshot(session.describe()["lora"]["trainable_parameters"], self.settings)
 
     def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
         """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
