@@ -149,6 +149,9 @@ def test_lora_figures_match_a_real_adapter(llama_dir: Path):
     print(f"\nLoRA rank {WORKLOAD.lora_rank}: adapter state held {held} B, planned {plan.lora.adapter_bytes} B "
           f"(+{steps} B of step counters)")
     assert held == plan.lora.adapter_bytes + steps
+    # A sampler snapshot is the adapter frozen: what save_weights_and_get_sampling_client keeps (on rank 0).
+    assert adapter.frozen().nbytes() == plan.lora.snapshot_bytes == 4 * plan.lora_parameters
+    assert 0 < plan.lora.sampling_tenants < plan.lora.tenants  # each tenant with a snapshot: fewer fit
     assert plan.lora.parts["frozen base (shared)"] == _storage_bytes([*base.parameters(), *base.buffers()])
 
 
@@ -617,6 +620,7 @@ def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
         assert lora["host_bytes"] <= device, name
         if p["parameters"] <= 120e9:
             assert planner.plan(name, devices=16, device_gb=141).full.fits, name
+        assert lora["sampling_tenants_all_devices"] >= 1, name  # RL: a tenant sampling from its snapshot too
     for name in ("deepseek-v3.1", "kimi-k2-thinking"):
         assert plans[name]["lora"]["flags"] == "--shards 7 --expert-parallel --quantized-base keep", name
     assert plans["llama-3.3-70b"]["lora"]["flags"] == "--shards 2"  # a dense model: FSDP2 alone

@@ -265,6 +265,9 @@ class KindPlan:
     adapter_bytes: int = 0  # LoRA: one tenant's adapter, on every shard
     tenants: int = 0  # LoRA: how many tenants fit at ``at``
     tenants_all_devices: int = 0  # LoRA: with the base sharded over all --devices
+    snapshot_bytes: int = 0  # LoRA: one sampler snapshot of a tenant (its adapter frozen, float32, whole on rank 0)
+    sampling_tenants: int = 0  # LoRA: tenants that fit at ``at`` each with one sampler snapshot (RL)
+    sampling_tenants_all_devices: int = 0  # LoRA: the same over all --devices
     longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
     checkpointing: bool = False  # the activations at ``at`` are planned with each decoder layer checkpointed
     flags: str = ""  # how to start the group planned: `tinkerq worker` flags (--shards, --expert-parallel, ...)
@@ -465,11 +468,17 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
     def lora_at(n: int) -> tuple[dict[str, int], bool]:
         return checkpointed(lambda on: lora_parts(shape, n, workload, chunk, on, expert_parallel=ep), adapter_at(n))
 
-    def tenants(n: int) -> int:
+    # A tenant's sampler snapshot (save_weights_and_get_sampling_client): its adapter frozen, float32, whole on
+    # rank 0 (followers of an expert-parallel group keep slices of its expert factors besides; worker/memory/
+    # admit_lora_snapshot admits it when it is made).
+    snapshot = 4 * adapter_parameters
+
+    def tenants(n: int, sampling: bool = False) -> int:
         """Adapters that fit beside the base and a batch; the batch checkpointed unless that is off (under auto the
-        worker checkpoints a batch once the tenants leave too little room for it plainly)."""
+        worker checkpoints a batch once the tenants leave too little room for it plainly). ``sampling``: each
+        tenant with one sampler snapshot too (RL)."""
         parts = lora_parts(shape, n, workload, chunk, activation_checkpointing != "off", expert_parallel=ep)
-        return max(0, (usable - sum(parts.values())) // adapter_at(n))
+        return max(0, (usable - sum(parts.values())) // (adapter_at(n) + (snapshot if sampling else 0)))
 
     n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
     at = at_shards or (n_lora if n_lora is not None and n_lora <= devices else devices)
@@ -479,7 +488,9 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0, adapter_bytes=adapter,
                     tenants=tenants(at),
-                    tenants_all_devices=tenants(devices),
+                    tenants_all_devices=tenants(devices), snapshot_bytes=snapshot,
+                    sampling_tenants=tenants(at, sampling=True),
+                    sampling_tenants_all_devices=tenants(devices, sampling=True),
                     longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
                                                 devices if ep and devices > 1 else 1),
                     checkpointing=on, flags=_worker_flags(n_lora, ep, kept=False))
@@ -495,8 +506,9 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         def kept_at(n: int) -> tuple[dict[str, int], bool]:
             return checkpointed(lambda c: kept_parts(n, c), adapter_at(n))
 
-        def kept_tenants(n: int) -> int:
-            return max(0, (usable - sum(kept_parts(n, activation_checkpointing != "off").values())) // adapter_at(n))
+        def kept_tenants(n: int, sampling: bool = False) -> int:
+            return max(0, (usable - sum(kept_parts(n, activation_checkpointing != "off").values()))
+                       // (adapter_at(n) + (snapshot if sampling else 0)))
 
         n_kept = shards_needed(lambda n: sum(kept_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
         at = at_shards or (n_kept if n_kept is not None and n_kept <= devices else devices)
@@ -506,6 +518,8 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         lora = KindPlan("lora", n_kept, n_kept is not None and n_kept <= devices, at, parts,
                         sum(parts.values()) + adapter, host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
                         adapter_bytes=adapter, tenants=kept_tenants(at), tenants_all_devices=kept_tenants(devices),
+                        snapshot_bytes=snapshot, sampling_tenants=kept_tenants(at, sampling=True),
+                        sampling_tenants_all_devices=kept_tenants(devices, sampling=True),
                         longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
                                                     devices if devices > 1 else 1),
                         checkpointing=on, flags=_worker_flags(n_kept, True, kept=True))
@@ -516,7 +530,9 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         fits = fixed + adapter <= usable
         room = max(0, (usable - fixed) // adapter)
         lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
-                        adapter_bytes=adapter, tenants=room, tenants_all_devices=room,
+                        adapter_bytes=adapter, tenants=room, tenants_all_devices=room, snapshot_bytes=snapshot,
+                        sampling_tenants=max(0, (usable - fixed) // (adapter + snapshot)),
+                        sampling_tenants_all_devices=max(0, (usable - fixed) // (adapter + snapshot)),
                         longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on,
                         flags=_worker_flags(1 if fits else None, False, kept=True))
     architecture = (config.get("architectures") or [type(model).__name__])[0]
@@ -585,6 +601,9 @@ def render(p: Plan) -> str:
     split = " expert-parallel" if p.expert_parallel and p.devices > 1 else ""  # how the group of all would be made
     rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
                                                f"{p.lora.tenants_all_devices:,} at {p.devices}{split}"))
+    rows.append(("  with a sampler each (RL; a snapshot on rank 0: " + gb(p.lora.snapshot_bytes) + f" {unit})", "-",
+                 f"{p.lora.sampling_tenants:,} at {p.lora.at} shard(s); "
+                 f"{p.lora.sampling_tenants_all_devices:,} at {p.devices}{split}"))
     rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
                  f"{p.lora.longest_datum:,} (one tenant)"))
     rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
@@ -632,8 +651,9 @@ def render_markdown(plans: list[Plan]) -> str:
     lines = ["| model | params | weights GiB | full: shards | full: GiB per shard | LoRA: shards | "
              "LoRA: base + gather + acts GiB per shard | adapter GiB | LoRA tenants (at shards; at all devices) | "
              "longest datum, tokens (full; LoRA) | layers checkpointed (full; LoRA) | "
+             "LoRA tenants with a sampler each (at shards; at all devices) | "
              "host RAM per rank GiB (full; LoRA) | worker flags (full; LoRA) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
         lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
@@ -641,6 +661,7 @@ def render_markdown(plans: list[Plan]) -> str:
                      f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
                      f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} | "
                      f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} | "
+                     f"{p.lora.sampling_tenants:,}; {p.lora.sampling_tenants_all_devices:,} | "
                      f"{gb(p.full.host_bytes)}; {gb(p.lora.host_bytes)} | {_md_flags(p.full)}; {_md_flags(p.lora)} |")
     return head + "\n".join(lines)
 
