@@ -278,10 +278,10 @@ def test_a_merged_save_that_cannot_fit_is_refused_before_the_base_is_read(monkey
 def test_a_lora_sampler_snapshot_that_cannot_fit_is_refused(monkeypatch: pytest.MonkeyPatch):
     """save_weights_and_get_sampling_client on a LoRA session keeps a frozen copy of the adapter (float32, whole on a
     shard group's rank 0): admitted like a full session's snapshot, refused when it does not fit."""
-    _room(monkeypatch, 4 * 1000)
-    memory.admit_lora_snapshot(1000, Settings())
+    _room(monkeypatch, 4000)
+    memory.admit_lora_snapshot(4000, Settings())
     with pytest.raises(CapacityError) as info:
-        memory.admit_lora_snapshot(1001, Settings())
+        memory.admit_lora_snapshot(4004, Settings())
     assert "a LoRA sampling snapshot" in info.value.message and "TINKERQ_MAX_SAMPLERS" in info.value.message
     assert info.value.details["needed_bytes"] == 4004
 

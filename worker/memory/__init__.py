@@ -237,10 +237,11 @@ def admit_merged_save(model: torch.nn.Module, settings: Any, adapter_parameters:
                    "or transformers, and merges there (docs/lora.md)")
 
 
-def admit_lora_snapshot(adapter_parameters: int, settings: Any) -> None:
-    """Refuse a LoRA sampler snapshot (the adapter's weights, frozen: 4 bytes per float32 parameter, whole on a shard
-    group's rank 0) that would not fit; small on most models, 11.5 GiB at rank 32 on DeepSeek-V3.1."""
-    require(4 * adapter_parameters, "a LoRA sampling snapshot (a frozen copy of the adapter)", settings.device,
+def admit_lora_snapshot(nbytes: int, settings: Any) -> None:
+    """Refuse a LoRA sampler snapshot of ``nbytes`` (the adapter's weights, frozen: 4 bytes per float32 parameter,
+    whole on a shard group's rank 0) that would not fit; small on most models, 11.5 GiB at rank 32 on
+    DeepSeek-V3.1."""
+    require(nbytes, "a LoRA sampling snapshot (a frozen copy of the adapter)", settings.device,
             limit_mb=settings.memory_limit_mb,
             advice="close unused training or sampling clients, or lower TINKERQ_MAX_SAMPLERS, then retry")
 

@@ -219,6 +219,7 @@ class Snapshots:
                 raise ValidationError(f"snapshot {snapshot_id} was written to {path}, which this worker cannot "
                                       f"read ({exc}); workers of one model must share TINKERQ_CHECKPOINT_DIR") from None
         if isinstance(record.get("lora_scaling"), float):
+            self._make_room(adapter_bytes=len(weights))  # its tensors: the file's size, give or take the header
             routing.install(self.base)
             adapter = FrozenAdapter.from_tensors(load_safetensors(weights), record["lora_scaling"], self._device())
             log.info("loaded published snapshot %s (a LoRA adapter, %.1f MB)", snapshot_id, len(weights) / 1e6)
@@ -277,6 +278,7 @@ class Snapshots:
                 raise UnknownModelError(f"{directory} holds weights of {saved_from!r}; this worker serves "
                                         f"{self.base_model!r}: pass base_model={saved_from!r}")
         if (directory / checkpoints.ADAPTER_FILE).is_file():  # a LoRA session's PEFT adapter
+            self._make_room(adapter_bytes=(directory / checkpoints.ADAPTER_FILE).stat().st_size)
             routing.install(self.base)
             return FrozenAdapter.from_peft_directory(directory, self._device())
         self._make_room()
@@ -293,11 +295,15 @@ class Snapshots:
             while len(self._models) > self.settings.sampler_cache_size:
                 self._models.popitem(last=False)
 
-    def _make_room(self) -> None:
-        """Evict least recently used snapshots until one more copy of the weights fits in memory."""
+    def _make_room(self, adapter_bytes: int | None = None) -> None:
+        """Evict least recently used snapshots until one more copy of the weights (or a LoRA adapter of
+        ``adapter_bytes``) fits in memory."""
         while True:
             try:
-                memory.admit_snapshot(self.base, self.settings, self.sessions())
+                if adapter_bytes is None:
+                    memory.admit_snapshot(self.base, self.settings, self.sessions())
+                else:
+                    memory.admit_lora_snapshot(adapter_bytes, self.settings)
                 return
             except CapacityError:
                 with self._lock:

@@ -110,7 +110,7 @@ class SessionFactory:
         if session.kind == "full":
             memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
         else:
-            memory.admit_lora_snapshot(session.describe()["lora"]["trainable_parameters"], self.settings)
+            memory.admit_lora_snapshot(4 * session.describe()["lora"]["trainable_parameters"], self.settings)
 
     def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
         """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
