@@ -285,7 +285,6 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
         for param, value in merged.items():
             key = f"{module_name}.{param}"
             state[key] = value.to(state[key].dtype)
-        del merged
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     untie = head_name in adapter.pairs and model.config.tie_word_embeddings

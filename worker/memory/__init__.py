@@ -37,6 +37,7 @@ from tinkerq.worker.memory.estimates import (
     full_session_bytes,
     gather_bytes,
     lora_base_bytes,
+    lora_snapshot_bytes,
     lora_state_bytes,
     merged_save_bytes,
     microbatches,
@@ -66,10 +67,9 @@ __all__ = [  # what is free, what things need, giving back (their modules), and 
     "HOST_HEADROOM_BYTES", "LARGE_BYTES", "LORA_BYTES_PER_PARAMETER", "REQUEST_BYTES_PER_DATUM",
     "REQUEST_BYTES_PER_TOKEN", "_LIBC", "CapacityError", "Free", "MiB", "ModelShape", "activation_bytes",
     "admit_batch", "admit_lora_session", "admit_lora_snapshot", "admit_merged_save", "admit_sample", "admit_session",
-    "admit_snapshot",
-    "batch_bytes", "cgroup_available", "describe", "device_free", "full_session_bytes", "gather_bytes", "host_free",
-    "is_large", "lora_base_bytes", "lora_state_bytes", "meminfo_available", "merged_save_bytes", "microbatches",
-    "release_memory", "request_bytes",
+    "admit_snapshot", "batch_bytes", "cgroup_available", "describe", "device_free", "full_session_bytes",
+    "gather_bytes", "host_free", "is_large", "lora_base_bytes", "lora_snapshot_bytes", "lora_state_bytes",
+    "meminfo_available", "merged_save_bytes", "microbatches", "release_memory", "request_bytes",
     "require", "rss_bytes", "sample_bytes", "session_state_bytes", "session_state_parts", "shards_for_lora",
     "shards_for_session", "shards_needed", "snapshot_bytes", "streamed_load_bytes", "training_working_bytes",
     "unallocated_state_bytes",
@@ -238,9 +238,8 @@ def admit_merged_save(model: torch.nn.Module, settings: Any, adapter_parameters:
 
 
 def admit_lora_snapshot(nbytes: int, settings: Any) -> None:
-    """Refuse a LoRA sampler snapshot of ``nbytes`` (the adapter's weights, frozen: 4 bytes per float32 parameter,
-    whole on a shard group's rank 0) that would not fit; small on most models, 11.5 GiB at rank 32 on
-    DeepSeek-V3.1."""
+    """Refuse a LoRA sampler snapshot of ``nbytes`` (:func:`lora_snapshot_bytes` for one made here; a loaded one's
+    file size) that would not fit; small on most models, 11.5 GiB at rank 32 on DeepSeek-V3.1."""
     require(nbytes, "a LoRA sampling snapshot (a frozen copy of the adapter)", settings.device,
             limit_mb=settings.memory_limit_mb,
             advice="close unused training or sampling clients, or lower TINKERQ_MAX_SAMPLERS, then retry")

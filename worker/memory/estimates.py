@@ -194,6 +194,15 @@ def snapshot_bytes(shape: ModelShape) -> int:
     return shape.param_bytes + shape.buffer_bytes
 
 
+def lora_snapshot_bytes(adapter_parameters: int) -> int:
+    """A LoRA sampler snapshot: the adapter's weights frozen, float32 (worker/lora/adapter.py ``FrozenAdapter``),
+    whole on a shard group's rank 0.
+
+        snapshot = 4 x adapter parameters
+    """
+    return 4 * adapter_parameters
+
+
 def merged_save_bytes(shape: ModelShape, adapter_parameters: int, *, whole_base: bool) -> int:
     """A merged LoRA save (worker/lora/session.py ``write_merged``): the base with each adapted weight replaced by
     a merged copy, written as a plain model directory.
@@ -208,7 +217,7 @@ def merged_save_bytes(shape: ModelShape, adapter_parameters: int, *, whole_base:
                                                  (a worker's own base is in memory already)
     """
     fp32_module = 2 * shape.largest_weight_bytes * 4 // max(1, shape.dtype_bytes)
-    return (2 * shape.param_bytes + fp32_module + 2 * 4 * adapter_parameters
+    return (2 * shape.param_bytes + fp32_module + 2 * lora_snapshot_bytes(adapter_parameters)
             + (shape.param_bytes + shape.buffer_bytes if whole_base else 0))
 
 

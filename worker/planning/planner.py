@@ -37,6 +37,7 @@ from tinkerq.worker.memory.estimates import (
     activation_bytes,
     gather_bytes,
     lora_base_bytes,
+    lora_snapshot_bytes,
     lora_state_bytes,
     rank_lengths,
     request_bytes,
@@ -471,7 +472,7 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
     # A tenant's sampler snapshot (save_weights_and_get_sampling_client): its adapter frozen, float32, whole on
     # rank 0 (followers of an expert-parallel group keep slices of its expert factors besides; worker/memory/
     # admit_lora_snapshot admits it when it is made).
-    snapshot = 4 * adapter_parameters
+    snapshot = lora_snapshot_bytes(adapter_parameters)
 
     def tenants(n: int, sampling: bool = False) -> int:
         """Adapters that fit beside the base and a batch; the batch checkpointed unless that is off (under auto the
@@ -529,10 +530,10 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         fixed = sum(parts.values())
         fits = fixed + adapter <= usable
         room = max(0, (usable - fixed) // adapter)
+        sampling = max(0, (usable - fixed) // (adapter + snapshot))  # one process: the same on every count
         lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
                         adapter_bytes=adapter, tenants=room, tenants_all_devices=room, snapshot_bytes=snapshot,
-                        sampling_tenants=max(0, (usable - fixed) // (adapter + snapshot)),
-                        sampling_tenants_all_devices=max(0, (usable - fixed) // (adapter + snapshot)),
+                        sampling_tenants=sampling, sampling_tenants_all_devices=sampling,
                         longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on,
                         flags=_worker_flags(1 if fits else None, False, kept=True))
     architecture = (config.get("architectures") or [type(model).__name__])[0]

@@ -110,7 +110,8 @@ class SessionFactory:
         if session.kind == "full":
             memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
         else:
-            memory.admit_lora_snapshot(4 * session.describe()["lora"]["trainable_parameters"], self.settings)
+            parameters = session.describe()["lora"]["trainable_parameters"]
+            memory.admit_lora_snapshot(memory.lora_snapshot_bytes(parameters), self.settings)
 
     def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
         """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
