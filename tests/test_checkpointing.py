@@ -145,6 +145,52 @@ def test_checkpointing_lowers_the_peak_and_the_estimate_covers_it():
     assert rows[True][1] < 0.6 * rows[False][1]
 
 
+# Families whose layers keep different things: dense, MoE, MLA (its probabilities materialised), eager attention with
+# sinks, a gated-delta-rule hybrid, a Mamba hybrid, sliding windows.
+LIVE_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "nemotron_h", "gemma3")
+
+
+@pytest.mark.parametrize("family", LIVE_FAMILIES)
+def test_the_device_estimate_covers_each_familys_live_peak(family):
+    """What `tinkerq plan` counts for a batch's activations on a GPU (``activation_bytes(device_type="cuda")``: live
+    tensors, no CPU heap) covers the peak of live tensor bytes (tests.helpers.LiveTensorBytes, what
+    ``torch.cuda.max_memory_allocated`` counts) of a LoRA tenant's forward_backward, checkpointed and not, on batches of
+    long and short rows (a linear attention pads each row to whole 64-token chunks)."""
+    from tests.helpers import LiveTensorBytes
+    from tinkerq import types
+    from tinkerq.worker.lora.batch import LossItem
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+
+    torch.set_num_threads(1)
+    model = build_model(family, 0).float()
+    shape = memory.ModelShape.of(model)
+    rng = np.random.default_rng(7)
+    for rows, length in ((4, 128), (8, 32), (1, 512)):
+        for on in (True, False):
+            copied = copy.deepcopy(model)
+            checkpointing.install(copied)
+            base = LoraBase(copied, LogprobComputer(model, device="cpu"), model_dir="/nonexistent",
+                            microbatch_tokens=rows * length, device="cpu")
+            tenant = LoraSession("t", base, types.LoraConfig(rank=8, seed=1), base_model="m")
+            data = []
+            for _ in range(rows):
+                tokens = rng.integers(0, shape.vocab, length + 1)
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+                                        loss_fn_inputs={"target_tokens": tokens[1:].tolist(),
+                                                        "weights": np.ones(length, dtype=np.float32)}))
+            item = LossItem(tenant, data, "cross_entropy", None, checkpointing=on)
+            base.run_pass([item], True)  # the adapter's gradients exist from here on, as in a running session
+            with LiveTensorBytes() as live:
+                base.run_pass([item], True)
+            assert item.error is None, item.error
+            estimate = memory.activation_bytes(shape, [length] * rows, microbatch_tokens=rows * length, backward=True,
+                                               chunk_tokens=base.logprobs.chunk_tokens, checkpointing=on,
+                                               device_type="cuda")
+            print(f"\n{family} {rows} x {length} checkpointing {'on' if on else 'off'}: live peak {live.peak:,} B, "
+                  f"estimated {estimate:,} ({estimate / live.peak:.2f}x)")
+            assert live.peak <= estimate, (family, rows, length, on)
+
+
 def test_the_worker_checkpoints_a_batch_only_when_it_needs_to(monkeypatch):
     """admit_batch under auto: a batch that fits as it is runs as it is; one that fits only checkpointed is
     checkpointed; one that fits neither way is refused, saying so. ``on`` checkpoints every forward_backward,

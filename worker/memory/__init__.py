@@ -268,7 +268,8 @@ def admit_batch(model: torch.nn.Module, settings: Any, lengths: list[int], *, ba
         return batch_bytes(ModelShape.of(model), lengths, microbatch_tokens=settings.microbatch_tokens,
                            backward=backward, chunk_tokens=chunk, shards=settings.shards, lora=lora,
                            checkpointing=checkpointing,
-                           expert_parallel=bool(getattr(settings, "expert_parallel", False)))
+                           expert_parallel=bool(getattr(settings, "expert_parallel", False)),
+                           device_type=torch.device(settings.device).type)
 
     op = "forward_backward" if backward else "forward"
     what = (f"{op} on {len(lengths)} datum(s), {sum(lengths)} tokens, longest {max(lengths, default=0)} "

@@ -45,6 +45,14 @@ class ModelShape:
     # The largest decoder layer without its routed experts: what an expert-parallel group gathers (its experts
     # stay split by expert: worker/sharding/experts.py). 0 where a shape is written by hand (then the whole layer).
     largest_layer_dense_bytes: int = 0
+    # What a layer's attention materialises beyond the generic estimate (counted on a CUDA device: activation_bytes):
+    # each head's (L, L) probabilities where the attention is eager (gpt-oss's sinks) or its keys and values differ
+    # in width (DeepSeek's MLA: SDPA's flash kernels need them equal; counted, though CUDA's memory-efficient kernel
+    # may not need it); a chunked linear attention or state-space layer (Qwen3.5's gated delta rule, 64-token chunks;
+    # Nemotron-H's Mamba-2, ``chunk_size``) makes (chunk, chunk) blocks per chunk and head on its torch path.
+    attention_probs: bool = False
+    linear_heads: int = 0
+    linear_chunk: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
@@ -90,6 +98,8 @@ class ModelShape:
             top_k=top_k,
             routed_intermediate=top_k * expert,
             largest_layer_dense_bytes=max(dense_bytes, default=0),
+            attention_probs=getattr(config, "_attn_implementation", None) == "eager" or _unequal_head_dims(text),
+            **_linear_layers(text),
         )
 
 
@@ -104,6 +114,24 @@ def _routed(text: Any, hidden: int) -> tuple[int, int]:
         return 0, 0
     dense = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
     return top_k, int(getattr(text, "moe_intermediate_size", 0) or dense)  # gpt-oss: intermediate_size is the expert's
+
+
+def _linear_layers(text: Any) -> dict[str, int]:
+    """``linear_heads`` and ``linear_chunk`` of a model with chunked linear-attention or state-space layers."""
+    if "linear_attention" not in (getattr(text, "layer_types", None) or []):
+        return {}
+    if getattr(text, "linear_num_value_heads", None):  # Qwen3.5's gated delta rule
+        return {"linear_heads": int(text.linear_num_value_heads), "linear_chunk": GATED_DELTA_CHUNK}
+    if getattr(text, "mamba_num_heads", None):  # Mamba-2 (Nemotron-H)
+        return {"linear_heads": int(text.mamba_num_heads), "linear_chunk": int(getattr(text, "chunk_size", 0) or 256)}
+    return {}
+
+
+def _unequal_head_dims(text: Any) -> bool:
+    """Whether attention's keys and values have different widths (multi-head latent attention)."""
+    nope, rope = (int(getattr(text, k, 0) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    value = int(getattr(text, "v_head_dim", 0) or 0)
+    return bool(value) and nope + rope != value
 
 
 def _active_intermediate(text: Any, hidden: int) -> int:
@@ -272,7 +300,7 @@ def microbatches(lengths: list[int], microbatch_tokens: int) -> list[tuple[int, 
 
 def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
                 chunk_tokens: int | None, shards: int = 1, lora: bool = False, checkpointing: bool = False,
-                expert_parallel: bool = False) -> int:
+                expert_parallel: bool = False, device_type: str = "cpu") -> int:
     """A forward (backward=False) or forward_backward request: the largest micro-batch's peak + the data.
 
         batch  = activations (:func:`activation_bytes`) + grads + data (:func:`request_bytes`)
@@ -286,7 +314,8 @@ def batch_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int
     grads = training_working_bytes(shape, shards) if backward and not lora else 0
     return (activation_bytes(shape, lengths, microbatch_tokens=microbatch_tokens, backward=backward,
                              chunk_tokens=chunk_tokens, checkpointing=checkpointing,
-                             expert_ranks=shards if expert_parallel else 1) + grads + request_bytes(lengths))
+                             expert_ranks=shards if expert_parallel else 1, device_type=device_type)
+            + grads + request_bytes(lengths))
 
 
 def request_bytes(lengths: list[int]) -> int:
@@ -296,7 +325,7 @@ def request_bytes(lengths: list[int]) -> int:
 
 def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens: int, backward: bool,
                      chunk_tokens: int | None, checkpointing: bool = False, expert_ranks: int = 1,
-                     request_tokens: int | None = None) -> int:
+                     request_tokens: int | None = None, device_type: str = "cpu") -> int:
     """The largest micro-batch's activations and loss head, of a batch of rows of these lengths.
 
     Per micro-batch of B rows padded to L tokens (N = B x L), activations saved for the backward pass,
@@ -328,28 +357,89 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
                                                        computed (R)
 
     A LoRA backward saves the same activations as a full one.
+
+    On a CUDA device (``device_type="cuda"``; what `tinkerq plan` plans) the figure is what the tensors themselves
+    hold, as ``torch.cuda.max_memory_allocated`` counts it: there is no heap to fragment (the allocator's slack is the
+    plan's headroom), so a checkpointed backward has one layer's activations and one layer's backward in flight, not
+    four layers' worth; and what a layer saves is counted for what the family's attention and an expert-parallel
+    rank's experts really keep. Measured as live tensor bytes on the CPU (tests.helpers.LiveTensorBytes: within 15%
+    on a 4-rank expert-parallel group, tests/test_expert_parallel.py; covering each family's step,
+    tests/test_checkpointing.py):
+
+        layer' = layer (without the expert-parallel terms above) + saved
+        acts   = layers x N x hidden x dtype_bytes + layer' + backward     backward, checkpointed
+               = layers x layer' + layer' + backward                        backward, every layer saved
+               = 2 x layer'                                                 forward only
+        saved  = P + 8 x N x linear heads x chunk x 4 + (M x (4 x hidden + 4 x expert) + 2 x N x top-k x hidden) x
+                 dtype_bytes
+        backward = max(2 x P, 4 x M x hidden x dtype_bytes)       the attention's, then the experts' (one at a time)
+        P      = B x heads x L x (L + 1) x 4   attention that materialises its float32 probabilities (eager:
+                                               gpt-oss, + 1 its sink column; keys and values of different widths:
+                                               MLA, whose SDPA takes the math path on the CPU); their backward: 2 x P
+                                               (their gradient, the softmax backward's); 0 otherwise
+        linear heads, chunk                    a chunked linear attention's or state-space layer's heads and chunk
+                                               (Qwen3.5's gated delta rule: value heads, 64; Mamba-2: its heads,
+                                               ``chunk_size``): 8 (chunk, chunk) float32 blocks per chunk and head
+                                               on the torch path (6 measured on the first, 7 to 8 on the second; N
+                                               here with each row padded to whole chunks)
+        M      = R x top-k                     an expert-parallel rank's routed rows, R as above (0 on one
+                                               process: the generic layer covers its own, measured): received and
+                                               computed, the experts' outputs (4 of the hidden width), their gate,
+                                               up, activation and product (4 of the expert's width); the rank's own
+                                               rows, sent and returned (2 x N x top-k); their gradients, 4 x M x hidden
     """
+    live = device_type == "cuda"
     largest = 0
     for rows, longest in microbatches(lengths, microbatch_tokens):
         n = rows * longest
         layer = n * (10 * shape.hidden + 6 * shape.intermediate) * shape.dtype_bytes + 2 * rows * longest * longest * 4
-        if expert_ranks > 1 and shape.top_k:
-            # The routed experts of up to every rank's concurrent micro-batch (never more than the request's
-            # tokens), and the all-to-all's rows: sent and returned for this micro-batch, received and computed
-            # for all of them.
-            routed_tokens = min(expert_ranks * n, max(n, sum(lengths) if request_tokens is None else request_tokens))
-            layer += (routed_tokens - n) * 6 * shape.routed_intermediate * shape.dtype_bytes
-            layer += 2 * (routed_tokens + n) * shape.top_k * shape.hidden * shape.dtype_bytes
-        if not backward:
-            acts = 2 * layer
-        elif checkpointing:
-            acts = shape.layers * n * shape.hidden * shape.dtype_bytes + 4 * layer
+        inputs = shape.layers * n * shape.hidden * shape.dtype_bytes  # what checkpointing saves
+        if live:
+            saved, in_flight = _live_layer_extra_bytes(shape, rows, longest, expert_ranks,
+                                                       sum(lengths) if request_tokens is None else request_tokens)
+            layer += saved
+            acts = (2 * layer if not backward else inputs + layer + in_flight if checkpointing
+                    else shape.layers * layer + layer + in_flight)
         else:
-            acts = (shape.layers + 1) * layer
+            if expert_ranks > 1 and shape.top_k:
+                # The routed experts of up to every rank's concurrent micro-batch (never more than the request's
+                # tokens), and the all-to-all's rows: sent and returned for this micro-batch, received and computed
+                # for all of them.
+                routed_tokens = min(expert_ranks * n,
+                                    max(n, sum(lengths) if request_tokens is None else request_tokens))
+                layer += (routed_tokens - n) * 6 * shape.routed_intermediate * shape.dtype_bytes
+                layer += 2 * (routed_tokens + n) * shape.top_k * shape.hidden * shape.dtype_bytes
+            acts = 2 * layer if not backward else inputs + 4 * layer if checkpointing else (shape.layers + 1) * layer
         logits = 3 * n * shape.vocab * 4 if chunk_tokens is None else 2 * min(chunk_tokens, n) * shape.vocab * 4
         head = logits + 4 * n * shape.hidden * shape.dtype_bytes
         largest = max(largest, acts + head)
     return largest
+
+
+# The chunk of transformers' torch gated delta rule (Qwen3.5's linear attention without the fla kernels).
+GATED_DELTA_CHUNK = 64
+
+
+def _live_layer_extra_bytes(shape: ModelShape, rows: int, longest: int, expert_ranks: int,
+                            request_tokens: int) -> tuple[int, int]:
+    """What a layer adds on a CUDA device (:func:`activation_bytes`) to the generic estimate, for a micro-batch of
+    ``rows`` rows padded to ``longest`` tokens: (what it saves, the larger of its attention's and its experts'
+    backward temporaries: the backward runs one, then the other)."""
+    n = rows * longest
+    probs = rows * shape.heads * longest * (longest + 1) * 4 if shape.attention_probs else 0
+    chunk = max(1, shape.linear_chunk)
+    chunked = rows * -(-longest // chunk) * chunk  # each row padded to whole chunks
+    linear = 8 * chunked * shape.linear_heads * chunk * 4
+    routed_saved = routed_backward = 0
+    if shape.top_k and expert_ranks > 1:
+        # The rows this rank's experts compute: at worst every rank's concurrent micro-batch, never more than the
+        # request's tokens. (On one process the generic layer covers its own routed rows: measured.)
+        m = shape.top_k * min(expert_ranks * n, max(n, request_tokens))
+        expert = shape.routed_intermediate // shape.top_k
+        own = 2 * n * shape.top_k * shape.hidden  # this rank's own rows, sent and returned
+        routed_saved = (m * (4 * shape.hidden + 4 * expert) + own) * shape.dtype_bytes
+        routed_backward = m * 4 * shape.hidden * shape.dtype_bytes
+    return probs + linear + routed_saved, max(2 * probs, routed_backward)
 
 
 # -- sharded groups (worker/sharding/) and LoRA tenants (worker/lora/) --------------------------------------------

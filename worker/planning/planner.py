@@ -55,6 +55,9 @@ LINEUP = ("llama-3.1-8b", "qwen3-8b", "llama-3.3-70b", "gpt-oss-20b", "qwen3-30b
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARDS = 4096
+# What a plan's devices are: GPUs, whose activations are counted as the tensors hold them (no CPU heap to fragment;
+# worker/memory/estimates.py activation_bytes).
+DEVICE_TYPE = "cuda"
 
 
 class PlanError(UserError):
@@ -213,7 +216,8 @@ def kept_lora_parts(shape: ModelShape, q: Quantized, workload: Workload, chunk: 
         "frozen base as stored (shared)": q.checkpoint_bytes + shape.buffer_bytes,
         "one layer dequantized (working)": KEPT_LAYER_FACTOR * q.layer_bytes,
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing)
+                                        device_type=DEVICE_TYPE, backward=True, chunk_tokens=chunk,
+                                        checkpointing=checkpointing)
         + request_bytes(lengths),
     }
 
@@ -233,7 +237,8 @@ def kept_group_lora_parts(shape: ModelShape, q: Quantized, shards: int, workload
         "FSDP gather room": gather_bytes(shape, shards, weight_grads=False, expert_parallel=True),
         "a layer's experts dequantized (working)": KEPT_LAYER_FACTOR * q.expert_layer_bytes // shards,
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        device_type=DEVICE_TYPE, backward=True, chunk_tokens=chunk,
+                                        checkpointing=checkpointing,
                                         expert_ranks=shards, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
@@ -311,7 +316,8 @@ def full_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
         "forward_backward working": training_working_bytes(shape, shards),
         "FSDP gather room": gather_bytes(shape, shards, weight_grads=True, expert_parallel=ep),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        device_type=DEVICE_TYPE, backward=True, chunk_tokens=chunk,
+                                        checkpointing=checkpointing,
                                         expert_ranks=shards if ep else 1, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
@@ -328,7 +334,8 @@ def lora_parts(shape: ModelShape, shards: int, workload: Workload, chunk: int,
         "frozen base (shared)": lora_base_bytes(shape, shards),
         "FSDP gather room": gather_bytes(shape, shards, weight_grads=False, expert_parallel=ep),
         "activations": activation_bytes(shape, lengths, microbatch_tokens=workload.microbatch_tokens,
-                                        backward=True, chunk_tokens=chunk, checkpointing=checkpointing,
+                                        device_type=DEVICE_TYPE, backward=True, chunk_tokens=chunk,
+                                        checkpointing=checkpointing,
                                         expert_ranks=shards if ep else 1, request_tokens=workload.batch_tokens)
         + request_bytes(lengths),
     }
@@ -441,6 +448,7 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             acts = activation_bytes(shape, [mid], microbatch_tokens=workload.microbatch_tokens, backward=True,
+                                    device_type=DEVICE_TYPE,
                                     chunk_tokens=chunk, checkpointing=on, expert_ranks=expert_ranks,
                                     request_tokens=max(mid, workload.batch_tokens)) + request_bytes([mid])
             lo, hi = (mid, hi) if fixed + acts <= usable else (lo, mid - 1)
@@ -529,8 +537,10 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         parts, on = checkpointed(lambda c: kept_lora_parts(shape, quantized, workload, chunk, c), adapter)
         fixed = sum(parts.values())
         fits = fixed + adapter <= usable
-        room = max(0, (usable - fixed) // adapter)
-        sampling = max(0, (usable - fixed) // (adapter + snapshot))  # one process: the same on every count
+        # Tenants beside a batch checkpointed unless that is off, as for a group (tenants() above).
+        beside = sum(kept_lora_parts(shape, quantized, workload, chunk, activation_checkpointing != "off").values())
+        room = max(0, (usable - beside) // adapter)
+        sampling = max(0, (usable - beside) // (adapter + snapshot))  # one process: the same on every count
         lora = KindPlan("lora", 1 if fits else None, fits, 1, parts, fixed + adapter, host_bytes=0,
                         adapter_bytes=adapter, tenants=room, tenants_all_devices=room, snapshot_bytes=snapshot,
                         sampling_tenants=sampling, sampling_tenants_all_devices=sampling,
