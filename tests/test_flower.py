@@ -204,6 +204,49 @@ def test_lora_passes_and_samples_reach_their_real_end_in_flower(flower, service,
         tc.close()
 
 
+def test_task_events_a_failed_publish_leaves_behind_go_out_without_another_request():
+    """A publish of the outbox's task events that fails (Redis gone for a moment) keeps them buffered; the events
+    thread retries every second, so they reach Flower without waiting for the worker's next answer (before, they
+    waited, and a run's last requests never showed their end)."""
+    from tinkerq.worker.transport.events import TaskEvents
+
+    class Dispatcher:  # Celery's EventDispatcher with buffer_while_offline=False, its publishes failing twice
+        def __init__(self, failures: int) -> None:
+            self.failures, self.buffered, self.published = failures, [], []
+
+        def send(self, kind: str, **fields: object) -> None:
+            self.buffered.append((kind, fields))
+
+        def flush(self, errors: bool = True, groups: bool = True) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("Error 111 connecting to redis")
+            self.published += self.buffered
+            self.buffered = []
+
+        def close(self) -> None:
+            pass
+
+    class Consumers:  # the Celery consumer's own dispatcher, whose task events TaskEvents defers
+        buffer_group: frozenset = frozenset()
+
+        def flush(self, errors: bool = True, groups: bool = True) -> None:
+            pass
+
+    events, ours = TaskEvents(), Dispatcher(failures=2)
+    events._dispatcher = ours
+    events.defer(Consumers())
+    try:
+        events._send("task-succeeded", uuid="t1", result="'ok'", runtime=0.1)
+        assert ours.published == [] and len(ours.buffered) == 1  # the first publish failed
+        deadline = time.monotonic() + 10
+        while not ours.published and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [fields["uuid"] for _, fields in ours.published] == ["t1"] and ours.buffered == []
+    finally:
+        events.stop()
+
+
 def test_a_queued_request_has_one_task_succeeded_event_at_its_real_end(service, model_dir, redis_url):
     """A task that hands its request to the scheduler returns QUEUED (worker/transport/tasks.py): Celery acknowledges
     the message, but its own task-succeeded at the hand-off (result "queued ...") must not go out. Each request's

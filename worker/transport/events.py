@@ -46,6 +46,7 @@ class TaskEvents:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._unsent = False  # a publish of ours failed: its events wait in the dispatcher, retried by the flusher
 
     def defer(self, dispatcher: Any) -> None:
         """Buffer the task events of Celery's consumer ``dispatcher`` and publish them from a thread of ours, so
@@ -65,6 +66,10 @@ class TaskEvents:
             if self._wake.wait(1.0):
                 self._wake.clear()
                 self._flush_celery()
+            if self._unsent:  # without this they would wait for the next request's end, however long that is
+                with self._lock:
+                    if not self._batching:
+                        self._flush_ours()
 
     def _flush_celery(self) -> None:
         dispatcher = self._celery
@@ -79,9 +84,11 @@ class TaskEvents:
         """Called by the worker's consumer bootstep (worker/core/runtime.py) once Celery's own events are on."""
         with self._lock:
             if self._dispatcher is None:
+                # buffer_while_offline=False: a failed publish raises (its events stay buffered) instead of
+                # waiting silently for the next flush, so that _flush_ours knows to retry it.
                 self._dispatcher = app.events.Dispatcher(app.connection_for_write(), hostname=hostname,
                                                          enabled=True, groups=["task"], buffer_group=["task"],
-                                                         buffer_limit=1 << 30)
+                                                         buffer_limit=1 << 30, buffer_while_offline=False)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -91,6 +98,7 @@ class TaskEvents:
         self._flush_celery()
         self._celery = None
         with self._lock:
+            self._flush_ours()  # a last try for events a failed publish left behind
             dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
             try:
@@ -98,17 +106,35 @@ class TaskEvents:
             except Exception as exc:
                 log.debug("closing the task event dispatcher: %s", exc)
 
+    def _flush_ours(self) -> None:
+        """Publish our buffered events (the lock held), Celery's task-received first; a failure leaves them buffered
+        for the flusher thread to retry every second, and is logged once until a publish succeeds again."""
+        if self._dispatcher is None:
+            return
+        self._flush_celery()  # Celery's task-received of the same request goes first
+        try:
+            self._dispatcher.flush()
+        except Exception as exc:  # monitoring must never fail a request
+            if not self._unsent:
+                log.warning("could not send task events (Flower will show them late; retrying every second): %s",
+                            exc)
+            self._unsent = True
+            return
+        if self._unsent:
+            log.info("task events sent again")
+        self._unsent = False
+
     def _send(self, kind: str, **fields: Any) -> None:
         with self._lock:
             if self._dispatcher is None:
                 return
             try:
                 self._dispatcher.send(kind, **fields)  # buffered ("task" group): flushed now, or by batch()
-                if not self._batching:
-                    self._flush_celery()  # Celery's task-received of the same request goes first
-                    self._dispatcher.flush()
             except Exception as exc:  # monitoring must never fail a request
                 log.debug("could not send %s: %s", kind, exc)
+                return
+            if not self._batching:
+                self._flush_ours()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -119,12 +145,8 @@ class TaskEvents:
                 yield
             finally:
                 self._batching -= 1
-                if not self._batching and self._dispatcher is not None:
-                    self._flush_celery()
-                    try:
-                        self._dispatcher.flush()
-                    except Exception as exc:
-                        log.debug("could not send task events: %s", exc)
+                if not self._batching:
+                    self._flush_ours()
 
     def taken(self, request: Any) -> None:
         """A request was queued: a sample request is announced (Celery announced the others itself)."""
