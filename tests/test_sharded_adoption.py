@@ -39,6 +39,11 @@ pytestmark = pytest.mark.timeout(420)
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
 # LoRA's B starts at zero: AdamW's default eps (1e-12) would turn the shards' rounding into whole steps.
 LORA_ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, eps=1e-3)
+# The largest weight difference from an uninterrupted unsharded run (full, LoRA). A LoRA adapter's AdamW steps turn the
+# last bits of small gradients into updates of up to the learning rate's size: the expert-parallel LoRA run of
+# test_an_expert_parallel_groups_killed_shard_is_restarted... ended within 1.2e-6 on the AVX-512 CPU it was written on
+# and within 3.9e-5 on 2026-12-04's AMD EPYC without AVX-512 (the same code; its losses within 1e-5 relative on both).
+WEIGHT_TOLERANCE = {False: 1e-5, True: 1e-4}
 LORA = {"rank": 4, "seed": 7}
 EVERY = 4  # TINKERQ_AUTO_SNAPSHOT_STEPS of every worker here
 FIRST = 5  # pairs answered before the kill: snapshot after request 8, requests 9 and 10 in the journal
@@ -139,7 +144,7 @@ def _check_run(sc, tc, model_dir, batches, rest: list[tuple], tag: str) -> float
         ref.close()
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5)
     diff = _weight_diff(want, got, lora)
-    assert diff < 1e-5, diff
+    assert diff < WEIGHT_TOLERANCE[lora], diff
     return diff
 
 
