@@ -389,14 +389,14 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
                                                rows, sent and returned (2 x N x top-k); their gradients, 4 x M x hidden
     """
     live = device_type == "cuda"
+    tokens = sum(lengths) if request_tokens is None else request_tokens  # the request's, for expert parallelism
     largest = 0
     for rows, longest in microbatches(lengths, microbatch_tokens):
         n = rows * longest
         layer = n * (10 * shape.hidden + 6 * shape.intermediate) * shape.dtype_bytes + 2 * rows * longest * longest * 4
         inputs = shape.layers * n * shape.hidden * shape.dtype_bytes  # what checkpointing saves
         if live:
-            saved, in_flight = _live_layer_extra_bytes(shape, rows, longest, expert_ranks,
-                                                       sum(lengths) if request_tokens is None else request_tokens)
+            saved, in_flight = _live_layer_extra_bytes(shape, rows, longest, expert_ranks, tokens)
             layer += saved
             acts = (2 * layer if not backward else inputs + layer + in_flight if checkpointing
                     else shape.layers * layer + layer + in_flight)
@@ -405,8 +405,7 @@ def activation_bytes(shape: ModelShape, lengths: list[int], *, microbatch_tokens
                 # The routed experts of up to every rank's concurrent micro-batch (never more than the request's
                 # tokens), and the all-to-all's rows: sent and returned for this micro-batch, received and computed
                 # for all of them.
-                routed_tokens = min(expert_ranks * n,
-                                    max(n, sum(lengths) if request_tokens is None else request_tokens))
+                routed_tokens = min(expert_ranks * n, max(n, tokens))
                 layer += (routed_tokens - n) * 6 * shape.routed_intermediate * shape.dtype_bytes
                 layer += 2 * (routed_tokens + n) * shape.top_k * shape.hidden * shape.dtype_bytes
             acts = 2 * layer if not backward else inputs + 4 * layer if checkpointing else (shape.layers + 1) * layer
