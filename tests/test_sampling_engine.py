@@ -485,3 +485,42 @@ def test_dense_decode_is_bitwise_the_models_own_forward(family, monkeypatch):
         alone[dense] = run_jobs(None, [make_job(model, prompt_of(11, 5), 3, 10, temperature=1.0, seed=4)])[0]
     assert [(s.tokens, s.logprobs) for s in alone[True]] == [(s.tokens, s.logprobs) for s in alone[False]]
 
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_dense_prefill_is_bitwise_the_models_own_prefill(family, lora):
+    """The dense prefill's logits after the prompt and its cache (class and keys/values per layer) are bitwise what
+    ``model(input_ids=ids, use_cache=True, logits_to_keep=1)`` gives: one token, one row, several rows; with a LoRA
+    snapshot routed over every row (as the engine routes a sampling client's rows) and without."""
+    from tinkerq.worker.lora.session import LoraBase, LoraSession
+    from tinkerq.worker.sampling import dense_decode, forwards
+    from tinkerq.worker.training.logprobs import LogprobComputer
+
+    model = _dense_family(family)
+    fast = dense_decode.dense_decode(model)
+    assert fast is not None
+    adapter = None
+    if lora:
+        base = LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=4096)
+        session = LoraSession("t", base, types.LoraConfig(rank=4, seed=1), base_model="tiny")
+        with torch.no_grad():  # nonzero B: the adapter changes every row
+            for p in session.engine.params:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)), alpha=0.05)
+        adapter = session.adapter.frozen()
+    gen = torch.Generator().manual_seed(11)
+    for rows, length in [(1, 1), (1, 9), (3, 17)]:
+        ids = torch.randint(3, VOCAB, (rows, length), generator=gen)
+        with torch.no_grad(), forwards.routed([adapter] * rows, device=ids.device):
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            logits, cache = fast.prefill(ids)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, VOCAB)
+        assert torch.equal(logits, out.logits[:, -1].float())
+        theirs = forwards.returned_cache(out)
+        assert type(cache) is type(theirs) and len(cache.layers) == len(theirs.layers) == 2
+        for mine, their in zip(cache.layers, theirs.layers, strict=True):
+            assert type(mine) is type(their)
+            assert torch.equal(mine.keys, their.keys) and torch.equal(mine.values, their.values)
+        if lora:
+            with torch.no_grad():
+                assert not torch.equal(logits, model(input_ids=ids, logits_to_keep=1).logits[:, -1])
+

@@ -1,4 +1,4 @@
-"""A decode step for the plain dense decoders (Llama, Qwen2, Qwen3) without the model's per-step wrapping.
+"""A decode step and a prefill for the plain dense decoders (Llama, Qwen2, Qwen3) without the model's wrapping.
 
 A Hugging Face forward of one token per row spends most of a small model's step outside its products: building the
 4-D attention mask from the 2-D one (masking_utils), the rotary table, per-layer and per-module wrappers (keyword
@@ -8,7 +8,11 @@ as modules (so LoRA routing hooks on any of them apply: worker/lora/routing.py),
 module's own ``apply_rotary_pos_emb``, attention is the function the model would call
 (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``) with the boolean padding mask the model would build, and
 the keys/values are concatenated as ``DynamicLayer.update`` does. So its logits and cache are bitwise those of
-``model(...)`` (tests/test_sampling_engine.py compares them); it only leaves out Python.
+``model(...)`` (tests/test_sampling_engine.py compares them); it only leaves out Python. The prefill
+(:meth:`DenseDecode.prefill`) is the same for a whole unpadded prompt per row: the model's own causal SDPA call (no
+mask: the model gives SDPA none when nothing is padded), its cache class filled as its attention layers fill it.
+A prompt prefill of a small model costs about one decode step this way instead of several, which counts when
+concurrent requests arrive with prompts of many lengths (each length its own prefill, worker/sampling/forwards.py).
 
 Used only where that equivalence is known: exactly these classes on the CPU (where the tests run; a GPU may pick
 another SDPA kernel for the same mask, untested), every layer full attention (no sliding window), SDPA attention,
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _CLASSES = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -75,6 +80,30 @@ class DenseDecode:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.model.lm_head(self.inner.norm(x))  # (B, 1, V)
         return logits[:, -1].float(), new_state
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+        """Feed the prompts ``ids`` (N, P), none padded, as ``model(input_ids=ids, use_cache=True,
+        logits_to_keep=1)`` does. Returns the logits after each prompt (N, V) float32 and the cache the model would
+        have returned (keys/values (N, Hkv, P, D) per layer)."""
+        n, p = ids.shape
+        x = self.inner.embed_tokens(ids)  # (N, P, H)
+        cache = DynamicCache(config=self.model.config)
+        cos, sin = self.inner.rotary_emb(x, torch.arange(p, device=ids.device)[None])  # (1, P, D) each
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (n, p, -1, attn.head_dim)
+            q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (N, H(kv), P, D)
+            keys, values = cache.update(k, v.transpose(1, 2), i)
+            out, _ = self.attend(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling,
+                                 sliding_window=None)  # (N, P, H, D); causal: no mask, P > 1
+            x = x + attn.o_proj(out.reshape(n, p, -1).contiguous())
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.model.lm_head(self.inner.norm(x)[:, -1:])  # (N, 1, V): the model's logits_to_keep=1 slice
+        return logits[:, -1].float(), cache
 
 
 def dense_decode(model: Any) -> DenseDecode | None:

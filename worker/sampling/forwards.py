@@ -27,14 +27,15 @@ import torch
 from tinkerq.worker.lora import routing
 from tinkerq.worker.sampling import prompt_logprobs, prompt_scores
 from tinkerq.worker.sampling.cache_rows import Group, KeyValues, Rows, kind_of, vectorised_stop
+from tinkerq.worker.sampling.dense_decode import DenseDecode
 
 if TYPE_CHECKING:
     from tinkerq.worker.sampling.torch_engine import Job
 
 ROW_SEED_STRIDE = 1_000_003
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (bounds its activations)
-# Decode plain dense decoders with worker/sampling/dense_decode.py (bitwise the model's own forward, less Python).
-# Only tests and benchmarks turn it off, to compare the two.
+# Decode and prefill plain dense decoders with worker/sampling/dense_decode.py (bitwise the model's own forward, less
+# Python). Only tests and benchmarks turn it off, to compare the two.
 DENSE_DECODE = True
 
 
@@ -74,7 +75,7 @@ def decode(group: Group) -> torch.Tensor:
     t = rows.t
     width = t["mask"].shape[1]  # T
     mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
-    dense = group.dense if DENSE_DECODE and group.dense is not None and group.dense.applies() else None
+    dense = _dense(group)
     if dense is not None and all(type(kind) is KeyValues for kind in group.kinds):
         with routed([j.job.adapter for j in rows.jobs], device=mask.device):
             logits, rows.state = dense(t["last"], t["pos"], mask, rows.state)
@@ -91,6 +92,11 @@ def decode(group: Group) -> torch.Tensor:
     t["mask"] = mask
     t["pos"] += 1
     return out.logits[:, -1].float()
+
+
+def _dense(group: Group) -> DenseDecode | None:
+    """The group's fast forwards where they apply now (a hook on the model makes its own forward run)."""
+    return group.dense if DENSE_DECODE and group.dense is not None and group.dense.applies() else None
 
 
 def prefill_chunks(newcomers: list[Job]) -> list[list[Job]]:
@@ -122,21 +128,26 @@ def prefill(group: Group, jobs: list[Job]) -> tuple[Rows, torch.Tensor]:
     looked_at = bool(asked or scored)  # the prefill's every position is needed
     # Every position's logits only for a model whose head cannot be applied to hidden states chunk by chunk.
     keep = 0 if looked_at and not group.fused_head else 1
-    with (routed(adapters, device=device),
-          prompt_logprobs.final_hidden(group.model, looked_at and group.fused_head) as hidden):
-        out = group.model(input_ids=ids, use_cache=True, logits_to_keep=keep)  # (N, keep or P, V) logits
-        by_prompt = {key: _prompt_logprobs(group, ids, index[key], adapters, hidden, out.logits) for key in asked}
-        for job in scored:  # each job its own: options and seeds differ between jobs of one prompt
-            row = index[prompt_key(job)]
-            chunks = prompt_scores.position_logits(
-                group.model, hidden=hidden[-1][row] if hidden else None, logits=None if hidden else out.logits[row],
-                adapter=adapters[row])
-            assert job.job.options is not None
-            job.prompt_scores = prompt_scores.score_prompt(chunks, ids.shape[1], job.job.options, job.job.params)
-    for job in jobs:
-        if job.job.on_prompt_logprobs is not None:
-            job.prompt_logprobs = by_prompt[prompt_key(job)]
-    cache = returned_cache(out)
+    dense = _dense(group)
+    if dense is not None and not looked_at:  # the same logits and cache, less Python (worker/sampling/dense_decode.py)
+        with routed(adapters, device=device):
+            last, cache = dense.prefill(ids)  # (N, V)
+    else:
+        with (routed(adapters, device=device),
+              prompt_logprobs.final_hidden(group.model, looked_at and group.fused_head) as hidden):
+            out = group.model(input_ids=ids, use_cache=True, logits_to_keep=keep)  # (N, keep or P, V) logits
+            by_prompt = {key: _prompt_logprobs(group, ids, index[key], adapters, hidden, out.logits) for key in asked}
+            for job in scored:  # each job its own: options and seeds differ between jobs of one prompt
+                row = index[prompt_key(job)]
+                chunks = prompt_scores.position_logits(
+                    group.model, hidden=hidden[-1][row] if hidden else None,
+                    logits=None if hidden else out.logits[row], adapter=adapters[row])
+                assert job.job.options is not None
+                job.prompt_scores = prompt_scores.score_prompt(chunks, ids.shape[1], job.job.options, job.job.params)
+        for job in jobs:
+            if job.job.on_prompt_logprobs is not None:
+                job.prompt_logprobs = by_prompt[prompt_key(job)]
+        cache, last = returned_cache(out), out.logits[:, -1].float()
     kinds = [kind_of(layer) for layer in cache.layers]  # raises for a layer it cannot batch
     if group.cache is None:
         group.cache, group.kinds = cache, kinds
@@ -145,7 +156,7 @@ def prefill(group: Group, jobs: list[Job]) -> tuple[Rows, torch.Tensor]:
     rows_n, length = len(src), ids.shape[1]
     # Copies (index_select): a decode updates some states in place (conv / recurrent states).
     state = [kind.select(kind.read(layer), src, length) for layer, kind in zip(cache.layers, kinds, strict=True)]
-    logits = out.logits[:, -1].float().index_select(0, src)  # (R, V)
+    logits = last.index_select(0, src)  # (R, V)
 
     width = max(j.job.max_tokens for j in jobs) + 1  # + a scratch column written by finished rows
     uniforms = torch.zeros(rows_n, width)
