@@ -83,7 +83,8 @@ class Routing:
         # then adds to the whole output, the bits the gather and scatter give, without them.
         self.one_adapter = (not self.contiguous and len(groups) == 1 and batch is not None
                             and _is_every_row(groups[0][1], batch))
-        self._deltas: dict[int, list[_Delta | None]] = {}  # id(parts) -> each group's delta on those parts
+        # id(parts) -> each group's delta on those parts, or None where no group's adapter touches them
+        self._deltas: dict[int, list[_Delta | None] | None] = {}
         if self.contiguous:  # then the groups must cover the batch, in order
             starts = [rows.start or 0 for _, rows in groups]  # type: ignore[union-attr]
             stops = [rows.stop for _, rows in groups]  # type: ignore[union-attr]
@@ -145,12 +146,13 @@ class Routing:
 
         Some modules see the batch flattened to tokens (N = B * T, in) (a MoE block's shared expert): their rows are
         then tokens, row-major over (B, T)."""
-        deltas = self._deltas.get(id(parts))
-        if deltas is None:  # once per Linear and pass (a decode step calls each Linear once; a pass can reuse one)
-            deltas = [_Delta(parts, adapter, out.shape[-1]) if adapter is not None else None
-                      for adapter, _ in self.groups]
-            self._deltas[id(parts)] = deltas
-        if not any(d is not None and d.active for d in deltas):
+        key = id(parts)
+        if key not in self._deltas:  # once per Linear and routing (a pass, or the decode steps of the same rows)
+            made = [_Delta(parts, adapter, out.shape[-1]) if adapter is not None else None
+                    for adapter, _ in self.groups]
+            self._deltas[key] = made if any(d is not None and d.active for d in made) else None
+        deltas = self._deltas[key]
+        if deltas is None:
             return None
         if self.one_adapter:  # sampling, every row (or token) one adapter's: no gradients needed
             delta = deltas[0]
@@ -235,7 +237,9 @@ def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scaling: fl
     """``scaling * (x A^T) B^T`` in ``x``'s dtype (the masters stay float32); scaled at rank width, where the
     multiply is r / out of the cost of scaling the output."""
     a, b = pair
-    return F.linear(F.linear(x, a.to(x.dtype)) * scaling, b.to(x.dtype))
+    if a.dtype != x.dtype:  # (a no-op ``to`` still costs a dispatch per Linear per decode step)
+        a, b = a.to(x.dtype), b.to(x.dtype)
+    return F.linear(F.linear(x, a) * scaling, b)
 
 
 class _Delta:

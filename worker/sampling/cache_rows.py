@@ -268,6 +268,8 @@ class Group:
         self.kinds: list[Kind] = []  # per cache layer (set with ``cache``)
         self.rows: Rows | None = None
         self.finished = 0  # rows finished but not yet dropped (compaction is amortised)
+        # (the adapter ids of the running rows, their Routing): reused by decode steps while the rows stay the same
+        self.route: tuple[tuple[int, ...], Any] | None = None
         self.refresh()
 
     @property

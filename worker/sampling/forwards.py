@@ -57,15 +57,32 @@ def routed(adapters: list[Any], *, device: torch.device) -> contextlib.AbstractC
     """Route each row (of ``adapters``: one per row of the forward) to its adapter (LoRA snapshots over a shared
     base), or nothing when no row has one. The batch size lets modules that see the batch flattened to tokens
     (MoE experts: (B * T, H)) find each token's row."""
+    return routing.restored(_routing(adapters, device))
+
+
+def _routing(adapters: list[Any], device: torch.device) -> routing.Routing | None:
     if all(a is None for a in adapters):
-        return contextlib.nullcontext()
+        return None
     rows: dict[int, list[int]] = {}
     by_id = {}
     for r, a in enumerate(adapters):
         if a is not None:
             rows.setdefault(id(a), []).append(r)
             by_id[id(a)] = a
-    return routing.routed([(by_id[k], torch.tensor(v, device=device)) for k, v in rows.items()], batch=len(adapters))
+    return routing.Routing([(by_id[k], torch.tensor(v, device=device)) for k, v in rows.items()],
+                           batch=len(adapters))
+
+
+def _decode_routing(group: Group, device: torch.device) -> contextlib.AbstractContextManager:
+    """:func:`routed` for the group's running rows, the same Routing from step to step while they stay the same
+    rows (it holds each Linear's delta: built once, not at every step). The Routing holds its adapters, so the ids
+    of the key cannot be reused while it is kept."""
+    assert group.rows is not None
+    adapters = [j.job.adapter for j in group.rows.jobs]
+    key = tuple(id(a) for a in adapters)
+    if group.route is None or group.route[0] != key:
+        group.route = (key, _routing(adapters, device))
+    return routing.restored(group.route[1])
 
 
 def decode(group: Group) -> torch.Tensor:
@@ -77,14 +94,14 @@ def decode(group: Group) -> torch.Tensor:
     mask = torch.cat([t["mask"], t["mask"].new_ones(len(rows.jobs), 1)], 1)  # (B, T+1)
     dense = _dense(group)
     if dense is not None and all(type(kind) is KeyValues for kind in group.kinds):
-        with routed([j.job.adapter for j in rows.jobs], device=mask.device):
+        with _decode_routing(group, mask.device):
             logits, rows.state = dense(t["last"], t["pos"], mask, rows.state)
         t["mask"] = mask
         t["pos"] += 1
         return logits
     for layer, kind, state in zip(group.cache.layers, group.kinds, rows.state, strict=True):
         kind.put(layer, state, width)
-    with routed([j.job.adapter for j in rows.jobs], device=mask.device):
+    with _decode_routing(group, mask.device):
         out = group.model(input_ids=t["last"][:, None], attention_mask=mask, position_ids=t["pos"][:, None],
                           use_cache=True, logits_to_keep=1, **{group.cache_kwarg: group.cache})
     group.cache = returned_cache(out)
