@@ -301,7 +301,8 @@ def routed(groups: list[tuple[AdapterWeights | None, Rows]], head: str | None = 
 @contextlib.contextmanager
 def restored(route: Routing | None) -> Iterator[None]:
     """``route`` this thread's routing again for the block (a checkpointed layer's recomputation in the backward,
-    worker/training/checkpointing.py, runs after :func:`routed` has ended); nothing when it still is."""
+    worker/training/checkpointing.py, runs after :func:`routed` has ended; a sampling group's decode steps keep one
+    Routing while their rows stay the same, worker/sampling/forwards.py); nothing when it still is, or is None."""
     if route is None or current() is route:
         yield
         return
