@@ -307,10 +307,10 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     @app.post(f"{v1}/retrieve_future")
     async def retrieve_future(t: str = Tenant, body: dict[str, Any] = Body) -> Response:
         request_id = str(body.get("request_id"))
-        record = await asyncio.to_thread(gateway().futures.get, request_id, t)
+        record, stored = await asyncio.to_thread(gateway().futures.get, request_id, t)
         if record is None:
             raise HTTPError(404, f"request {request_id!r} not found (unknown, expired, or made with another API key)")
-        answer = await gateway().futures.wait(request_id, record)
+        answer = await gateway().futures.wait(request_id, record, stored)
         if isinstance(answer, Waiting):  # 408 + try_again: the SDK polls again at once, quietly
             waiting: dict[str, Any] = {"type": "try_again", "request_id": request_id, "queue_state": answer.state}
             if answer.reason:

@@ -27,14 +27,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tinkerq import keys
 from tinkerq.errors import ServerError, TinkerqError
 from tinkerq.gateway.records import Records
-from tinkerq.store import KeyValueStore
+from tinkerq.store import Delete, Expire, KeyValueStore, Publish, Write
 from tinkerq.wire import codec
 
 log = logging.getLogger("tinkerq.gateway")
@@ -97,8 +97,9 @@ class Futures:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        # Called once per request, by the gateway whose answer was stored first (gateway/session_trace.py).
-        self.on_stored: Callable[[str, Answer], None] | None = None
+        # Called once per request, by the gateway whose answer was stored first, with the future's record: writes
+        # made with the answer's announcement (gateway/session_trace.py).
+        self.on_stored: Callable[[str, Answer, dict[str, Any]], list[Write]] | None = None
 
     # -- life -----------------------------------------------------------------------------------------------
 
@@ -149,43 +150,55 @@ class Futures:
 
     # -- submitting -------------------------------------------------------------------------------------------
 
-    def add(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str | None = None,
-            waiting: Waiting | None = None) -> str:
+    def add(self, tenant: str, kind: str, job: dict[str, Any]) -> str:
         """Record a future whose work is ``job`` and start it here; return its request id."""
-        request_id = self.record(tenant, kind, job, request_id=request_id, waiting=waiting)
-        self._start(request_id, tenant, kind, job)
+        request_id = uuid.uuid4().hex
+        self._start(request_id, self.record(tenant, kind, job, request_id=request_id))
         return request_id
 
-    def record(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str | None = None,
-               waiting: Waiting | None = None) -> str:
-        """Write the future's record without starting it (:meth:`begin` does): a caller that must claim the
-        request's identity first (a seq_id) writes the record before the claim, so that a claim never names a
-        future that does not exist, whenever this gateway dies."""
-        request_id = request_id or uuid.uuid4().hex
+    def record(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str) -> dict[str, Any]:
+        """Write the future's record without starting it (:meth:`begin` does); return the record."""
+        record = self._record_of(tenant, kind, job, None)
+        self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
+        return record
+
+    def record_claimed(self, tenant: str, kind: str, job: dict[str, Any], *, request_id: str, claim: str,
+                       value: str, waiting: Waiting | None = None, after: Sequence[Write] = ()
+                       ) -> tuple[dict[str, Any], str | None]:
+        """Write the future's record and claim the request's identity ``claim`` (a seq_id: Records.claim) for
+        ``value``, in one step (``after``: writes made first, in the same step). Returns the record and None when
+        this call got the claim (:meth:`begin` starts it), else the claim's holder (:meth:`discard` the record).
+        The record is written with the claim, so a claim never names a future that does not exist, whenever this
+        gateway dies."""
+        record = self._record_of(tenant, kind, job, waiting)
+        put = self.records.written("future", request_id, record, ttl_s=PENDING_TTL_S)
+        return record, self.records.claim(claim, value, after=[*after, put])
+
+    def _record_of(self, tenant: str, kind: str, job: dict[str, Any], waiting: Waiting | None) -> dict[str, Any]:
         record = {"tenant": tenant, "kind": kind, "owner": self.gateway_id, "created": time.time(), "job": job}
         if waiting is not None:
             record.update(state=waiting.state, reason=waiting.reason)
-        self.records.put("future", request_id, record, ttl_s=PENDING_TTL_S)
-        return request_id
+        return record
 
-    def begin(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> None:
-        self._start(request_id, tenant, kind, job)
+    def begin(self, request_id: str, record: dict[str, Any]) -> None:
+        self._start(request_id, record)
 
     def discard(self, request_id: str) -> None:
         """Forget a recorded future that was never started (its claim went to an earlier copy of the request)."""
         self.records.delete("future", request_id)
         self.store.delete(keys.gateway_body(request_id))
 
-    def _start(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> asyncio.Task[Answer]:
-        task = asyncio.ensure_future(self._run(request_id, tenant, kind, job))
+    def _start(self, request_id: str, record: dict[str, Any]) -> asyncio.Task[Answer]:
+        task = asyncio.ensure_future(self._run(request_id, record))
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
         return task
 
-    async def _run(self, request_id: str, tenant: str, kind: str, job: dict[str, Any]) -> Answer:
+    async def _run(self, request_id: str, record: dict[str, Any]) -> Answer:
         """Never raises: a fleet error becomes the SDK's failure body (user or server category)."""
+        kind = record.get("kind")
         try:
-            answer = await self.run_job(request_id, tenant, job)
+            answer = await self.run_job(request_id, record["tenant"], record["job"])
         except TinkerqError as exc:
             answer = Answer.failure(exc)
         except asyncio.CancelledError:
@@ -193,19 +206,21 @@ class Futures:
         except Exception as exc:  # a gateway bug: the caller still gets an answer, the operator a traceback
             log.exception("%s request %s failed in the gateway", kind, request_id)
             answer = Answer.failure(ServerError(f"the gateway failed while answering this {kind} request: {exc}"))
-        return await asyncio.to_thread(self._store_answer, request_id, answer)
+        return await asyncio.to_thread(self._store_answer, request_id, answer, record)
 
-    def _store_answer(self, request_id: str, answer: Answer) -> Answer:
+    def _store_answer(self, request_id: str, answer: Answer, record: dict[str, Any]) -> Answer:
         """Store ``answer`` unless one is stored already (then that one is the answer), and announce it."""
         key = keys.gateway_answer(request_id)
+        writes: list[Write] = []
         if not self.store.set_if_absent(key, answer.pack(), self.keep_s):
             raw = self.store.get(key)
             answer = Answer.unpack(raw) if raw is not None else answer
         elif self.on_stored is not None:
-            self.on_stored(request_id, answer)
-        self.store.expire(keys.gateway_record("future", request_id), self.keep_s)
-        self.store.delete(keys.gateway_body(request_id))
-        self.store.publish(keys.GATEWAY_ANSWERS, request_id)
+            writes += self.on_stored(request_id, answer, record)
+        # The record kept a while for polls, the body gone, the answer announced: one round trip.
+        self.store.write_many([*writes, Expire(keys.gateway_record("future", request_id), self.keep_s),
+                               Delete(keys.gateway_body(request_id)),
+                               Publish(keys.GATEWAY_ANSWERS, request_id.encode())])
         self.account(request_id, answer)  # once per request id: a gateway dying here leaves it to the next poll
         return answer
 
@@ -218,18 +233,24 @@ class Futures:
 
     # -- polling ----------------------------------------------------------------------------------------------
 
-    def get(self, request_id: str, tenant: str) -> dict[str, Any] | None:
-        """The future's record, or None when it does not exist or belongs to another tenant (the same 404)."""
-        return self.records.get("future", request_id, tenant)
+    def get(self, request_id: str, tenant: str) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The future's record, or None when it does not exist or belongs to another tenant (the same 404), and
+        its stored answer if any (for :meth:`wait`), in one round trip."""
+        return self.records.get_with("future", request_id, tenant, keys.gateway_answer(request_id))
 
-    async def wait(self, request_id: str, record: dict[str, Any]) -> Answer | Waiting:
-        """The answer, or why it is not ready after ``poll_s`` (the caller answers try_again)."""
+    async def wait(self, request_id: str, record: dict[str, Any], stored: bytes | None = None) -> Answer | Waiting:
+        """The answer, or why it is not ready after ``poll_s`` (the caller answers try_again). ``stored``: the
+        answer :meth:`get` read with the record (None: not stored then)."""
         deadline = time.monotonic() + self.poll_s
         event = asyncio.Event()
         self._events.setdefault(request_id, set()).add(event)
+        first = True
         try:
             while True:
-                raw = await asyncio.to_thread(self.store.get, keys.gateway_answer(request_id))
+                if first:  # read just now with the record
+                    raw, first = stored, False
+                else:
+                    raw = await asyncio.to_thread(self.store.get, keys.gateway_answer(request_id))
                 if raw is not None:
                     answer = Answer.unpack(raw)
                     await asyncio.to_thread(self.account, request_id, answer)  # a no-op once counted
@@ -281,7 +302,7 @@ class Futures:
         return asyncio.run_coroutine_threadsafe(self._start_later(request_id, record), self._loop).result()
 
     async def _start_later(self, request_id: str, record: dict[str, Any]) -> asyncio.Task[Answer]:
-        return self._start(request_id, record["tenant"], str(record.get("kind")), record["job"])
+        return self._start(request_id, record)
 
     def running(self) -> int:
         """How many futures this gateway is running now."""

@@ -17,7 +17,7 @@ from tinkerq.errors import TinkerqError
 from tinkerq.gateway import lookups, proto
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.http_errors import HTTPError
-from tinkerq.gateway.records import PathError, TinkerPath, check_name
+from tinkerq.gateway.records import PathError, TinkerPath, check_name, top_raised
 from tinkerq.gateway.request_bodies import check_optimizer, ttl_seconds
 from tinkerq.gateway.training_runs import Run
 from tinkerq.validation import UNDEFINED_BY_SDK, validate_adam
@@ -68,15 +68,15 @@ class OrderedRequests:
         if post_at > time.time() + 0.05:
             waiting = Waiting("paused_rate_limit", f"this API key's max_tokens_per_minute holds it until "
                                                    f"{lookups.iso(post_at)}")
-        # The future's record first, then the claim: a claim must never name a future that does not exist.
-        self.gw.records.raise_top(run.model_id, seq_id)
-        self.gw.futures.record(tenant, kind, job, request_id=request_id, waiting=waiting)
-        prior = self.gw.records.claim(claim, f"{kind}|{request_id}")
+        # The future's record with the claim (one step): a claim must never name a future that does not exist.
+        record, prior = self.gw.futures.record_claimed(tenant, kind, job, request_id=request_id, claim=claim,
+                                                       value=f"{kind}|{request_id}", waiting=waiting,
+                                                       after=top_raised(run.model_id, seq_id))
         if prior is not None:  # an earlier copy got there first, on another gateway
             self.gw.futures.discard(request_id)
             self.gw.jobs.forget(request_id)
             return self._resent(prior, kind, run, seq_id)
-        self.gw.futures.begin(request_id, tenant, kind, job)
+        self.gw.futures.begin(request_id, record)
         return {"request_id": request_id, "model_id": run.model_id}
 
     def fill(self, run: Run, seq_id: int, message: str) -> bool:

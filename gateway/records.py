@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tinkerq import keys
-from tinkerq.store import KeyValueStore, Put, Transaction, ZAdd, ZRemove
+from tinkerq.store import KeyValueStore, Put, Transaction, Write, ZAdd, ZRemove
 
 # Sessions and training runs are kept a week after their last use; checkpoints until their ttl (or forever).
 IDLE_TTL_S = 7 * 24 * 3600
@@ -83,8 +83,19 @@ class Records:
         self.store = store.with_retry(0)
 
     def put(self, table: str, ident: str, record: dict[str, Any], *, ttl_s: float | None = IDLE_TTL_S) -> None:
+        put = self.written(table, ident, record, ttl_s=ttl_s)
+        self.store.set(put.key, put.value, put.ttl_s)
+
+    @staticmethod
+    def written(table: str, ident: str, record: dict[str, Any], *, ttl_s: float | None = IDLE_TTL_S) -> Put:
+        """The write that :meth:`put` makes, to join other writes."""
         assert "tenant" in record
-        self.store.set(keys.gateway_record(table, ident), _dumps(record), ttl_s)
+        return Put(keys.gateway_record(table, ident), _dumps(record), ttl_s)
+
+    def get_with(self, table: str, ident: str, tenant: str, other: str) -> tuple[dict[str, Any] | None, bytes | None]:
+        """:meth:`get`, and the value of the key ``other`` read with it (one round trip)."""
+        raw, value = self.store.get_many([keys.gateway_record(table, ident), other])
+        return _owned(raw, tenant), value
 
     def put_new(self, table: str, ident: str, record: dict[str, Any], *, ttl_s: float = IDLE_TTL_S) -> bool:
         """Store ``record`` unless ``ident`` exists (for anyone): False then."""
@@ -131,16 +142,11 @@ class Records:
 
     # -- first-come claims, shared by every gateway ---------------------------------------------------------
 
-    def claim(self, what: str, value: str, *, ttl_s: float = IDLE_TTL_S) -> str | None:
-        """Claim ``what`` for ``value``: None if this call got it, else the value of whoever did first."""
-        key = keys.gateway_claim(what)
-        for _ in range(3):  # a claim that expires between the two calls: try again
-            if self.store.set_if_absent(key, value.encode(), ttl_s):
-                return None
-            raw = self.store.get(key)
-            if raw is not None:
-                return raw.decode()
-        return None
+    def claim(self, what: str, value: str, *, ttl_s: float = IDLE_TTL_S, after: Sequence[Write] = ()) -> str | None:
+        """Claim ``what`` for ``value``: None if this call got it, else the value of whoever did first. ``after``:
+        writes applied first, in the same step (one round trip), whoever gets the claim."""
+        raw = self.store.claim_after(after, keys.gateway_claim(what), value.encode(), ttl_s)
+        return None if raw is None else raw.decode()
 
     def get_claim(self, what: str) -> str | None:
         raw = self.store.get(keys.gateway_claim(what))
@@ -150,8 +156,7 @@ class Records:
 
     def raise_top(self, model_id: str, seq_id: int) -> None:
         """Remember that ``seq_id`` of ``model_id`` is taken (the run's top only grows) and when it came."""
-        self.store.write_many([ZAdd(keys.GATEWAY_RUN_TOPS, model_id, seq_id, only_greater=True),
-                               ZAdd(keys.GATEWAY_LAST_REQUEST, model_id, time.time())])
+        self.store.write_many(top_raised(model_id, seq_id))
 
     def top(self, model_id: str) -> int:
         """The run's highest sequence id taken so far (0: none)."""
@@ -163,6 +168,12 @@ class Records:
     def forget_run(self, model_id: str) -> None:
         self.store.write_many([ZRemove(keys.GATEWAY_RUN_TOPS, [model_id]),
                                ZRemove(keys.GATEWAY_LAST_REQUEST, [model_id])])
+
+
+def top_raised(model_id: str, seq_id: int) -> list[Write]:
+    """The writes of :meth:`Records.raise_top`, to join other writes."""
+    return [ZAdd(keys.GATEWAY_RUN_TOPS, model_id, seq_id, only_greater=True),
+            ZAdd(keys.GATEWAY_LAST_REQUEST, model_id, time.time())]
 
 
 def _dumps(record: dict[str, Any]) -> bytes:

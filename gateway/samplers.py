@@ -100,9 +100,12 @@ class Samplers:
             raise HTTPError(429, f"this API key has {limit} sampling requests in flight (max_sampling_inflight); "
                                  f"retry when some finish", retry_after_s=1.0)
         job = {"type": "sample", "sampler_id": sampler.sampler_id, "request": body}
-        # The future's record first, then the claim (see OrderedRequests.accept), then the post.
-        self.gw.futures.record(tenant, "Sample", job, request_id=request_id)
-        prior = None if claim is None else self.gw.records.claim(claim, request_id)
+        # The future's record with the claim (see OrderedRequests.accept), then the post.
+        if claim is None:
+            record, prior = self.gw.futures.record(tenant, "Sample", job, request_id=request_id), None
+        else:
+            record, prior = self.gw.futures.record_claimed(tenant, "Sample", job, request_id=request_id,
+                                                           claim=claim, value=request_id)
         if prior is not None:
             self.gw.futures.discard(request_id)
             self.gw.quotas.end_sample(tenant, request_id)
@@ -117,7 +120,7 @@ class Samplers:
                     self.gw.store.with_retry(0).delete(keys.gateway_claim(claim))
                 raise HTTPError(400 if error.is_user_error else 503, error.message)
         self.gw.jobs.hint(request_id, future)
-        self.gw.futures.begin(request_id, tenant, "Sample", job)
+        self.gw.futures.begin(request_id, record)
         return sample_promise(request_id, body.get("num_samples", 1))
 
     def sample_request(self, body: dict[str, Any]) -> tuple[types.ModelInput, types.SamplingParams, dict[str, Any]]:

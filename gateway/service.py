@@ -162,12 +162,13 @@ class Gateway:
         prior = self.records.get_claim(f"create:{model_id}")
         if prior is not None:
             return prior
-        request_id = self.futures.record(tenant, kind, job)  # before the claim: see OrderedRequests.accept
-        prior = self.records.claim(f"create:{model_id}", request_id)
+        request_id = uuid.uuid4().hex
+        record, prior = self.futures.record_claimed(tenant, kind, job, request_id=request_id,  # as OrderedRequests
+                                                    claim=f"create:{model_id}", value=request_id)
         if prior is not None:
             self.futures.discard(request_id)
             return prior
-        self.futures.begin(request_id, tenant, kind, job)
+        self.futures.begin(request_id, record)
         return request_id
 
     async def unload_model(self, tenant: str, model_id: str) -> dict[str, Any]:

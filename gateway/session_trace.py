@@ -26,10 +26,10 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from tinkerq import keys
-from tinkerq.errors import TinkerqError
 from tinkerq.gateway.futures import Answer
 from tinkerq.gateway.records import IDLE_TTL_S, Records
 from tinkerq.gateway.run_metrics import RunMetrics
+from tinkerq.store import Push, Write
 
 log = logging.getLogger("tinkerq.gateway")
 
@@ -53,16 +53,15 @@ class SessionTrace:
         self.store = records.store
         self.run_metrics = run_metrics
 
-    def record(self, request_id: str, answer: Answer) -> None:
-        """Keep one line for the answered future ``request_id`` (called once, by the gateway that stored its
-        answer first). Best effort: a trace line that cannot be written is logged, never the answer's failure."""
+    def record(self, request_id: str, answer: Answer, future: dict[str, Any]) -> list[Write]:
+        """The write that keeps one line for the answered future ``request_id`` (its record: ``future``), made
+        with the answer's announcement by the gateway that stored the answer first. Best effort: a line that
+        cannot be made is logged, never the answer's failure."""
         try:
-            raw = self.store.get(keys.gateway_record("future", request_id))
-            future = json.loads(raw) if raw is not None else None
-            job = future.get("job") if isinstance(future, dict) else None
+            job = future.get("job")
             session_id = None if not isinstance(job, dict) else session_of(job)
-            if session_id is None or not isinstance(future, dict) or not isinstance(job, dict):
-                return
+            if session_id is None or not isinstance(job, dict):
+                return []
             body = answer.json or {}
             line = {
                 "request_id": request_id, "kind": future.get("kind"), "op": job.get("op") or job.get("type"),
@@ -73,10 +72,11 @@ class SessionTrace:
                 "metrics": body.get("metrics") if isinstance(body.get("metrics"), dict) else None,
                 "error": body.get("error"), "category": body.get("category"),
             }
-            self.store.push(keys.gateway_session_trace(session_id), json.dumps(line, separators=(",", ":")).encode(),
-                            ttl_s=IDLE_TTL_S, max_len=MAX_EVENTS)
-        except (TinkerqError, ValueError, TypeError) as exc:
+            return [Push(keys.gateway_session_trace(session_id), json.dumps(line, separators=(",", ":")).encode(),
+                         ttl_s=IDLE_TTL_S, max_len=MAX_EVENTS)]
+        except (ValueError, TypeError) as exc:
             log.warning("request %s: not kept for its session's trace (%s)", request_id, exc)
+            return []
 
     def lines(self, session_id: str) -> list[dict[str, Any]]:
         """The session's kept requests, oldest first, each with the loss metrics of its step where kept."""

@@ -123,7 +123,20 @@ class ZRemoveBelow:
     score: float
 
 
-Write = Push | Reply | Put | Delete | Expire | HashPut | HashDelete | HashIncr | ZAdd | ZRemove | ZRemoveBelow
+@dataclass(frozen=True)
+class Publish:
+    """PUBLISH ``message`` on ``channel``, after the writes before it (subscribers then find them)."""
+
+    channel: str
+    message: bytes
+
+    @property
+    def key(self) -> str:  # (what a failed write names)
+        return self.channel
+
+
+Write = (Push | Reply | Put | Delete | Expire | HashPut | HashDelete | HashIncr | ZAdd | ZRemove | ZRemoveBelow
+         | Publish)
 
 
 class Transaction(Protocol):
@@ -153,6 +166,9 @@ class KeyValueStore(Protocol):
     # Strings.
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...  # ttl_s None: kept until deleted
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool: ...
+    # ``writes``, then ``key`` set to ``value`` unless it exists, all at once (one round trip): None when this call
+    # set it, else the value it holds.
+    def claim_after(self, writes: Sequence[Write], key: str, value: bytes, ttl_s: float) -> bytes | None: ...
     def get(self, key: str) -> bytes | None: ...
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
     def exists_many(self, keys: list[str]) -> list[bool]: ...
@@ -231,6 +247,18 @@ class RedisStore(_Derived):
 
     def set_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
         return bool(self._do(f"writing {key}", lambda: self.client.set(key, value, px=_ms(ttl_s), nx=True)))
+
+    def claim_after(self, writes: Sequence[Write], key: str, value: bytes, ttl_s: float) -> bytes | None:
+        def run() -> bytes | None:
+            pipe = self.client.pipeline(transaction=True)
+            for w in writes:
+                _queue(pipe, w)
+            pipe.set(key, value, px=_ms(ttl_s), nx=True)
+            pipe.get(key)  # in the same transaction: a holder's claim cannot expire between the two
+            *_, got, held = pipe.execute()
+            return None if got else _bytes(held)
+
+        return self._do(f"claiming {key}", run)
 
     def get(self, key: str) -> bytes | None:
         return _bytes(self._do(f"reading {key}", lambda: self.client.get(key)))
@@ -453,6 +481,8 @@ def _queue(pipe: Any, w: Write) -> None:
     elif isinstance(w, ZRemove):
         if w.members:
             pipe.zrem(w.key, *w.members)
+    elif isinstance(w, Publish):
+        pipe.publish(w.channel, w.message)
     else:
         pipe.zremrangebyscore(w.key, "-inf", "(" + _score(w.score))
 
@@ -521,6 +551,14 @@ class MemoryStore(_Derived):
                 return False
             self._apply(Put(key, value, ttl_s))
             return True
+
+    def claim_after(self, writes: Sequence[Write], key: str, value: bytes, ttl_s: float) -> bytes | None:
+        with self._lock:
+            self._write(writes)
+            held = self._get(key)
+            if held is None:
+                self._apply(Put(key, value, ttl_s))
+            return held
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -688,6 +726,9 @@ class MemoryStore(_Derived):
             members = self._zsets[w.key]
             for name in w.members:
                 members.pop(name, None)
+        elif isinstance(w, Publish):
+            for subscriber in self._subscribers.get(w.channel, ()):
+                subscriber.put(bytes(w.message))
         else:
             members = self._zsets[w.key]
             for name in [m for m, score in members.items() if score < w.score]:
