@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from tinkerq.gateway.records import Records
+from tinkerq import keys
+from tinkerq.gateway.records import Records, top_raised
 from tinkerq.store import KeyValueStore
 
 
@@ -66,3 +67,18 @@ def test_the_first_claim_wins(store: KeyValueStore):
     records, what = Records(store), f"seq:{uuid.uuid4().hex}:1"
     assert records.claim(what, "first") is None
     assert records.claim(what, "second") == "first" and records.get_claim(what) == "first"
+
+
+def test_a_claim_writes_what_it_is_given_first_in_the_same_step(store: KeyValueStore):
+    """A future's record is written with the claim on its seq_id (Futures.record_claimed): whoever wins, a claim
+    never names a record that was not written."""
+    records, run, what = Records(store), uuid.uuid4().hex, f"seq:{uuid.uuid4().hex}:1"
+    record = {"tenant": "t1", "kind": "ForwardBackward", "job": {"type": "ordered"}}
+    after = [*top_raised(run, 7), Records.written("future", "r1", record, ttl_s=60)]
+    assert records.claim(what, "ForwardBackward|r1", after=after) is None
+    assert records.get("future", "r1", "t1") == record and records.get("future", "r1", "t2") is None
+    assert records.top(run) == 7
+    assert records.claim(what, "ForwardBackward|r2", after=[Records.written("future", "r2", record)]) \
+        == "ForwardBackward|r1"
+    got, other = records.get_with("future", "r2", "t1", keys.gateway_claim(what))
+    assert got == record and other == b"ForwardBackward|r1"  # (the loser discards its record: Futures.discard)

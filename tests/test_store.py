@@ -15,6 +15,7 @@ from tinkerq.store import (
     HashIncr,
     HashPut,
     KeyValueStore,
+    Publish,
     Push,
     Put,
     Reply,
@@ -133,3 +134,52 @@ def test_published_messages_reach_subscribers(store: KeyValueStore):
         assert got == b"hello"
     finally:
         subscription.close()
+
+
+def test_a_publish_write_reaches_subscribers_after_the_writes_before_it(store: KeyValueStore):
+    channel, key = _key("channel"), _key("announced")
+    subscription = store.subscribe(channel)
+    try:
+        deadline = time.monotonic() + 10
+        got, n = None, 0
+        while got is None and time.monotonic() < deadline:  # Redis: the subscription registers asynchronously
+            n += 1
+            store.write_many([Put(key, str(n).encode(), ttl_s=60), Publish(channel, str(n).encode())])
+            got = subscription.get(0.2)
+        assert got is not None
+        assert int(store.get(key) or b"0") >= int(got)  # the value it announces was written before it
+    finally:
+        subscription.close()
+
+
+def test_claim_after_applies_its_writes_and_gives_the_key_to_the_first_claimant(store: KeyValueStore):
+    claim, first, second = _key("claim"), _key("first"), _key("second")
+    assert store.claim_after([Put(first, b"1", ttl_s=60)], claim, b"alice", 60) is None  # claimed here
+    assert store.get(claim) == b"alice" and store.get(first) == b"1"
+    # A later claimant learns who holds the key; its writes are applied all the same (the caller undoes them).
+    assert store.claim_after([Put(second, b"2", ttl_s=60)], claim, b"bob", 60) == b"alice"
+    assert store.get(claim) == b"alice" and store.get(second) == b"2"
+    assert store.claim_after([], _key("bare"), b"carol", 60) is None  # no writes: a plain first-come claim
+    expiring = _key("expiring")
+    assert store.claim_after([], expiring, b"dave", 0.05) is None
+    time.sleep(0.1)
+    assert store.claim_after([], expiring, b"erin", 60) is None and store.get(expiring) == b"erin"  # freed
+
+
+def test_concurrent_claims_have_one_winner_and_every_loser_names_it(store: KeyValueStore):
+    claim = _key("contested")
+    results: list[bytes | None] = []
+    lock = threading.Lock()
+
+    def claimant(i: int) -> None:
+        got = store.claim_after([], claim, f"c{i}".encode(), 60)
+        with lock:
+            results.append(got)
+
+    threads = [threading.Thread(target=claimant, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winner = store.get(claim)
+    assert results.count(None) == 1 and all(r == winner for r in results if r is not None), (results, winner)
