@@ -22,6 +22,7 @@ model's own forward.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,6 @@ class DenseDecode:
         """Feed ``last`` (B,) at positions ``pos`` (B,); ``mask`` (B, T+1) is 1 where a cache column (and the fed
         token, last) is real; ``state`` per layer [keys, values] (B, Hkv, T, D). Returns the next-token logits
         (B, V) float32 and the new per-layer [keys, values] (B, Hkv, T+1, D)."""
-        b = last.shape[0]
         x = self.inner.embed_tokens(last[:, None])  # (B, 1, H)
         cos, sin = self.inner.rotary_emb(x, pos[:, None])  # (B, 1, D) each
         # The model's SDPA mask for one query: None when no row has padding (it then lets SDPA skip the mask),
@@ -64,20 +64,15 @@ class DenseDecode:
         new_state: list[list[torch.Tensor | None]] = []
         for layer, (keys, values) in zip(self.layers, state, strict=True):
             assert keys is not None and values is not None  # a prefilled attention layer holds both
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (b, 1, -1, attn.head_dim)
-            q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
-            if hasattr(attn, "q_norm"):  # Qwen3: a norm over each head's features, before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H(kv), 1, D)
-            keys = torch.cat([keys, k], dim=-2)
-            values = torch.cat([values, v.transpose(1, 2)], dim=-2)
-            new_state.append([keys, values])
-            out, _ = self.attend(attn, q, keys, values, attn_mask, dropout=0.0, scaling=attn.scaling,
-                                 sliding_window=None)  # (B, 1, H, D)
-            x = x + attn.o_proj(out.reshape(b, 1, -1).contiguous())
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+            def cat(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor = keys,
+                    values: torch.Tensor = values) -> tuple[torch.Tensor, torch.Tensor]:
+                # as DynamicLayer.update: the new position appended to the cache
+                grown = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+                new_state.append(list(grown))
+                return grown
+
+            x = self._layer(layer, x, cos, sin, attn_mask, cat)
         logits = self.model.lm_head(self.inner.norm(x))  # (B, 1, V)
         return logits[:, -1].float(), new_state
 
@@ -85,25 +80,33 @@ class DenseDecode:
         """Feed the prompts ``ids`` (N, P), none padded, as ``model(input_ids=ids, use_cache=True,
         logits_to_keep=1)`` does. Returns the logits after each prompt (N, V) float32 and the cache the model would
         have returned (keys/values (N, Hkv, P, D) per layer)."""
-        n, p = ids.shape
         x = self.inner.embed_tokens(ids)  # (N, P, H)
         cache = DynamicCache(config=self.model.config)
-        cos, sin = self.inner.rotary_emb(x, torch.arange(p, device=ids.device)[None])  # (1, P, D) each
+        cos, sin = self.inner.rotary_emb(x, torch.arange(ids.shape[1], device=ids.device)[None])  # (1, P, D) each
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (n, p, -1, attn.head_dim)
-            q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (N, H(kv), P, D)
-            keys, values = cache.update(k, v.transpose(1, 2), i)
-            out, _ = self.attend(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling,
-                                 sliding_window=None)  # (N, P, H, D); causal: no mask, P > 1
-            x = x + attn.o_proj(out.reshape(n, p, -1).contiguous())
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            # causal: no mask (P > 1), as the model gives SDPA none when nothing is padded; the cache filled as the
+            # model's attention layers fill it
+            x = self._layer(layer, x, cos, sin, None, functools.partial(cache.update, layer_idx=i))
         logits = self.model.lm_head(self.inner.norm(x)[:, -1:])  # (N, 1, V): the model's logits_to_keep=1 slice
         return logits[:, -1].float(), cache
+
+    def _layer(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
+               store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One decoder layer over ``x`` (B, T, H) at rotary ``cos``/``sin``: ``store(k, v)`` ((B, Hkv, T, D) each)
+        adds the layer's new keys and values to its cache and returns all of them, which the queries attend to."""
+        b, t = x.shape[:2]
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (b, t, -1, attn.head_dim)
+        q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: a norm over each head's features, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H(kv), T, D)
+        keys, values = store(k, v.transpose(1, 2))
+        out, _ = self.attend(attn, q, keys, values, attn_mask, dropout=0.0, scaling=attn.scaling,
+                             sliding_window=None)  # (B, T, H, D)
+        x = x + attn.o_proj(out.reshape(b, t, -1).contiguous())
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def dense_decode(model: Any) -> DenseDecode | None:
