@@ -247,6 +247,42 @@ def test_task_events_a_failed_publish_leaves_behind_go_out_without_another_reque
         events.stop()
 
 
+def test_celerys_own_task_events_a_failed_publish_leaves_behind_go_out_later():
+    """Celery's consumer dispatcher (buffer_while_offline) keeps the events of a publish that failed in its outbound
+    buffer, which only a flush with errors=True sends; Celery's own hook did that on every buffered event, and the
+    events thread that replaces it (TaskEvents.defer) must too, and retry without another event coming."""
+    from celery import Celery
+
+    from tinkerq.worker.transport.events import TaskEvents
+
+    app = Celery(broker="memory://", set_as_current=False)
+    celerys = app.events.Dispatcher(app.connection_for_write(), hostname="w@test", enabled=True,
+                                    buffer_group=["task"], buffer_while_offline=True)
+    published: list[object] = []
+    failures = [1]
+
+    def publish(body: object, **_: object) -> None:  # the first publish fails (Redis gone for a moment)
+        if failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("Error 111 connecting to redis")
+        published.append(body)
+
+    celerys.producer.publish = publish
+    events = TaskEvents()
+    events.defer(celerys)
+    try:
+        celerys.send("task-received", uuid="t1", name="tinkerq.forward_backward")
+        deadline = time.monotonic() + 10
+        while not published and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sent = [e for body in published for e in (body if isinstance(body, list) else [body])]
+        assert [e["uuid"] for e in sent] == ["t1"], (published, failures)
+    finally:
+        events.stop()
+        celerys.close()
+        app.close()
+
+
 def test_a_queued_request_has_one_task_succeeded_event_at_its_real_end(service, model_dir, redis_url, worker):
     """A task that hands its request to the scheduler returns QUEUED (worker/transport/tasks.py): Celery acknowledges
     the message, but its own task-succeeded at the hand-off (result "queued ...") must not go out. Each request's

@@ -65,7 +65,9 @@ class TaskEvents:
         while not self._stopped.is_set():
             if self._wake.wait(1.0):
                 self._wake.clear()
-                self._flush_celery()
+            # Every wake, and every second: a publish of Celery's that failed left its events in the dispatcher's
+            # outbound buffer, which only the next flush sends (Celery's own hook flushed on every event).
+            self._flush_celery()
             if self._unsent:  # without this they would wait for the next request's end, however long that is
                 with self._lock:
                     if not self._batching:
@@ -76,7 +78,9 @@ class TaskEvents:
         if dispatcher is None:
             return
         try:
-            dispatcher.flush(errors=False, groups=True)  # thread-safe: it publishes under its own lock
+            # thread-safe: it publishes under its own lock. errors=True: also what a failed publish left behind
+            # (buffer_while_offline), as Celery's consumer flushes
+            dispatcher.flush(errors=True, groups=True)
         except Exception as exc:  # monitoring must never fail a request
             log.debug("could not send Celery's task events: %s", exc)
 
