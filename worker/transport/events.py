@@ -156,10 +156,11 @@ class TaskEvents:
         """A request was queued: a sample request is announced (Celery announced the others itself)."""
         if request.op != "sample" or self._dispatcher is None:
             return
-        for caller in request.callers:
-            self._send("task-received", uuid=caller.task_id, name="tinkerq.sample", args="(sample request)",
-                       kwargs="{}", retries=0, eta=None, expires=None, root_id=caller.task_id, parent_id=None)
-            self._send("task-started", uuid=caller.task_id, pid=os.getpid())
+        with self.batch():  # one publish
+            for caller in request.callers:
+                self._send("task-received", uuid=caller.task_id, name="tinkerq.sample", args="(sample request)",
+                           kwargs="{}", retries=0, eta=None, expires=None, root_id=caller.task_id, parent_id=None)
+                self._send("task-started", uuid=caller.task_id, pid=os.getpid())
 
     def finished(self, request: Any, reply: dict[str, Any], runtime: float, shared: str = "") -> None:
         if self._dispatcher is None:
