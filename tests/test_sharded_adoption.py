@@ -129,18 +129,19 @@ def _first_answer_after(pairs: list[tuple], since: float, settle: float = 0.0) -
     return time.monotonic() - since
 
 
-def _check_run(sc, tc, model_dir, batches, rest: list[tuple], tag: str) -> float:
+def _check_run(sc, tc, model_dir, batches, rest: list[tuple], tag: str, reference: str | None = None) -> float:
     """Every request answered OK, each optimizer step applied once; the final weights those of an uninterrupted
     run of the same requests on an unsharded worker (the session-wide one: a create_model sent to the group's name
-    could reach a rank 0 still waiting for its group). Returns the largest weight difference."""
+    could reach a rank 0 still waiting for its group), or on the workers serving ``reference`` (the re-formed group
+    itself). Returns the largest weight difference."""
     lora = bool(tc.info.extra.get("lora"))
     losses = [fb.result(timeout=240).metrics["loss:sum"] for fb, _ in rest]
     steps = [step.result(timeout=240).metrics["step:max"] for _, step in rest]
     assert steps == list(range(FIRST + 1, PAIRS + 1))
     got = tc.save_weights_for_sampler(f"{tag}-resumed").result(timeout=120).path
-    ref = _open(sc, str(model_dir), lora)
+    ref = _open(sc, reference or str(model_dir), lora)
     try:
-        assert ref.info.extra["shards"] == 1
+        assert ref.info.extra["shards"] == (tc.info.extra["shards"] if reference else 1)
         ref_futures = _submit(ref, batches)
         ref_losses = [fb.result(timeout=240).metrics["loss:sum"] for fb, _ in ref_futures[FIRST:]]
         want = ref.save_weights_for_sampler(f"{tag}-uninterrupted").result(timeout=120).path
@@ -193,12 +194,12 @@ def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_res
         service, redis_url, tmp_path, lora):
     """The same with ``--expert-parallel`` on a tiny Qwen3-MoE (each rank holds 4 of its 8 experts): the group's
     snapshots and journal re-make the session with its experts split again (a LoRA tenant's expert factors with
-    them), and the run ends where an uninterrupted one on an unsharded worker of the model does."""
+    them), and the run ends where an uninterrupted one on the same group does. (Against an unsharded worker the
+    weights differ by what expert parallelism's other reduction order gives, 1e-6 to 1.1e-4 on the CPUs seen, the
+    same with or without the kill: tests/test_expert_parallel.py checks that equality.)"""
     from tinkerq.recipes.families import build_family
 
     moe = build_family("qwen3_moe", tmp_path / "qwen3-moe", seed=12)
-    reference = start_named_worker(moe, redis_url, str(moe), tmp_path / "reference.log",
-                                   env=_env(tmp_path / "checkpoints"))
     batches = _batches(212)
     ep = ("--expert-parallel",)
     group = _group(moe, redis_url, tmp_path, service, ep, TINKERQ_ADOPT_TIMEOUT_S="180")
@@ -208,7 +209,7 @@ def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_res
         rest, killed_at = _kill_mid_run(tc, batches, group.procs[1])
         group.start(1, ep)
         _first_answer_after(rest, killed_at)
-        diff = _check_run(service, tc, moe, batches, rest, "ep-restart")
+        diff = _check_run(service, tc, moe, batches, rest, "ep-restart", reference=group.name)
         log = (group.logs / f"{group.name}-rank0.log").read_text()
         snapshot, replayed = _replayed(log, f"re-made session {tc.model_id} after its shard group re-formed")
         assert snapshot >= 2 * EVERY and snapshot % (2 * EVERY) == 0 and replayed >= 1, (snapshot, replayed)
@@ -218,8 +219,6 @@ def test_an_expert_parallel_groups_killed_shard_is_restarted_and_the_session_res
         tc.close()
     finally:
         group.stop()
-        reference.terminate()
-        reference.wait(30)
 
 
 def test_a_killed_rank_0s_session_is_adopted_by_an_unsharded_worker_exactly(
