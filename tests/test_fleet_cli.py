@@ -128,6 +128,32 @@ def test_fleet_flags_mean_what_they_mean_on_the_other_commands(tmp_path, model_d
     assert not list((tmp_path / "home").glob("fleet/*/state.json"))
 
 
+def test_fleet_up_without_flower_and_gateway_names_both_extras_in_one_line(tmp_path, model_dir, monkeypatch, capsys):
+    """A plain `.[worker]` install has neither Flower nor the gateway: `up --gateway-port` says both in one line
+    (one pip command for both extras), before starting anything, instead of one error after the other."""
+    from tinkerq.launcher import flower, processes
+    from tinkerq.launcher.main import main as tinkerq_in_process
+
+    monkeypatch.setenv("TINKERQ_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(flower, "installed", lambda: False)
+    monkeypatch.setattr(processes, "GATEWAY_MODULES", ("fastapi", "tinkerq_no_such_module"))
+    redis_port = free_port()
+    up = ["fleet", "up", "--fleet", "f", "--model", str(model_dir), "--workers", "0", "--redis-port", str(redis_port),
+          "--gateway-port", str(free_port())]
+    assert tinkerq_in_process(up) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "Flower and the gateway are not installed" in err and "-m pip install -e '.[ops,gateway]'" in err, err
+    assert "--no-flower, no --gateway-port" in err, err
+    assert port_problem(redis_port) is None  # nothing was started
+    assert not list((tmp_path / "home").glob("fleet/*/state.json"))
+    # the gateway alone missing: its own line, as before
+    monkeypatch.setattr(flower, "installed", lambda: True)
+    assert tinkerq_in_process(up) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the gateway needs tinkerq_no_such_module" in err and ".[gateway]" in err, err
+
+
 def test_fleet_up_without_flower_says_how_to_install_it(tmp_path, model_dir, monkeypatch, capsys):
     """Flower comes with the ops extra. Missing, `up` says so before starting anything; and should `celery flower`
     still fail as it does without Flower (it exits with "No such command"), `up` says the same and stops what it

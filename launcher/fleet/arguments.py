@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +163,18 @@ def check_installed(args: argparse.Namespace) -> None:
     """What `up` would start but this interpreter lacks: said in one line before anything starts."""
     if not args.broker:
         processes.redis_binary()
-    if args.flower_port != 0 and not flower_cli.installed():
+    no_flower = args.flower_port != 0 and not flower_cli.installed()
+    no_gateway = processes.gateway_not_installed() if args.gateways else None
+    if no_flower and no_gateway:  # one install for both, not one error after the other
+        raise UserError(f"Flower and the gateway are not installed: they come with tinkerq's ops and gateway "
+                        f"extras, so run `{sys.executable} -m pip install -e '.[ops,gateway]'` in the tinkerq checkout "
+                        f"(or pip install 'tinkerq[ops,gateway]'), or start the fleet without them (--no-flower, no "
+                        f"--gateway-port)")
+    if no_flower:
         raise UserError(flower_cli.not_installed(NO_FLOWER))
-    if args.gateways:
-        missing = processes.gateway_not_installed()
-        if missing:
-            raise UserError(missing)
+    if no_gateway:
+        raise UserError(no_gateway)
+
 
 def broker_from_env(args: argparse.Namespace) -> None:
     """--broker-from-env: the operator's Redis from TINKERQ_BROKER_URL, so its password is on no command line."""
