@@ -130,9 +130,13 @@ def test_mixed_concurrent_jobs_report_forward_logprobs(model):
 
 def test_seeded_tokens_do_not_depend_on_the_batch(model):
     target = make_job(model, prompt_of(10, 100), 3, 12, temperature=1.0, seed=7)
+    rows: list[int] = []
+    target.on_rows = rows.append  # run_jobs submits a copy: it keeps the callback
     alone = run_jobs(None, [target])[0]
     others = [make_job(model, prompt_of(length, length), 2, 20, temperature=0.8, seed=length) for length in (4, 33)]
     batched = run_jobs(None, [others[0], target, others[1]])[1]
+    assert rows == [3, 7]  # alone its 3 rows; then in one batch with the others' 2 + 2
+    target.on_rows = None
 
     gate = PausingGate(pause_at=4)  # hold the engine in its 3rd decode step of the other job
     engine = TorchEngine()
@@ -210,6 +214,8 @@ def test_a_job_joins_a_running_batch(model):
 
     long = make_job(model, prompt_of(5, 21), 2, 150, temperature=1.0, seed=1, on_done=on_done("long"))
     short = make_job(model, prompt_of(23, 22), 2, 6, temperature=0.7, top_p=0.9, seed=2, on_done=on_done("short"))
+    rows: dict[str, list[int]] = {"long": [], "short": []}  # the most rows each one's batch held (Flower's line)
+    long.on_rows, short.on_rows = rows["long"].append, rows["short"].append
     with stepping(engine, model, gate):
         engine.submit(long)
         assert gate.reached.wait(30)
@@ -221,6 +227,7 @@ def test_a_job_joins_a_running_batch(model):
         assert done.wait(30)
     assert order == ["short", "long"]
     assert loads == {"short": 2, "long": 0}
+    assert rows == {"long": [4], "short": [4]}  # told once each: the long job's 2 rows and the short one's 2
     # The short job ran 6 steps right after it was submitted, not after the long job drained.
     assert steps["short"] == joined_at + 6 and steps["long"] == 149
     for job in (long, short):

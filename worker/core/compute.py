@@ -341,6 +341,7 @@ class ComputeLoop:
         ref = request.envelope.get("payload")
         prompt_logprobs: list[Any] = []
         prompt_scores: list[Any] = []
+        batch_rows: list[int] = []  # the most rows its decode batch held (TorchEngine), for Celery's event stream
 
         def done(sequences: Any, error: BaseException | None) -> None:
             outcome: Outcome
@@ -357,12 +358,13 @@ class ComputeLoop:
                                                 f"{error}").to_wire(), timing)
             service.metrics.observe("sample", outcome[0], timing)
             service.finish(request, outcome, runtime=time.time() - started,
-                           shared=f"decode batch of up to {service.engine.load()} row(s)", discard=ref)
+                           shared=f"decode batch of up to {max(batch_rows, default=0)} row(s)", discard=ref)
 
         try:
             body = service.take_body(request)
             try:
                 job, _ = service.operations.sample_job(body[1], done, prompt_logprobs, prompt_scores)
+                job.on_rows = batch_rows.append
             except CapacityError as exc:
                 if self._deferred(request, exc, body):
                     return

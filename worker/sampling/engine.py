@@ -68,6 +68,9 @@ class SampleJob:
     # in each sequence's ``topk_logprobs``.
     options: PromptOptions | None = None
     on_prompt_scores: OnPromptScores | None = None
+    # For monitoring: told, once and just before on_done, the most rows the job's decode batch held while it ran
+    # (its own included; 0 when it failed before its first decode).
+    on_rows: Callable[[int], None] | None = None
 
 
 class SamplingEngine(Protocol):

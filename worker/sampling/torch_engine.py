@@ -45,6 +45,7 @@ class Job:
         self.prompt_scores: PromptScores | None = None  # set at prefill when the job's options ask
         # topk_sample_logprobs: per sample, the (ids (k,), logprobs (k,)) of each position sampled so far.
         self.sample_topk: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(job.num_samples)]
+        self.peak_rows = 0  # the most rows its group held while it ran (set when rows join)
 
     def report(self, sequences: list[types.SampledSequence] | None, error: BaseException | None) -> None:
         if self.reported:
@@ -58,6 +59,8 @@ class Job:
             if sequences is not None and self.job.on_prompt_scores is not None:
                 assert self.prompt_scores is not None  # likewise
                 self.job.on_prompt_scores(self.prompt_scores)
+            if self.job.on_rows is not None:
+                self.job.on_rows(self.peak_rows)
             self.job.on_done(sequences, error)
         except Exception:  # a caller's bug must not stop the engine
             log.exception("sampling on_done callback raised; ignored")
@@ -217,6 +220,8 @@ class TorchEngine:
                 group.rows, group.finished = Rows.cat(parts), 0
                 logits = torch.cat(new_logits)
                 group.refresh()
+            if newcomers:  # rows joined: the batch is at its largest for this while
+                _note_rows(group)
             assert logits is not None  # the running rows' or the one newcomer chunk's
             self._sample(group, logits)
         except Exception as exc:
@@ -302,6 +307,15 @@ class TorchEngine:
         elif group.finished * 8 >= group.size:
             group.rows, group.finished = rows.select(active.nonzero().squeeze(1)), 0
             group.refresh()
+
+
+def _note_rows(group: Group) -> None:
+    """Each job of ``group`` has seen the batch at its current size (a loop over rows, run when rows join only)."""
+    assert group.rows is not None
+    n = len(group.rows.jobs)
+    for job in group.rows.jobs:
+        if job.peak_rows < n:
+            job.peak_rows = n
 
 
 def _topk_of(job: Job, sample: int) -> types.TopkLogprobs | None:
