@@ -35,6 +35,7 @@ from tinkerq import keys
 from tinkerq.errors import ServerError, TinkerqError
 from tinkerq.gateway.records import Records
 from tinkerq.store import Delete, Expire, KeyValueStore, Publish, Write
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec
 
 log = logging.getLogger("tinkerq.gateway")
@@ -107,8 +108,8 @@ class Futures:
         """Beat and listen for answers (call on the event loop that will run the futures)."""
         self._loop = asyncio.get_running_loop()
         self._beat()
-        self._threads = [threading.Thread(target=self._beating, name="tinkerq-gw-beat", daemon=True),
-                         threading.Thread(target=self._listening, name="tinkerq-gw-answers", daemon=True)]
+        self._threads = [NamedThread(target=self._beating, name="tinkerq-gw-beat", daemon=True),
+                         NamedThread(target=self._listening, name="tinkerq-gw-answers", daemon=True)]
         for t in self._threads:
             t.start()
 

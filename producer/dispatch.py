@@ -36,6 +36,7 @@ from tinkerq.errors import BrokerUnavailableError, ServerError, TinkerqError, Wo
 from tinkerq.producer.futures import APIFuture
 from tinkerq.records import SessionHome, SnapshotRecord
 from tinkerq.retry import is_transient
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck
 
@@ -102,8 +103,8 @@ class Dispatcher:
             "interval_max": 0.2, "socket_timeout": max(self.settings.connect_timeout_s, 30.0),
             "socket_connect_timeout": self.settings.connect_timeout_s,
         }
-        self._threads = [threading.Thread(target=self._listen, name="tinkerq-replies", daemon=True),
-                         threading.Thread(target=self._monitor, name="tinkerq-monitor", daemon=True)]
+        self._threads = [NamedThread(target=self._listen, name="tinkerq-replies", daemon=True),
+                         NamedThread(target=self._monitor, name="tinkerq-monitor", daemon=True)]
         for t in self._threads:
             t.start()
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 from tinkerq.errors import RequestTimeoutError, TinkerqError
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec, messages
 from tinkerq.wire.claimcheck import ClaimCheck
 
@@ -292,7 +293,7 @@ def in_background(make: Callable[[], C]) -> concurrent.futures.Future[C]:
         except BaseException as exc:
             future.set_exception(exc)
 
-    threading.Thread(target=run, name="tinkerq-create", daemon=True).start()
+    NamedThread(target=run, name="tinkerq-create", daemon=True).start()
     return future
 
 

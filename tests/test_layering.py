@@ -208,3 +208,21 @@ def test_the_scheduler_is_pure(rel):
            if m.split(".")[0] in ("torch", "redis", "celery", "kombu", "transformers")
            or (m.startswith("tinkerq.worker") and m not in allowed)]
     assert not bad, bad
+
+
+def _plain_threads(tree: ast.AST) -> list[int]:
+    """Lines that make a ``threading.Thread`` (or a bare ``Thread``) directly."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Attribute) and node.func.attr == "Thread") or
+        (isinstance(node.func, ast.Name) and node.func.id == "Thread"))]
+
+
+def test_tinkerqs_threads_are_named_threads():
+    """Every thread tinkerq starts is a tinkerq.threads.NamedThread, so its OS thread carries its name (top -H,
+    ps -T, benchmarks/sampling_threads.py)."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for folder in SOURCE_FOLDERS
+                 for path in sorted((ROOT / folder).rglob("*.py"))
+                 for line in _plain_threads(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+    assert sorted(_plain_threads(ast.parse("import threading\nthreading.Thread(target=f).start()\nThread(target=g)\n"
+                                           "NamedThread(f, 'tinkerq-x')\n"))) == [2, 3]

@@ -25,6 +25,7 @@ from tinkerq.errors import (
     UnknownModelError,
     WorkerError,
 )
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec, messages
 from tinkerq.worker import memory
 from tinkerq.worker.core.operations import run_pass, sample_response, tokens_of
@@ -85,7 +86,7 @@ class ComputeLoop:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tinkerq-compute", daemon=True)
+            self._thread = NamedThread(target=self._run, name="tinkerq-compute", daemon=True)
             self._thread.start()
 
     def stop(self, drain_s: float = 30.0) -> None:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from tinkerq import types
 from tinkerq.errors import TinkerqError, ValidationError, WorkerError
 from tinkerq.settings import Settings
+from tinkerq.threads import NamedThread
 from tinkerq.validation import (
     Limits,
     validate_adam,
@@ -176,7 +177,7 @@ class Operations:
             finally:
                 self._sweeping.release()
 
-        threading.Thread(target=sweep, name="tinkerq-checkpoint-sweep", daemon=True).start()
+        NamedThread(target=sweep, name="tinkerq-checkpoint-sweep", daemon=True).start()
 
     # -- sampling -----------------------------------------------------------------------------------------------
 

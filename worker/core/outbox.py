@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tinkerq.threads import NamedThread
+
 if TYPE_CHECKING:
     from tinkerq.worker.core.scheduler import Request
     from tinkerq.worker.training.sessions import Slot
@@ -58,7 +60,7 @@ class Outbox:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread = NamedThread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
     @property

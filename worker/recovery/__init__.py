@@ -32,6 +32,7 @@ from tinkerq.operations import CHECKPOINT_KINDS, PASS_OPS
 from tinkerq.operations import STATELESS as STATELESS_OPS
 from tinkerq.records import JournalEntry, SessionHome, SnapshotRecord
 from tinkerq.store import Push
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints
 from tinkerq.worker.recovery.group_outage import GroupHold
@@ -434,5 +435,5 @@ class Recovery:
                 except Exception:
                     log.exception("watchdog failed")
 
-        threading.Thread(target=loop, name="tinkerq-watchdog", daemon=True).start()
+        NamedThread(target=loop, name="tinkerq-watchdog", daemon=True).start()
         return stop

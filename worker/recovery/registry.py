@@ -27,6 +27,7 @@ from tinkerq import keys
 from tinkerq.errors import TinkerqError, WorkerLostError
 from tinkerq.settings import Settings
 from tinkerq.store import HashDelete, KeyValueStore, ZRemove
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec, messages
 from tinkerq.worker.transport.intake import store_reply
 
@@ -76,7 +77,7 @@ class Registration:
 
     def start(self) -> None:
         self.beat()
-        self._thread = threading.Thread(target=self._loop, name="tinkerq-heartbeat", daemon=True)
+        self._thread = NamedThread(target=self._loop, name="tinkerq-heartbeat", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:

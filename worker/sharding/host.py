@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from tinkerq import types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
+from tinkerq.threads import NamedThread
 from tinkerq.wire import messages
 from tinkerq.worker.loading.models import load_causal_lm
 from tinkerq.worker.loading.quantized_base import FULL_SESSION_MESSAGE, FullSessionOnQuantizedBase
@@ -225,7 +226,7 @@ class ShardHost:
 
     def _after_failure(self, reason: str) -> None:
         self.on_failure(reason)
-        threading.Thread(target=self._reform, name="tinkerq-shard-reform", daemon=True).start()
+        NamedThread(target=self._reform, name="tinkerq-shard-reform", daemon=True).start()
 
     def _reform(self) -> None:
         while True:
@@ -275,7 +276,7 @@ class ShardHost:
                 elif self.group.healthy:
                     on_loop(ping)  # busy: the loop's own collectives tell rank 0 and the followers enough
 
-        threading.Thread(target=loop, name="tinkerq-shard-ping", daemon=True).start()
+        NamedThread(target=loop, name="tinkerq-shard-ping", daemon=True).start()
         return stop
 
     def open_lora(self, model_id: str, config: types.LoraConfig, *, base_model: str) -> LoraSession:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec
 
 log = logging.getLogger("tinkerq.worker")
@@ -58,7 +59,7 @@ class TaskEvents:
         self._celery = dispatcher
         if self._flusher is None:
             self._stopped.clear()
-            self._flusher = threading.Thread(target=self._flush_loop, name="tinkerq-events", daemon=True)
+            self._flusher = NamedThread(target=self._flush_loop, name="tinkerq-events", daemon=True)
             self._flusher.start()
 
     def _flush_loop(self) -> None:

@@ -38,6 +38,7 @@ from tinkerq.redis_client import SentinelMasterConnection
 from tinkerq.retry import is_transient
 from tinkerq.settings import Settings
 from tinkerq.store import KeyValueStore, Reply
+from tinkerq.threads import NamedThread
 from tinkerq.wire import codec, messages
 from tinkerq.wire.codec import CONTENT_TYPE
 from tinkerq.wire.messages import REPLY_HEADER
@@ -269,7 +270,7 @@ class DeferredQoS(kombu_redis.QoS):
 
     def _wake(self) -> None:
         if self._writer is None or not self._writer.is_alive():
-            self._writer = threading.Thread(target=self._write_loop, name="tinkerq-unacked", daemon=True)
+            self._writer = NamedThread(target=self._write_loop, name="tinkerq-unacked", daemon=True)
             self._writer.start()
         self._cond.notify_all()
 

@@ -18,6 +18,7 @@ import threading
 
 from tinkerq import keys
 from tinkerq.errors import MalformedMessageError
+from tinkerq.threads import NamedThread
 from tinkerq.wire import messages
 from tinkerq.worker.core.service import WorkerService
 from tinkerq.worker.transport.intake import DeadLetters
@@ -39,7 +40,7 @@ class SampleIntake:
     def start(self) -> None:
         # Publishing has a thread of its own: an intake waiting for another worker's snapshot must not keep
         # this worker from publishing the one that other worker waits for.
-        self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"tinkerq-{name}", daemon=True)
+        self._threads = [NamedThread(target=self._loop, args=(q,), name=f"tinkerq-{name}", daemon=True)
                          for q, name in ((self.queue, "sample-intake"), (self.publish_queue, "publisher"))]
         for t in self._threads:
             t.start()
