@@ -531,3 +531,55 @@ def test_dense_prefill_is_bitwise_the_models_own_prefill(family, lora):
             with torch.no_grad():
                 assert not torch.equal(logits, model(input_ids=ids, logits_to_keep=1).logits[:, -1])
 
+
+
+def test_dense_groups_step_in_inference_mode_and_leave_the_model_trainable(monkeypatch):
+    """A dense group's steps run under torch.inference_mode (cheaper per operator), with the same tokens and logprobs
+    as under no_grad; the model trains afterwards exactly as one that never sampled (no inference tensor reached
+    it). A model whose rotary table is rebuilt in its forward ("dynamic" rope) keeps no_grad."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tinkerq.worker.sampling import cache_rows
+
+    model = _dense_family("qwen3")
+    untouched = copy.deepcopy(model)
+    modes = []
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        answers: dict[int, list[types.SampledSequence]] = {}
+        jobs = [make_job(model, prompt_of(n, n), 2, 10, temperature=1.0, seed=n,
+                         on_done=lambda seqs, err, n=n: (modes.append(torch.is_inference_mode_enabled()),
+                                                         answers.setdefault(n, seqs)))
+                for n in (4, 9, 13)]
+        run_jobs(None, jobs)
+        return [(s.tokens, s.logprobs) for n in sorted(answers) for s in answers[n]]
+
+    fast = run()
+    assert modes and all(modes)  # answered inside the step, under inference_mode
+    original_init = cache_rows.Group.__init__
+
+    def without(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.inference_mode = False
+
+    monkeypatch.setattr(cache_rows.Group, "__init__", without)
+    modes.clear()
+    assert run() == fast and modes and not any(modes)
+    monkeypatch.undo()
+
+    # Training after sampling: the same loss and gradients as a copy that never sampled.
+    ids = torch.tensor([prompt_of(12, 3)])
+    grads = []
+    for m in (model, untouched):
+        m.train()
+        m.zero_grad()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+    dynamic = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})).eval()
+    assert cache_rows.Group(dynamic).dense is not None and not cache_rows.Group(dynamic).inference_mode
+    assert cache_rows.Group(model).inference_mode

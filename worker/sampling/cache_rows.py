@@ -264,6 +264,11 @@ class Group:
         # Prompt logprobs from hidden states and the output embedding (else from every position's logits).
         self.fused_head = getattr(model, "fused_head", True) and fused_head_support(model) is None
         self.dense: DenseDecode | None = dense_decode(model)  # its decode step without the model's wrapping
+        # Its steps run under torch.inference_mode (no autograd or version-counter bookkeeping per operator: ~10% of a
+        # small model's decode step) where nothing a step makes can reach training: the dense classes with a fixed
+        # rotary table (a "dynamic" one re-registers its buffer in the forward). Every tensor of the group's rows is
+        # then an inference tensor, made and updated only inside its steps.
+        self.inference_mode = self.dense is not None and getattr(model.model.rotary_emb, "rope_type", None) == "default"
         self.cache: Any = None  # the cache the model made at the first prefill; its layers are re-pointed at rows
         self.kinds: list[Kind] = []  # per cache layer (set with ``cache``)
         self.rows: Rows | None = None

@@ -113,7 +113,9 @@ class TorchEngine:
         with self._stepping:
             self._stepper = threading.get_ident()
             try:
-                with torch.no_grad():  # not inference_mode: a model's lazily built buffers must stay usable in training
+                # no_grad, not inference_mode: a model's lazily built buffers must stay usable in training (a group
+                # that cannot build any runs its own steps under inference_mode: Group.inference_mode)
+                with torch.no_grad():
                     did = self._iteration()
                 if did:
                     self.steps += 1
@@ -174,7 +176,8 @@ class TorchEngine:
                             job.report(None, exc)
             for key in list(self._groups):
                 group = self._groups[key]
-                self._step(group, admitted.get(key, []))
+                with torch.inference_mode(group.inference_mode):
+                    self._step(group, admitted.get(key, []))
                 if group.rows is None:
                     del self._groups[key]
         except Exception as exc:  # a bug of the engine's own: answer what it holds rather than leave it waiting
