@@ -308,3 +308,24 @@ def test_a_crash_while_a_checkpoint_is_replaced_leaves_a_complete_one(tmp_path, 
     assert (final / "tinkerq_state.json").read_text() == "newer"
     assert not checkpoints.previous_path(final).exists()
     assert sorted(p.name for p in final.parent.iterdir()) == [".auto"]
+
+
+def test_a_checkpoint_write_shows_no_progress_bar_of_transformers(model_dir, tmp_path, capfd):
+    """Every checkpoint write (automatic snapshots every few steps among them) runs with transformers' progress
+    bars off, so its "Writing model shards" bar does not cut through ``tinkerq sft``'s own bar; they are on again
+    after, and a save outside a checkpoint write still shows it (the check can fail)."""
+    from transformers.utils import logging as hf_logging
+
+    from tests.helpers import load_reference
+    from tinkerq.worker import checkpoints
+
+    model = load_reference(model_dir)
+    assert hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    final = checkpoints.weights_path(str(tmp_path), "d" * 32, "quiet")
+    checkpoints.write_atomically(final, lambda d: model.save_pretrained(d))
+    assert (final / "model.safetensors").is_file()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    model.save_pretrained(tmp_path / "outside")
+    assert "Writing model shards" in capfd.readouterr().err

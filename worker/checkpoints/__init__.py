@@ -34,7 +34,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +105,30 @@ def write_atomically(final: Path, fill: Callable[[Path], None], *, overwrite: bo
         refuse_existing(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))  # mode 0o700, a new name
     try:
-        fill(tmp)
+        with _no_progress_bars():
+            fill(tmp)
         if not overwrite:  # saved meanwhile by another worker (a shared checkpoint directory): that one stays
             refuse_existing(final)
         install_directory(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while a checkpoint is written: its "Writing model shards" bar at every
+    automatic snapshot would cut through the caller's own progress bar in an embedded fleet (``tinkerq sft``) and
+    fill a worker's log. (Its switch is global: a bar another thread starts meanwhile stays hidden too.)"""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def install_directory(new: Path, final: Path) -> None:
