@@ -61,6 +61,42 @@ def test_every_worker_task_is_an_operation_and_every_operation_a_task():
     assert "tinkerq.sample" not in registered  # read from each worker's own sampling queue
 
 
+def test_two_workers_in_one_process_each_get_their_own_tasks():
+    """A second worker app in one process (a second embedded fleet) gets its own tasks, bound to its own service,
+    with no duplicate task names; and once a worker's app is gone, nothing of Celery's keeps its service alive (each
+    service holds a model). Celery's shared tasks did both wrong: the first app's tasks were registered on every later
+    app before its own."""
+    import gc
+    import warnings
+    import weakref
+
+    from tinkerq.celery_app import make_celery
+    from tinkerq.worker.transport.tasks import register_tasks
+
+    class Service:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def submit(self, op: str, envelope: Any, **_: Any) -> None:
+            self.calls.append(op)  # queued: the compute loop would answer
+
+    services, apps = [Service(), Service()], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Celery's DuplicateTaskNameWarning fails the test
+        for service in services:
+            app = make_celery(Settings())
+            register_tasks(app, service)  # type: ignore[arg-type]
+            app.finalize()
+            apps.append(app)
+    apps[1].tasks["tinkerq.close_model"].apply(args=(b"x",))
+    apps[0].tasks["tinkerq.echo"].apply(args=(b"x",))
+    assert services[0].calls == ["echo"] and services[1].calls == ["close_model"]
+    first = weakref.ref(services[0])
+    del services[0], apps[0], app, service
+    gc.collect()
+    assert first() is None
+
+
 def test_the_workers_handlers_are_the_ordered_operations():
     from tinkerq.worker.core.operations import Operations
 

@@ -65,8 +65,11 @@ def _register(app: Celery, service: WorkerService, op: str) -> None:
 
     run.__name__ = op
     run.__qualname__ = op
+    # shared=False: the task is this app's alone. Celery's default (shared) also adds it to every app made later in
+    # the process, so a second worker there (another embedded fleet) had the first's tasks, bound to the first
+    # service, registered before its own, and the global list of shared tasks kept every service alive.
     app.task(name=OPERATIONS[op].task_name, bind=True, acks_late=True, ignore_result=True,
-             Request=SummarisedRequest)(run)
+             Request=SummarisedRequest, shared=False)(run)
 
 
 class SummarisedRequest(Request):
