@@ -116,10 +116,7 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def embedded(model_dir: Path, dtype: str) -> Iterator:
-    """An in-process worker (worker/core/embedded.py: the worker's own assembly) serving ``model_dir`` on the CPU.
-
-    One per test process: Celery shares the tasks one app registers with every app made later, so a second
-    embedded fleet's requests would reach the first one's service."""
+    """An in-process worker (worker/core/embedded.py: the worker's own assembly) serving ``model_dir`` on the CPU."""
     from tinkerq.producer import ServiceClient
     from tinkerq.worker.core.embedded import EmbeddedFleet
 

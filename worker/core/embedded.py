@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery import _state as celery_state
 from celery.contrib.testing.worker import start_worker
 
 from tinkerq.settings import Settings
@@ -28,12 +29,14 @@ class EmbeddedFleet:
         self.name = name
         self.worker: AssembledWorker | None = None
         self._ctx: Any = None
+        self._apps_before: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> EmbeddedFleet:
         # The memory transport has no host; kombu warns about that on every connection.
         logging.getLogger("kombu.connection").setLevel(logging.ERROR)
         self.worker = assemble(self.model_path, self.settings, name=self.name)
         app = self.worker.connection.app
+        self._apps_before = (celery_state.default_app, celery_state._tls.current_app)
         self._ctx = start_worker(
             app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
             queues=self.worker.queues, shutdown_timeout=30.0,
@@ -48,6 +51,11 @@ class EmbeddedFleet:
         assert self.worker is not None
         self._ctx.__exit__(None, None, None)  # the consumer stops, as a worker's shutdown stops it first
         self.lifecycle.stop()
+        # start_worker made this fleet's app Celery's default and current one; left there, Celery would keep the
+        # app, its tasks and so the service and its model alive after the fleet (until another fleet replaced it).
+        default, current = self._apps_before
+        celery_state.set_default_app(default)
+        celery_state._set_current_app(current)
 
     @property
     def base_model(self) -> str:
