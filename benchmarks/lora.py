@@ -19,7 +19,8 @@ attention, MLP and output projections (``train_attn``/``train_mlp``/``train_unem
   same tokens through a plain trainable copy of the base (same loss head): one (16, 128) forward + backward vs
   16 of (1, 128). Diagnostics: the same pass with its products stacked over the tenants
   (``routing.PRODUCTS = "stacked"``: faster, no longer bitwise), the other bitwise layout, fixed-shape tiles
-  (``routing.PRODUCTS = "tiles"``), mixed and one at a time, and with ``--before REV`` the pass of
+  (``routing.PRODUCTS = "tiles"``), mixed and one at a time, a frozen copy of the base (input gradients only: the
+  base's share of a LoRA pass) batched and one at a time, and with ``--before REV`` the pass of
   ``worker/lora/batch.py`` at git revision REV (imported from ``git show``; run with the products stacked, which
   is how that code ran, e.g. 42d3d33, before batch invariance). ``--varied``: datum lengths drawn in 64..192
   instead of 128 (micro-batches of different padded lengths do not share a forward).
@@ -226,10 +227,20 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
              torch.as_tensor(np.asarray(d[0].loss_fn_inputs["weights"].to_numpy()), device=base.device))
             for d in requests]
 
-    def plain_fb(group: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[float]:
+    # The base's share of a LoRA pass, without the adapters: a frozen copy whose backward computes input gradients
+    # through every layer (its embeddings' output asks for them, as the first adapted projection's input does) and
+    # no weight gradients. Batched against one at a time it bounds what batching can gain a LoRA pass whose adapters
+    # cost nothing.
+    frozen = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(base.device).eval()
+    frozen.requires_grad_(False)
+    frozen.get_input_embeddings().register_forward_hook(lambda _m, _a, out: out.requires_grad_())
+    frozen_logprobs = LogprobComputer(frozen, args.loss_backend)
+
+    def plain_fb(group: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], model: Any = None,
+                 logprobs: Any = None) -> list[float]:
         tokens, targets, weights, mask = (torch.nn.utils.rnn.pad_sequence(list(x), batch_first=True)
                                           for x in zip(*[(*r, torch.ones_like(r[0])) for r in group], strict=True))
-        lp = plain_logprobs(plain, tokens, mask, targets)
+        lp = (logprobs or plain_logprobs)(model or plain, tokens, mask, targets)
         losses = -(lp * weights).sum(dim=1)
         losses.sum().backward()
         return losses.tolist()
@@ -240,6 +251,17 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
             p.grad = None
         return out
 
+    def frozen_way(batched: bool, per_request: bool = False) -> list[float]:
+        if not batched:
+            return [plain_fb([r], frozen, frozen_logprobs)[0] for r in rows]
+        if not per_request:
+            return plain_fb(rows, frozen, frozen_logprobs)
+        # the bitwise pass's layout without adapters: each request's rows a routing group of its own, so every
+        # product over the batch, the loss head's too, runs per request (routing.PRODUCTS = "groups")
+        with routing.routed([(None, slice(i, i + 1)) for i in range(len(rows))], head=base.head,
+                            length=len(rows[0][0])):
+            return plain_fb(rows, frozen, frozen_logprobs)
+
     pairs = list(zip(tenants, requests, strict=True))
     ways: dict[str, Callable[[], list[float]]] = {
         f"mixed: one run_pass of {TENANTS} requests": lambda: pass_over(pairs),
@@ -249,6 +271,9 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
         f"no LoRA, trainable base: one fb of {TENANTS} datums": lambda: plain_way(True),
         f"no LoRA, trainable base: {TENANTS} fb of 1 datum": lambda: plain_way(False),
         "diagnostic: mixed, products stacked (not bitwise)": stacked,
+        f"diagnostic: no LoRA, frozen base: one fb of {TENANTS} datums": lambda: frozen_way(True),
+        f"diagnostic: no LoRA, frozen base: {TENANTS} fb of 1 datum": lambda: frozen_way(False),
+        f"diagnostic: no LoRA, frozen base: one fb of {TENANTS}, products per request": lambda: frozen_way(True, True),
         "products in tiles: mixed": lambda: in_tiles(lambda: pass_over(pairs)),
         "products in tiles: one at a time": lambda: in_tiles(lambda: [pass_over([p])[0] for p in pairs]),
     }
@@ -278,7 +303,8 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
                 [(n, median(t), min(t), tokens / median(t), baseline / median(t), per_rep[n])
                  for n, t in times.items()])
     ratio = baseline / median(times[mixed_name])
-    for name, other in [(mixed_name, seq_name), (mixed_name, solo_name), *((d, seq_name) for d in diagnostics)]:
+    lora_paths = [d for d in diagnostics if "frozen base" not in d]  # the frozen base has no adapters: other losses
+    for name, other in [(mixed_name, seq_name), (mixed_name, solo_name), *((d, seq_name) for d in lora_paths)]:
         diff = max(abs(a - b) for a, b in zip(losses[name], losses[other], strict=True))
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses[other], strict=True))
         label = "mixed" if name == mixed_name else name.replace(f"one run_pass of {TENANTS} requests", "pass")
@@ -292,6 +318,13 @@ def run_mixed(base: LoraBase, model_dir: Path, vocab: int, args: argparse.Namesp
     for name in diagnostics:
         print(f"{name}: {baseline / median(times[name]):.2f}x one-at-a-time tokens/s; the mixed pass takes "
               f"{median(times[mixed_name]) / median(times[name]):.2f}x its time")
+    frozen_batched, frozen_seq, frozen_groups = (median(times[n]) for n in ways if "frozen base" in n)
+    adapters = baseline - frozen_seq  # the adapters' work (and routing) of the 16 requests one at a time
+    print(f"frozen base (a LoRA pass's base work, no adapters): batching gains it {frozen_seq / frozen_batched:.2f}x "
+          f"with products stacked, {frozen_seq / frozen_groups:.2f}x with products per request; the adapters' work "
+          f"one at a time, by difference: {adapters:.3f} s of {baseline:.3f} s; so a mixed pass whose adapters cost "
+          f"what they cost one at a time could reach {baseline / (frozen_batched + adapters):.2f}x stacked and "
+          f"{baseline / (frozen_groups + adapters):.2f}x bitwise (products per request)")
     tiles_mixed, tiles_seq = (n for n in ways if n.startswith("products in tiles"))
     t_mixed, t_seq = median(times[tiles_mixed]), median(times[tiles_seq])
     print(f"products in tiles (routing.PRODUCTS = 'tiles'): mixed {t_seq / t_mixed:.2f}x its one at a time; against "
