@@ -49,13 +49,15 @@ class EmbeddedFleet:
 
     def __exit__(self, *exc: object) -> None:
         assert self.worker is not None
-        self._ctx.__exit__(None, None, None)  # the consumer stops, as a worker's shutdown stops it first
-        self.lifecycle.stop()
-        # start_worker made this fleet's app Celery's default and current one; left there, Celery would keep the
-        # app, its tasks and so the service and its model alive after the fleet (until another fleet replaced it).
-        default, current = self._apps_before
-        celery_state.set_default_app(default)
-        celery_state._set_current_app(current)
+        try:
+            self._ctx.__exit__(None, None, None)  # the consumer stops, as a worker's shutdown stops it first
+            self.lifecycle.stop()
+        finally:
+            # start_worker made this fleet's app Celery's default and current one; left there, Celery would keep the
+            # app, its tasks and so the service and its model alive after the fleet (until another replaced it).
+            default, current = self._apps_before
+            celery_state.set_default_app(default)
+            celery_state._set_current_app(current)
 
     @property
     def base_model(self) -> str:
