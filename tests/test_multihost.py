@@ -303,6 +303,53 @@ def test_a_followers_link_cut_mid_run_and_back_within_the_adopt_timeout_loses_no
         ref.close()
 
 
+def test_redis_stalling_as_the_group_re_forms_does_not_break_it_again(
+        two_hosts, hosts, net_redis, net_service, service, model_dir):
+    """Right after an outage Redis can answer slowly for longer than TINKERQ_COLLECTIVE_TIMEOUT_S (a stalled
+    connection, the replies the outage held back). Rank 0 reads what re-making its held session needs from Redis
+    before any of the re-make runs on its compute loop, which stays idle and keeps pinging the follower meanwhile:
+    Redis answering nothing (CLIENT PAUSE) as the group re-forms delays the session; it does not break the group
+    again. (Before, the loop read the journal between two of the re-make's commands, the follower's wait for the
+    next one timed out, and the group had to form a third time.)"""
+    import redis
+
+    batches = [make_batch(np.random.default_rng(94), n) for n in (3, 4, 2, 5, 4, 3, 4, 2, 3, 1)]
+    tc = net_service.create_training_client(two_hosts.name)
+    ref = service.create_training_client(str(model_dir))
+    pause_s = 4 * COLLECTIVE_TIMEOUT_S  # the re-forming takes a few seconds of it; the rest outlasts the wait
+    try:
+        futures, _ = _pipelined_run(tc, batches, lambda: hosts.cut("b"))
+        wait_for(lambda: "the shard group of this model failed" in two_hosts.log(0).read_text(),
+                 COLLECTIVE_TIMEOUT_S + SLACK_S, "rank 0 to notice the cut", two_hosts.procs[0], two_hosts.log(0))
+        with redis.Redis.from_url(net_redis) as client:  # (no client can unpause it early: it ends by itself)
+            client.client_pause(pause_s * 1000, all=True)
+        paused_until = time.monotonic() + pause_s
+        hosts.restore("b")
+        wait_for(lambda: two_hosts.log(0).read_text().count("shard group formed: rank 0") >= 2,
+                 RENDEZVOUS_TIMEOUT_S + SLACK_S, "the group to re-form", two_hosts.procs[0], two_hosts.log(0))
+        stalled_after_forming = paused_until - time.monotonic()
+        outcomes = _wait_answered(futures, pause_s + ADOPT_TIMEOUT_S + SLACK_S)
+        print(f"\nRedis paused {pause_s} s as the link came back; {stalled_after_forming:.1f} s of it after the group "
+              f"re-formed; {_kinds(outcomes)}")
+        # Else the pause ended before the follower's wait could run out, and this test shows nothing.
+        assert stalled_after_forming > COLLECTIVE_TIMEOUT_S + 2, stalled_after_forming
+        assert _kinds(outcomes) == ["ok"] * len(futures), [o for o, _ in outcomes]
+        steps = [o.metrics["step:max"] for o, _ in outcomes[1::2]]
+        assert steps == list(range(2, len(batches) + 1)), steps  # each optimizer step once, in order
+        log0 = two_hosts.log(0).read_text()
+        assert "re-made session" in log0
+        # Formed at start-up and once after the cut: the stall did not break it again.
+        assert log0.count("shard group formed: rank 0") == 2, log0[-3000:]
+        assert "re-making session" not in log0, log0[-3000:]  # neither interrupted nor failed
+        assert two_hosts.procs[1].poll() is None
+        ref_futures, _ = _pipelined_run(ref, batches, None)
+        ref_losses = [f.result(timeout=120).metrics["loss:sum"] for f in ref_futures[0::2]]
+        assert [o.metrics["loss:sum"] for o, _ in outcomes[0::2]] == pytest.approx(ref_losses, rel=1e-5, abs=1e-5)
+    finally:
+        tc.close()
+        ref.close()
+
+
 def test_a_followers_link_cut_for_longer_than_the_adopt_timeout_fails_the_session_clearly(
         two_hosts, hosts, net_service, service, model_dir):
     """No other worker serves the model: past TINKERQ_ADOPT_TIMEOUT_S rank 0 answers every held request with a

@@ -300,15 +300,18 @@ class Recovery:
         comes back: it must then reach the request it was parked after, and its record names it live here."""
         model_id, lost, service = home.model_id, home.worker, self.service
         started = time.perf_counter()
+        # Read before the session exists: on a shard group, nothing waits on Redis between the session's commands
+        # (a follower waits for the next one only TINKERQ_COLLECTIVE_TIMEOUT_S).
+        journal = self.read_journal(model_id, store)
+        record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
         slot = service.open_session(model_id, home.lora)
         try:
-            last, entries = self.rebuild(slot, store, resume=False)
+            last, entries = self.rebuild(slot, journal, resume=False)
             with service.cond:
                 reached = service.scheduler.position(model_id)
             if home.parked and reached != home.seq_id:
                 raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request {reached}, not "
                                   f"request {home.seq_id}, which it was parked after")
-            record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
             slot.snapshot_at = record.time if record else None
             slot.adopted_from = home.adopted_from if home.parked else lost
             again = home.live_on(self.worker_id) if home.parked else home.moved_to(self.worker_id)
@@ -327,10 +330,16 @@ class Recovery:
         log.warning("adopted session %s of lost worker %s: snapshot after request %d + %d journaled request(s) "
                     "replayed in %.1f s", model_id, lost, last, len(entries), time.perf_counter() - started)
 
-    def rebuild(self, slot: Slot, store: Any, *, resume: bool) -> tuple[int, list[JournalEntry]]:
-        """Bring ``slot``'s new session to the state after the last request its journal holds (compute loop): load
-        the automatic snapshot with its optimizer, then apply the journal's later requests again, in order.
-        Returns the snapshot's position and the entries replayed.
+    @staticmethod
+    def read_journal(model_id: str, store: Any) -> list[JournalEntry]:
+        """A session's journal, in request order (Redis: read it before :meth:`rebuild`, which touches no network)."""
+        return sorted((JournalEntry.loads(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
+                      key=lambda e: e.seq)
+
+    def rebuild(self, slot: Slot, journal: list[JournalEntry], *, resume: bool) -> tuple[int, list[JournalEntry]]:
+        """Bring ``slot``'s new session to the state after the last request of ``journal`` (its journal, read with
+        :meth:`read_journal`; compute loop): load the automatic snapshot with its optimizer, then apply the
+        journal's later requests again, in order. Returns the snapshot's position and the entries replayed.
 
         ``resume=False``, an adopter: the lane's order starts after the snapshot, the journal's answers kept for
         repeats. ``resume=True``, rank 0 re-making its own session after its shard group re-formed: the order
@@ -344,8 +353,6 @@ class Recovery:
         if (directory / checkpoints.STATE_FILE).is_file():
             last = int(slot.session.load_state(Path(directory), optimizer=True)["seq_id"])
             slot.snapshot_seq = last
-        journal = sorted((JournalEntry.loads(raw) for raw in store.list_range(keys.journal(model_id), 0, -1)),
-                         key=lambda e: e.seq)
         # Covered by the snapshot; their answers may not have reached their callers: kept for repeats.
         covered = [(e.seq, e.reply) for e in journal if e.seq <= last]
         entries = [e for e in journal if e.seq > last]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tinkerq import keys
 from tinkerq.errors import ShardGroupError, TinkerqError
-from tinkerq.records import SnapshotRecord
+from tinkerq.records import JournalEntry, SnapshotRecord
 from tinkerq.worker.core.scheduler import Request
 from tinkerq.worker.recovery.registry import LOST_AFTER_BEATS, adopters
 from tinkerq.worker.training.sessions import Slot
@@ -99,19 +99,32 @@ class GroupHold:
             log.warning("the shard group re-formed after its sessions were given up")
             return
         down = time.monotonic() - outage.since
+        # What re-making needs from Redis is read here, before anything of it runs on the compute loop. The
+        # followers wait for rank 0's next command only TINKERQ_COLLECTIVE_TIMEOUT_S; rank 0 pings them while its
+        # loop is idle, not while the loop waits on Redis between two of the re-make's commands. Right after an
+        # outage Redis can be slow for longer than that (a stalled connection, the outbox's backlog), and the
+        # group would break again.
+        service = self.service
+        store = self.store.with_retry(self.settings.heartbeat_s)
+        service.outbox.flush()  # its last journal entries and a staged snapshot may still be on their way
         for model_id in list(outage.held):
-            self.service.run_control(lambda m=model_id: self._restore(m, down))
+            try:
+                journal = self.recovery.read_journal(model_id, store)
+            except Exception as exc:
+                self._not_remade(model_id, exc)
+                continue
+            service.run_control(lambda m=model_id, j=journal: self._restore(m, j, down))
 
-    def _restore(self, model_id: str, down: float) -> None:
-        """Re-make one held session after its group re-formed (compute loop); if that fails for another reason than
-        the group failing again, the session is broken and its waiting requests are answered with the reason."""
+    def _restore(self, model_id: str, journal: list[JournalEntry], down: float) -> None:
+        """Re-make one held session after its group re-formed (compute loop; nothing here waits on the network);
+        if that fails for another reason than the group failing again, the session is broken and its waiting
+        requests are answered with the reason."""
         service = self.service
         with service.cond:
             slot = service.slots.get(model_id)
             if slot is None or self.outage is not None:  # closed meanwhile, or the group failed again: held anew
                 return
         started = time.perf_counter()
-        store = self.store.with_retry(self.settings.heartbeat_s)
         try:
             others = {mid: s for mid, s in service.slots.items() if mid != model_id}  # not counted twice
             recipe = slot.session.recipe()
@@ -119,9 +132,7 @@ class GroupHold:
             slot.session = service.factory.make(model_id, recipe, others, service.close_session)
             with service.cond:
                 service.scheduler.regroup(model_id, slot.session.pass_group)
-            # Its last journal entries and a staged snapshot may still be on the outbox: the rebuild reads them.
-            service.outbox.flush()
-            last, entries = self.recovery.rebuild(slot, store, resume=True)
+            last, entries = self.recovery.rebuild(slot, journal, resume=True)
         except ShardGroupError as exc:
             if self.outage is not None:  # failed again while re-making it: held until the next re-forming
                 log.warning("re-making session %s was interrupted: %s", model_id, exc.message)
@@ -130,10 +141,7 @@ class GroupHold:
                                             f"re-formed: {exc.message}")
             return
         except Exception as exc:
-            log.exception("re-making session %s after its shard group re-formed failed", model_id)
-            message = exc.message if isinstance(exc, TinkerqError) else f"{type(exc).__name__}: {exc}"
-            self._fail_held(model_id, slot, f"session {model_id} could not be re-made after its shard group "
-                                            f"re-formed ({message}); {self._resume_hint(model_id)}")
+            self._not_remade(model_id, exc)
             return
         with service.cond:
             if self.outage is None:  # else the group failed again meanwhile: the new outage holds it
@@ -143,6 +151,16 @@ class GroupHold:
         log.warning("re-made session %s after its shard group re-formed (down %.1f s): snapshot after request %d + "
                     "%d journaled request(s) replayed in %.1f s; its waiting requests go on", model_id, down, last,
                     len(entries), time.perf_counter() - started)
+
+    def _not_remade(self, model_id: str, exc: Exception) -> None:
+        """Re-making a held session failed (reading its journal, or on the loop): broken, with the reason."""
+        log.exception("re-making session %s after its shard group re-formed failed", model_id)
+        slot = self.service.slots.get(model_id)
+        if slot is None:
+            return
+        message = exc.message if isinstance(exc, TinkerqError) else f"{type(exc).__name__}: {exc}"
+        self._fail_held(model_id, slot, f"session {model_id} could not be re-made after its shard group "
+                                        f"re-formed ({message}); {self._resume_hint(model_id)}")
 
     def _fail_held(self, model_id: str, slot: Slot, message: str) -> None:
         """A held session cannot go on: broken (no longer held), its waiting requests answered."""
