@@ -30,6 +30,8 @@ def main() -> None:
     from tinkerq.worker.core.embedded import EmbeddedFleet
 
     calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    restore_calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    sink = [calls]  # where the recorded calls go
     recording = threading.Event()
     writes_open = threading.Event()
     writes_open.set()
@@ -39,7 +41,7 @@ def main() -> None:
 
         def recorded(self: MemoryStore, *args: object, **kwargs: object) -> object:
             if recording.is_set():
-                calls[threading.current_thread().name][name] += 1
+                sink[0][threading.current_thread().name][name] += 1
             if name == "write_many":
                 writes_open.wait()
             return original(self, *args, **kwargs)
@@ -93,6 +95,20 @@ def main() -> None:
         snapshots = {m: [position, record.seq_id if record else None,
                          bool(record and (Path(record.path) / "tinkerq_state.json").is_file())]
                      for m, (position, record) in snapshots.items()}
+
+        # A parked session restored on its client's return (Recovery.adopt, the code that adopts a lost worker's
+        # session): its journal and records are read and written on the transport's thread, and the compute loop
+        # re-makes it without a store call.
+        lora = clients[0]
+        before_park = float(lora.forward(data).result(timeout=120).metrics["loss:sum"])
+        parked = bool(service.run_control(lambda: service.idle.park(lora.model_id, 0.0)))
+        parked_out = lora.model_id not in service.slots
+        sink[0] = restore_calls
+        recording.set()
+        after_restore = float(lora.forward(data).result(timeout=120).metrics["loss:sum"])
+        recording.clear()
+        restore = {"parked": parked and parked_out, "back": lora.model_id in service.slots,
+                   "losses": [before_park, after_restore], "calls": {k: dict(v) for k, v in restore_calls.items()}}
         for tc in clients:
             tc.close()
 
@@ -110,7 +126,7 @@ def main() -> None:
     print(json.dumps({"idle_ping": [idle, ran], "busy_ping": busy,
                       "calls": {k: dict(v) for k, v in calls.items()}, "losses": losses,
                       "moved_during_outage": moved, "answered_during_outage": answered_during,
-                      "after": after, "snapshots": snapshots}))
+                      "after": after, "snapshots": snapshots, "restore": restore}))
 
 
 if __name__ == "__main__":

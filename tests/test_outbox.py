@@ -90,7 +90,8 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
     journal entries, answers and snapshot records. While the store's writes hang, requests already taken still run
     (their sessions' orders move on, past a due snapshot) and none is answered; once writes come back, all are, and
     each session's snapshot record names its last request, with the snapshot in place. A shard group's idle ping
-    runs on the loop, and only when it is idle."""
+    runs on the loop, and only when it is idle. A session parked idle and restored on its client's next request
+    (the adoption code) reads its journal and writes its record off the loop too, and answers as before."""
     proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir), str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -110,6 +111,12 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
                                        for position, seq, in_place in result["snapshots"].values()), result
     assert result["idle_ping"] == [True, ["tinkerq-compute"]]  # run_when_idle: on the loop, when it is idle
     assert result["busy_ping"] is False  # not while it runs something (and not run later either)
+    restore = result["restore"]
+    assert restore["parked"] and restore["back"], restore
+    assert restore["losses"][0] == pytest.approx(restore["losses"][1], rel=1e-6), restore
+    assert "tinkerq-compute" not in restore["calls"], restore["calls"]
+    assert sum(made.get("list_range", 0) for made in restore["calls"].values()) >= 1  # the journal, read elsewhere
+    assert sum(made.get("set", 0) for made in restore["calls"].values()) >= 1  # its record, live again
 
 
 class _Message:

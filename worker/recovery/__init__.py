@@ -259,7 +259,7 @@ class Recovery:
                 if home.parked:  # released idle: it stays out of memory, restored here on its next request
                     self.service.idle.take_over(home, store)
                 else:
-                    self.service.run_control(lambda h=home: self.adopt(h, store))
+                    self.adopt(home, store)
                 adopted += 1
             except Exception:
                 log.exception("adopting session %s failed; another worker may try", model_id)
@@ -294,30 +294,27 @@ class Recovery:
         return shards is None or (shards.group.healthy and self.group.outage is None)
 
     def adopt(self, home: SessionHome, store: Any) -> None:
-        """Re-make a lost worker's session here (compute loop): snapshot, then the journal's later requests.
+        """Re-make a lost worker's session here (watchdog thread): snapshot, then the journal's later requests.
 
-        A parked session (released idle, worker/recovery/idle_release.py) is re-made here the same way when its client
-        comes back: it must then reach the request it was parked after, and its record names it live here."""
-        model_id, lost, service = home.model_id, home.worker, self.service
+        A parked session (released idle, worker/recovery/idle_release.py) is re-made here the same way when its
+        client comes back (transport thread): it must then reach the request it was parked after, and its record
+        names it live here. What the re-make needs from Redis is read first, on the calling thread; the compute
+        loop then re-makes it without waiting on the network (on a shard group a follower waits for rank 0's next
+        command only TINKERQ_COLLECTIVE_TIMEOUT_S, and rank 0 pings only while its loop is idle); the record is
+        written after, here again."""
+        model_id, service = home.model_id, self.service
         started = time.perf_counter()
-        # Read before the session exists: on a shard group, nothing waits on Redis between the session's commands
-        # (a follower waits for the next one only TINKERQ_COLLECTIVE_TIMEOUT_S).
         journal = self.read_journal(model_id, store)
         record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
-        slot = service.open_session(model_id, home.lora)
+        made = service.run_control(lambda: self._remake(home, journal, record))
+        if made is None:  # another request of the parked session restored it meanwhile
+            return
+        last, entries = made
+        again = home.live_on(self.worker_id) if home.parked else home.moved_to(self.worker_id)
         try:
-            last, entries = self.rebuild(slot, journal, resume=False)
-            with service.cond:
-                reached = service.scheduler.position(model_id)
-            if home.parked and reached != home.seq_id:
-                raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request {reached}, not "
-                                  f"request {home.seq_id}, which it was parked after")
-            slot.snapshot_at = record.time if record else None
-            slot.adopted_from = home.adopted_from if home.parked else lost
-            again = home.live_on(self.worker_id) if home.parked else home.moved_to(self.worker_id)
             store.set(keys.session_home(model_id), again.dumps(), self.settings.auto_snapshot_ttl_s)
         except BaseException:
-            service.drop_session(model_id)
+            service.run_control(lambda: service.drop_session(model_id))
             raise
         service.metrics.sessions.set(len(service.slots))
         if home.parked:
@@ -328,7 +325,29 @@ class Recovery:
             return
         service.metrics.adoptions.inc()
         log.warning("adopted session %s of lost worker %s: snapshot after request %d + %d journaled request(s) "
-                    "replayed in %.1f s", model_id, lost, last, len(entries), time.perf_counter() - started)
+                    "replayed in %.1f s", model_id, home.worker, last, len(entries), time.perf_counter() - started)
+
+    def _remake(self, home: SessionHome, journal: list[JournalEntry],
+                record: SnapshotRecord | None) -> tuple[int, list[JournalEntry]] | None:
+        """The compute loop's part of :meth:`adopt` (no network): open the session and rebuild it from its snapshot
+        and ``journal``. None when it is open here already."""
+        model_id, service = home.model_id, self.service
+        if model_id in service.slots:
+            return None
+        slot = service.open_session(model_id, home.lora)
+        try:
+            last, entries = self.rebuild(slot, journal, resume=False)
+            with service.cond:
+                reached = service.scheduler.position(model_id)
+            if home.parked and reached != home.seq_id:
+                raise WorkerError(f"the automatic snapshot and journal of {model_id} reach request {reached}, not "
+                                  f"request {home.seq_id}, which it was parked after")
+        except BaseException:
+            service.drop_session(model_id)
+            raise
+        slot.snapshot_at = record.time if record else None
+        slot.adopted_from = home.adopted_from if home.parked else home.worker
+        return last, entries
 
     @staticmethod
     def read_journal(model_id: str, store: Any) -> list[JournalEntry]:

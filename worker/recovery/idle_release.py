@@ -165,7 +165,7 @@ class IdleRelease:
             if op == "close_model" and seq_id == home.seq_id + 1:  # nothing to restore for that
                 self.service.run_control(lambda: self._close(model_id))
                 return ("ok", codec.packb({}), {})
-            self.service.run_control(lambda: self._restore(model_id, store))
+            self._restore(model_id, store)
             return None
         with self._lock:
             idle_s = self.released.get(model_id)
@@ -188,10 +188,12 @@ class IdleRelease:
                 f"{self.settings.auto_snapshot_ttl_s} s, or deleted). To go on, {todo}")
 
     def _restore(self, model_id: str, store: Any) -> None:
-        """Re-make a parked session here (compute loop) with the adoption code; nothing if another request did
-        already. A refusal leaves it parked, and tells the caller."""
-        if model_id in self.service.slots:
-            return
+        """Re-make a parked session here with the adoption code (transport thread: it reads Redis, then re-makes
+        the session on the compute loop); nothing if another request did already. A refusal leaves it parked, and
+        tells the caller."""
+        with self.service.cond:
+            if model_id in self.service.slots:
+                return
         home = SessionHome.loads(store.get(keys.session_home(model_id)))
         if home is None or not home.parked or home.worker != self.worker_id:
             return  # closed or taken over meanwhile: the request is taken again and told
