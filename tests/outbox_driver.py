@@ -96,15 +96,15 @@ def main() -> None:
                          bool(record and (Path(record.path) / "tinkerq_state.json").is_file())]
                      for m, (position, record) in snapshots.items()}
 
-        # A parked session restored on its client's return (Recovery.adopt, the code that adopts a lost worker's
-        # session): its journal and records are read and written on the transport's thread, and the compute loop
-        # re-makes it without a store call.
+        # A session released idle (its snapshot put in place and its record written by the outbox), then restored on
+        # its client's return (Recovery.adopt, the code that adopts a lost worker's session: its journal read and
+        # its record written on the transport's thread): the compute loop makes no store call for either.
         lora = clients[0]
         before_park = float(lora.forward(data).result(timeout=120).metrics["loss:sum"])
-        parked = bool(service.run_control(lambda: service.idle.park(lora.model_id, 0.0)))
-        parked_out = lora.model_id not in service.slots
         sink[0] = restore_calls
         recording.set()
+        parked = service.idle.release(lora.model_id, 0.0)
+        parked_out = lora.model_id not in service.slots
         after_restore = float(lora.forward(data).result(timeout=120).metrics["loss:sum"])
         recording.clear()
         restore = {"parked": parked and parked_out, "back": lora.model_id in service.slots,

@@ -5,6 +5,8 @@ off it cannot come back, and its next request says why."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -180,3 +182,21 @@ def test_without_journaling_a_released_session_says_why_it_cannot_come_back(work
         fresh.forward_backward(batch, "cross_entropy").result(timeout=120)
     finally:
         sc.close()
+
+
+@pytest.mark.timeout(200)
+def test_a_request_that_comes_while_a_release_is_recorded_keeps_the_session(model_dir, tmp_path):
+    """The release's writes leave on the outbox, off the compute loop, so a request can run between them and the
+    release's end: the session must then stay, its record say live again, and its numbers be a run's never
+    released; released later, it is parked after its last request and comes back."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "tests.idle_release_driver", str(model_dir), str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ran_first"] and result["parked_while_it_ran"], result  # the race did happen
+    assert result["released_meanwhile"] is False and result["kept"] and result["live_again"], result
+    assert result["released"] is True and result["out"], result
+    assert result["parked_at"] == result["last_request"], result
+    assert result["back"], result
+    assert result["got"] == result["want"], result  # bitwise: CPU, the same requests in the same order

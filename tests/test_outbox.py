@@ -90,8 +90,9 @@ def test_the_compute_loop_makes_no_store_calls_and_computes_through_a_write_outa
     journal entries, answers and snapshot records. While the store's writes hang, requests already taken still run
     (their sessions' orders move on, past a due snapshot) and none is answered; once writes come back, all are, and
     each session's snapshot record names its last request, with the snapshot in place. A shard group's idle ping
-    runs on the loop, and only when it is idle. A session parked idle and restored on its client's next request
-    (the adoption code) reads its journal and writes its record off the loop too, and answers as before."""
+    runs on the loop, and only when it is idle. A session released idle (its snapshot put in place and its record
+    written by the outbox) and restored on its client's next request (the adoption code: its journal read and its
+    record written by the transport's thread) makes no store call on the loop either, and answers as before."""
     proc = subprocess.run([sys.executable, "-m", "tests.outbox_driver", str(model_dir), str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,14 +1,16 @@
 """Idle release: a training session nobody has used for ``TINKERQ_SESSION_RELEASE_IDLE_S`` leaves its worker's
 memory, and comes back, with the same numbers, when its client does (docs/reliability.md, "Idle release").
 
-* Release (:meth:`IdleRelease.park`, on the compute loop; the watchdog looks each second): the session's
-  automatic snapshot is brought up to its last request (taken now unless it already holds it), the journal is
-  cut to that request, the session record says *parked* (``SessionHome.parked_at``), and the session is dropped:
+* Release (:meth:`IdleRelease.release`; the watchdog looks each second): the session's automatic snapshot is
+  brought up to its last request (taken now, files only, on the compute loop, unless it already holds it); the
+  outbox puts it in place, cuts the journal to that request and records the session *parked*
+  (``SessionHome.parked_at``); then, on the loop again, the session is dropped unless a request came meanwhile:
   its weights, AdamW state and pending gradients, and the sampling snapshots it made (published first, so its
   sampling clients keep sampling, loading them again like another worker's).
 * Return (:meth:`IdleRelease.take`, on a transport thread): a request for a parked session restores it with the
-  adoption code (``Recovery.adopt``: the snapshot loaded with its optimizer, on the compute loop), then the
-  request is taken as usual. A ``close_model`` right after the last request is answered without restoring.
+  adoption code (``Recovery.adopt``: its journal read here, the snapshot loaded with its optimizer on the compute
+  loop), then the request is taken as usual. A ``close_model`` right after the last request is answered without
+  restoring.
 * A worker lost while it parks sessions: another worker of the model takes each record over, still parked
   (:meth:`IdleRelease.take_over`); the producer follows the record there, as for an adoption.
 * With journaling off (``TINKERQ_JOURNAL_MAX_ENTRIES=0``) the session is released all the same, and its next
@@ -24,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq import keys
@@ -35,11 +38,15 @@ from tinkerq.worker.recovery.host import SessionsHost
 from tinkerq.worker.training.sessions import Slot
 
 if TYPE_CHECKING:
+    from tinkerq.worker.core.outbox import Outbox
     from tinkerq.worker.core.service import Outcome
     from tinkerq.worker.recovery import Recovery
 
 log = logging.getLogger("tinkerq.worker")
 
+# How long a release waits for the outbox to put its snapshot in place and record the session parked (writes queued
+# before them go first; a Redis outage holds them all): past it, the session stays in memory, and is tried again.
+RELEASE_WAIT_S = 30.0
 REMEMBERED = 4096  # sessions released here whose returning requests get the reason (journaling off)
 
 
@@ -47,6 +54,20 @@ class IdleHost(SessionsHost, Protocol):
     """What idle release uses of the worker that owns it (worker/core/service.py passes itself); nothing else."""
 
     recovery: Recovery
+    outbox: Outbox
+
+
+@dataclass
+class _Parking:
+    """A release on its way (:meth:`IdleRelease.release`): what the compute loop found, and how far the outbox got
+    with the parked record: queued → writing → written or failed; abandoned when the release ended first."""
+
+    slot: Slot
+    seq_id: int
+    idle_s: float
+    home: SessionHome  # the session's record, live
+    record: str = "queued"
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class IdleRelease:
@@ -69,37 +90,105 @@ class IdleRelease:
         service, now = self.service, time.monotonic()
         with service.cond:
             idle = [mid for mid, slot in service.slots.items() if self._idle(mid, slot, now, ttl)]
-        return sum(bool(service.run_control(lambda m=mid: self.park(m, ttl))) for mid in idle)
+        return sum(self.release(mid, ttl) for mid in idle)
+
+    def release(self, model_id: str, idle_for: float, *, why: str = "") -> bool:
+        """Release session ``model_id`` if it is still idle for ``idle_for`` seconds, nothing waiting (any thread
+        but the compute loop's). The loop writes the snapshot's files; the outbox puts it in place and records the
+        session parked, after every write queued before; this thread waits for that; then the loop drops the
+        session unless a request came meanwhile. False: kept (busy again, or a write failed: it stays in memory)."""
+        parking = self.service.run_control(lambda: self._begin(model_id, idle_for))
+        if parking is None:
+            return False
+        self.service.outbox.flush(RELEASE_WAIT_S)  # past it (Redis away), the session stays
+        return bool(self.service.run_control(lambda: self._finish(parking, why)))
 
     def make_room(self, model_id: str) -> None:
         """Free a session's place for a new one (worker/training/sessions.py, compute loop): released when it can come
-        back, else closed as before."""
-        if not (self.service.recovery.journaling and self.park(model_id, 0.0, why="to make room")):
-            self.service.close_session(model_id)
+        back, else closed as before. The one release that waits for the outbox on the loop: the new session is made
+        right after it, in the same piece of control work."""
+        if self.service.recovery.journaling:
+            self.service.outbox.flush(RELEASE_WAIT_S)  # a snapshot still on its way: this one would wait for it
+            parking = self._begin(model_id, 0.0)
+            if parking is not None:
+                self.service.outbox.flush(RELEASE_WAIT_S)
+                if self._finish(parking, "to make room"):
+                    return
+        self.service.close_session(model_id)
 
-    def park(self, model_id: str, idle_for: float, *, why: str = "") -> bool:
-        """Release session ``model_id`` if it is still idle (for ``idle_for`` seconds, nothing waiting); compute
-        loop. False: kept (busy again, or its snapshot or record could not be written: it stays in memory)."""
+    def _begin(self, model_id: str, idle_for: float) -> _Parking | None:
+        """The compute loop's first part of a release (files only): check the session is idle, bring its automatic
+        snapshot up to its last request, and queue on the outbox putting it in place and the parked record."""
         service, recovery = self.service, self.service.recovery
         with service.cond:
             slot = service.slots.get(model_id)
             if slot is None or not self._idle(model_id, slot, time.monotonic(), idle_for):
-                return False
+                return None
             idle_s, seq_id = time.monotonic() - slot.session.last_used, service.scheduler.position(model_id)
         home = SessionHome(model_id, service.base_model, self.worker_id, slot.session.recipe(), slot.adopted_from)
-        if recovery.journaling and not self._cover(slot, seq_id, home.parked_by(time.time(), idle_s, seq_id)):
-            return False
+        parking = _Parking(slot, seq_id, idle_s, home)
+        if not recovery.journaling:
+            return parking
+        if slot.snapshot_seq != seq_id:
+            if slot.snapshot_staged:  # the previous one is still on its way to its place: the next sweep
+                return None
+            started = time.perf_counter()
+            if not recovery.stage_snapshot(slot, seq_id):
+                return None
+            with service.cond:
+                slot.journal_planned = 1  # cut to the newest entry: that request's
+            service.outbox.put(lambda: self._install(slot, seq_id, started))
+        service.outbox.put(lambda: self._record(parking))
+        return parking
+
+    def _install(self, slot: Slot, seq_id: int, started: float) -> None:
+        """On the outbox, after every journal entry queued before: put the snapshot of request ``seq_id`` in place;
+        the journal is cut to that request's entry, its newest."""
+        store = self.service.connection.store.with_retry(self.settings.heartbeat_s)
+        try:
+            head = store.list_range(keys.journal(slot.session.model_id), 0, 0)
+            entry = head[0] if head and JournalEntry.loads(head[0]).seq == seq_id else None
+        except (TinkerqError, ValueError, KeyError, TypeError):
+            entry = None
+        self.service.recovery.install_snapshot(slot, seq_id, entry, started)
+
+    def _record(self, parking: _Parking) -> None:
+        """On the outbox: the session's record says parked, once its snapshot holds its last request."""
+        slot, seq_id = parking.slot, parking.seq_id
+        with parking.lock:
+            if parking.record == "abandoned":
+                return
+            parking.record = "writing"
+        parked = parking.home.parked_by(time.time(), parking.idle_s, seq_id)
+        written = slot.snapshot_seq == seq_id and self._write(parked, self._snapshot_ttl(parking.home.model_id))
+        with parking.lock:
+            parking.record = "written" if written else "failed"
+
+    def _finish(self, parking: _Parking, why: str) -> bool:
+        """The compute loop's last part of a release: drop the session, or keep it if a request came meanwhile or
+        its snapshot or record could not be written."""
+        service, recovery = self.service, self.service.recovery
+        slot, model_id = parking.slot, parking.home.model_id
+        with parking.lock:
+            if parking.record == "queued":  # the outbox has not got to it (Redis away): it must not write it now
+                parking.record = "abandoned"
+            record = parking.record
         with service.cond:
-            if service.slots.get(model_id) is not slot or not self._idle(model_id, slot, time.monotonic(), 0.0):
-                kept = True  # a request came meanwhile: the session stays, and its record says so again
-            else:
-                kept = False
+            if service.slots.get(model_id) is not slot:
+                return False
+            idle = self._idle(model_id, slot, time.monotonic(), 0.0)
+            if idle and service.scheduler.position(model_id) == parking.seq_id and (
+                    record == "written" or not recovery.journaling):
                 del service.slots[model_id]
                 service.scheduler.close(model_id)  # nothing waits in it (idle, under the lock)
-        if kept:
-            if recovery.journaling:
-                self._write(home, self.settings.auto_snapshot_ttl_s)
+                dropped = True
+            else:
+                dropped = False
+        if not dropped:
+            if record in ("writing", "written"):  # the session stays: its record says so again, after that write
+                service.outbox.put(lambda: self._write(parking.home, self.settings.auto_snapshot_ttl_s))
             return False
+        idle_s = parking.idle_s
         self._remember(model_id, idle_s)
         slot.session.close()
         service.snapshots.release_session(model_id)
@@ -108,7 +197,7 @@ class IdleRelease:
         service.metrics.sessions.set(len(service.slots))
         log.warning("released %s session %s from memory after %.0f s idle%s: %s", slot.session.kind, model_id,
                     idle_s, f" {why}" if why else "",
-                    f"parked after request {seq_id}, restored on its next request" if recovery.journaling
+                    f"parked after request {parking.seq_id}, restored on its next request" if recovery.journaling
                     else "it cannot come back (TINKERQ_JOURNAL_MAX_ENTRIES=0)")
         return True
 
@@ -116,21 +205,6 @@ class IdleRelease:
         """The scheduler finds it idle (nothing runs, waits or is on its way out; not held through a shard group's
         outage; not broken: its requests must keep getting the reason), and it is unused for ``idle_for`` seconds."""
         return self.service.scheduler.idle(model_id) and now - slot.session.last_used >= idle_for
-
-    def _cover(self, slot: Slot, seq_id: int, parked: SessionHome) -> bool:
-        """Bring the automatic snapshot up to request ``seq_id`` and record the session as parked."""
-        service, store = self.service, self.service.connection.store.with_retry(self.settings.heartbeat_s)
-        model_id = parked.model_id
-        if slot.snapshot_seq != seq_id:
-            try:  # the journal's newest entry is that request's: the snapshot cuts the journal down to it
-                head = store.list_range(keys.journal(model_id), 0, 0)
-                entry = head[0] if head and JournalEntry.loads(head[0]).seq == seq_id else None
-            except (TinkerqError, ValueError, KeyError, TypeError):
-                entry = None
-            service.recovery.snapshot(slot, seq_id, entry)
-            if slot.snapshot_seq != seq_id:  # the write failed (logged): kept in memory, tried again later
-                return False
-        return self._write(parked, self._snapshot_ttl(model_id))
 
     def _write(self, home: SessionHome, ttl_s: float) -> bool:
         try:
