@@ -237,7 +237,7 @@ class IdleRelease:
         home = SessionHome.loads(store.get(keys.session_home(model_id)))
         if home is not None and home.parked and home.worker == self.worker_id:
             if op == "close_model" and seq_id == home.seq_id + 1:  # nothing to restore for that
-                self.service.run_control(lambda: self._close(model_id))
+                self._close(model_id)
                 return ("ok", codec.packb({}), {})
             self._restore(model_id, store)
             return None
@@ -292,7 +292,8 @@ class IdleRelease:
             self.released.pop(model_id, None)
 
     def _close(self, model_id: str) -> None:
-        """Close a parked session (compute loop): its snapshot, journal and record go, as at any close."""
+        """Close a parked session (transport thread: nothing of it is in memory, and the compute loop does not wait
+        on these deletes): its snapshot, journal and record go, as at any close."""
         self.service.recovery.forget(model_id)
         self.service.snapshots.forget_session(model_id)
         with self._lock:
