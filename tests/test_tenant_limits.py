@@ -117,9 +117,11 @@ def test_sampling_over_its_inflight_cap_gets_429_and_the_sdk_retries(gateway, ap
     _, key = new_key(api_keys, max_sampling_inflight=1)
     sc = tinker.ServiceClient(base_url=url, api_key=key)
     sampler = sc.create_sampling_client(base_model=NAME).result(timeout=120)
-    params = tinker.SamplingParams(max_tokens=16, seed=3)
+    # Long enough that the first is still sampling when the others arrive, even on a loaded machine (with 16
+    # tokens each, one CI run saw every request finish before the next one came, and no 429).
+    params = tinker.SamplingParams(max_tokens=128, seed=3)
     futures = [sampler.sample(prompt=tinker.ModelInput.from_ints([1, 2, 3 + i]), num_samples=2,
-                              sampling_params=params) for i in range(4)]
+                              sampling_params=params) for i in range(6)]
     outs = [f.result(timeout=120) for f in futures]
     assert all(len(o.sequences) == 2 for o in outs)
     assert "/asample -> 429" in log.read_text() and "max_sampling_inflight" in log.read_text()
