@@ -156,15 +156,6 @@ class Recovery:
         if 0 < self.settings.auto_snapshot_steps <= slot.steps_since_snapshot:
             slot.snapshot_due = True
 
-    def snapshot(self, slot: Slot, seq_id: int, entry: bytes | None) -> None:
-        """Take the session's automatic snapshot as the state after its request ``seq_id`` and put it in place now
-        (:meth:`stage_snapshot`, then :meth:`install_snapshot`): for a caller with nothing on its way out."""
-        started = time.perf_counter()
-        if self.stage_snapshot(slot, seq_id):
-            with self.service.cond:
-                slot.journal_planned = int(entry is not None)
-            self.install_snapshot(slot, seq_id, entry, started)
-
     def stage_snapshot(self, slot: Slot, seq_id: int) -> bool:
         """Write the state after request ``seq_id`` beside the automatic snapshot (``AUTO_SNAPSHOT_STAGED``), on the
         compute loop: local files only, no Redis. Whether it was written; :meth:`install_snapshot` puts it in place.
