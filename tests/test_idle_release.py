@@ -200,3 +200,25 @@ def test_a_request_that_comes_while_a_release_is_recorded_keeps_the_session(mode
     assert result["parked_at"] == result["last_request"], result
     assert result["back"], result
     assert result["got"] == result["want"], result  # bitwise: CPU, the same requests in the same order
+
+
+@pytest.mark.timeout(300)
+def test_making_room_for_a_new_session_does_not_stop_the_compute_loop(model_dir, tmp_path):
+    """At the LoRA session limit, a new session makes an idle one leave (released, parked). While the store holds
+    the write of its parked record, another session's requests (taken before) still compute, and the new session
+    waits; once the write goes through, the new session is made. A parked session coming back at the limit makes
+    room the same way (its restore waits, on the transport's thread), and answers as before it left."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "tests.make_room_driver", str(model_dir), str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["b_taken"] and result["creation_taken"] and result["release_started"], result
+    # B's 3 x (forward_backward, optim_step), waiting behind the creation, all ran while the release was held
+    assert result["b_moved_while_held"] == 6 and result["release_still_held"], result
+    assert result["newcomer_waited"] and result["a_in_memory_while_held"], result
+    assert result["a_parked"] and result["sessions"], result
+    assert result["b_parked"] and result["sessions_after"], result
+    assert result["a_back"][0] == result["a_back"][1], result  # bitwise: restored from its snapshot
+    assert result["b_back"][0] == result["b_back"][1], result
+    assert result["releases"] == 3, result  # A for the newcomer, B for A, C for B

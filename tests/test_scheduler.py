@@ -301,6 +301,39 @@ def test_deferred_work_is_offered_again_after_its_bound_and_then_refused():
     assert not s.defer(again[0].requests[0])  # and, still not fitting, is refused
 
 
+def test_a_creation_waiting_for_a_session_to_make_room_is_deferred_until_it_is_out_or_its_bound():
+    """A new session at its kind's count limit waits while another is released to make room (its parked record on
+    the outbox): deferred whether or not sampling holds rows, other work runs meanwhile, and it is offered again
+    once the release settles (memory_freed, or the released session's close) or its bound passes."""
+    clock = FakeClock()
+    s = Scheduler(max_defer_s=30.0, clock=clock)
+    s.open("busy")
+    create = _request("new", 0, "create_model")
+    s.add_create(create)
+    work = s.next()
+    assert work.kind == "create"
+    assert not s.defer(create)  # nothing under way frees anything: refused
+    assert s.defer(create, freeing=True)  # a session is on its way out: it waits
+    s.finished(work, "train", 0.0, sampling_rows=0)
+    _admit(s, _request("busy", 1))
+    assert s.next().kind == "apply"  # another session's request runs meanwhile; the creation does not
+    s.finished(Work("apply", lanes=[]), "train", 0.0, sampling_rows=0)
+    assert s.next() is None and not s.has_work()
+    s.memory_freed()  # the release settled
+    again = s.next()
+    assert again.kind == "create" and again.requests == [create]
+    assert s.defer(create, freeing=True)  # not out yet (a write still on its way): it waits again
+    clock.now += 10.0
+    assert s.next() is None
+    s.open("out")
+    s.close("out")  # the released session is dropped: the creation goes
+    assert s.next().requests == [create]
+    assert s.defer(create, freeing=True)
+    clock.now += 25.0  # 35 s since it was first deferred: past its bound, offered once more, then refused
+    assert s.next().requests == [create]
+    assert not s.defer(create, freeing=True)
+
+
 def test_eviction_prefers_a_broken_session_then_the_longest_idle():
     s = Scheduler()
     for m in "abc":

@@ -31,6 +31,7 @@ from tinkerq.worker import memory
 from tinkerq.worker.core.operations import run_pass, sample_response, tokens_of
 from tinkerq.worker.core.scheduler import Request, Work
 from tinkerq.worker.lora.batch import LossItem
+from tinkerq.worker.training.sessions import RoomComing
 
 if TYPE_CHECKING:
     from tinkerq.errors import ServerError
@@ -50,6 +51,7 @@ log = logging.getLogger("tinkerq.worker")
 class ComputeHost(Protocol):
     """What the compute loop uses of the worker that owns it (worker/core/service.py passes itself); nothing else."""
 
+    worker_id: str
     cond: threading.Condition
     scheduler: Scheduler
     slots: dict[str, Slot]
@@ -177,6 +179,18 @@ class ComputeLoop:
         if claimed:
             try:
                 opened = service.open_session(model_id, lora)
+            except RoomComing as coming:  # another session is being released to make room: built once it is out
+                with self._cond:
+                    deferred = self.scheduler.defer(request, freeing=True)
+                    self._cond.notify_all()
+                if deferred:
+                    log.info("create_model of %s waits for session %s to be released", model_id, coming.model_id)
+                    return None
+                service.outbox.put(lambda: service.release_creation(model_id))
+                raise CapacityError(
+                    f"worker {service.worker_id} could not make room for training session {model_id} within "
+                    f"{self.scheduler.max_defer_s:g} s: session {coming.model_id}, released for it, is not out yet "
+                    f"(is Redis reachable?); retry shortly") from None
             except BaseException as exc:
                 if self._deferred(request, exc):  # the claim stands: it is built once memory frees
                     return None

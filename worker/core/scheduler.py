@@ -24,7 +24,7 @@ held once: in its lane's :class:`~worker.ordering.Ordering`), and decides:
   place (:meth:`Scheduler.requeue`).
 * **Memory.** Work refused for memory that something running will free (the sampling engine's rows) is
   deferred (:meth:`Scheduler.defer`) until memory frees or ``max_defer_s`` passes; work that can never fit is
-  refused at once.
+  refused at once. A new session that waits for another to be released to make room is deferred the same way.
 * **Eviction.** Which session makes room for a new one (:meth:`Scheduler.evictable`): a broken one first,
   else the longest idle of those with nothing waiting or running.
 
@@ -343,13 +343,14 @@ class Scheduler:
 
     # -- memory ------------------------------------------------------------------------------------------------
 
-    def defer(self, request: Request) -> bool:
-        """``request`` (taken, not applied) did not fit in memory now. Defer it (True: it goes back to its place
-        and waits until memory frees, for at most ``max_defer_s``) when something running will free memory: the
-        sampling engine's rows. False: nothing will free memory by itself, or it waited its bound: refuse it."""
+    def defer(self, request: Request, *, freeing: bool = False) -> bool:
+        """``request`` (taken, not applied) did not fit now. Defer it (True: it goes back to its place and waits
+        until memory frees, for at most ``max_defer_s``) when something under way will free what it needs: the
+        sampling engine's rows, or (``freeing``, the caller started it) a session on its way out to make room
+        for a new one. False: nothing will free it by itself, or it waited its bound: refuse it."""
         now = self.clock()
         first = request.deferred[1] if request.deferred is not None else now
-        if not self._sampling_busy or now - first >= self.max_defer_s:
+        if not (self._sampling_busy or freeing) or now - first >= self.max_defer_s:
             return False
         request.deferred = (self._memory_epoch, first)
         if request.op == "sample":
@@ -361,7 +362,8 @@ class Scheduler:
         return True
 
     def memory_freed(self) -> None:
-        """Memory was freed (rows finished, a session closed): deferred work is offered again."""
+        """Memory was freed (rows finished, a session closed, a release to make room settled): deferred work is
+        offered again."""
         self._memory_epoch += 1
 
     # -- holds, breaks, gaps, eviction -------------------------------------------------------------------------

@@ -370,6 +370,22 @@ class WorkerService:
             raise result["error"]
         return result.get("value")
 
+    def post_control(self, fn: Any) -> None:
+        """Queue ``fn`` on the compute loop before any other work, without waiting for it (the outbox wakes the
+        loop this way: worker/recovery/idle_release.py). An error is logged; the loop goes on."""
+        def control() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("control work posted to the compute loop failed")
+
+        if self.compute.is_current() or not self.compute.alive:
+            control()
+            return
+        with self.cond:
+            self.scheduler.add_control(control)
+            self.cond.notify_all()
+
     def run_when_idle(self, fn: Any) -> bool:
         """Run ``fn`` on the compute loop and wait for it, but only when the loop has nothing else to run (a shard
         group's idle ping); False, and nothing run, when it is busy."""

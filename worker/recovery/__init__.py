@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tinkerq import keys
-from tinkerq.errors import TinkerqError, WorkerError
+from tinkerq.errors import CapacityError, TinkerqError, WorkerError
 from tinkerq.operations import CHECKPOINT_KINDS, PASS_OPS
 from tinkerq.operations import STATELESS as STATELESS_OPS
 from tinkerq.records import JournalEntry, SessionHome, SnapshotRecord
@@ -39,7 +39,7 @@ from tinkerq.worker.recovery.group_outage import GroupHold
 from tinkerq.worker.recovery.host import SessionsHost
 from tinkerq.worker.recovery.registry import LOST_AFTER_BEATS, reap_dead_workers
 from tinkerq.worker.training.session import Session
-from tinkerq.worker.training.sessions import Slot
+from tinkerq.worker.training.sessions import RoomComing, Slot
 
 if TYPE_CHECKING:
     from tinkerq.errors import ServerError
@@ -70,6 +70,7 @@ class RecoveryHost(SessionsHost, Protocol):
     def expire_gaps(self) -> int: ...
     def unpack(self, raw: bytes) -> Any: ...
 
+ROOM_TRIES = 4  # an adopter at the session count limit asks this many times for room (each wait bounded)
 ADOPT_CLAIM_TTL_S = 600.0  # a claim outlives any adoption; one left by a lost adopter is taken over sooner
 
 class Recovery:
@@ -297,7 +298,7 @@ class Recovery:
         started = time.perf_counter()
         journal = self.read_journal(model_id, store)
         record = SnapshotRecord.loads(store.get(keys.auto_snapshot(model_id)))
-        made = service.run_control(lambda: self._remake(home, journal, record))
+        made = self._remake_when_room(home, journal, record)
         if made is None:  # another request of the parked session restored it meanwhile
             return
         last, entries = made
@@ -317,6 +318,19 @@ class Recovery:
         service.metrics.adoptions.inc()
         log.warning("adopted session %s of lost worker %s: snapshot after request %d + %d journaled request(s) "
                     "replayed in %.1f s", model_id, home.worker, last, len(entries), time.perf_counter() - started)
+
+    def _remake_when_room(self, home: SessionHome, journal: list[JournalEntry],
+                          record: SnapshotRecord | None) -> tuple[int, list[JournalEntry]] | None:
+        """:meth:`_remake` on the compute loop. At the session count limit another session is released to make
+        room (worker/recovery/idle_release.py): this thread, not the loop, waits for the outbox to record it parked,
+        then asks again."""
+        for _ in range(ROOM_TRIES):
+            try:
+                return self.service.run_control(lambda: self._remake(home, journal, record))  # type: ignore[no-any-return]
+            except RoomComing:
+                self.service.idle.wait_for_room()  # then the release settles as it stands
+        raise CapacityError(f"no room to re-make training session {home.model_id} on worker {self.worker_id}: the "
+                            f"sessions released for it did not leave; retry shortly")
 
     def _remake(self, home: SessionHome, journal: list[JournalEntry],
                 record: SnapshotRecord | None) -> tuple[int, list[JournalEntry]] | None:

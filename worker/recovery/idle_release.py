@@ -17,7 +17,9 @@ memory, and comes back, with the same numbers, when its client does (docs/reliab
   request fails saying why it cannot come back.
 
 A session at its kind's count limit is also released this way (not closed) to make room for a new one
-(worker/training/sessions.py, ``TINKERQ_SESSION_IDLE_TTL_S``) when journaling is on.
+(worker/training/sessions.py, ``TINKERQ_SESSION_IDLE_TTL_S``) when journaling is on (:meth:`IdleRelease.make_room`):
+the compute loop starts the release and goes on; the new session waits (``RoomComing``) until the outbox has
+recorded the old one parked, and is made once it is out.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tinkerq.records import JournalEntry, SessionHome
 from tinkerq.wire import codec
 from tinkerq.worker import checkpoints, memory
 from tinkerq.worker.recovery.host import SessionsHost
-from tinkerq.worker.training.sessions import Slot
+from tinkerq.worker.training.sessions import RoomComing, Slot
 
 if TYPE_CHECKING:
     from tinkerq.worker.core.outbox import Outbox
@@ -56,6 +58,8 @@ class IdleHost(SessionsHost, Protocol):
     recovery: Recovery
     outbox: Outbox
 
+    def post_control(self, fn: Any) -> None: ...
+
 
 @dataclass
 class _Parking:
@@ -68,6 +72,12 @@ class _Parking:
     home: SessionHome  # the session's record, live
     record: str = "queued"
     lock: threading.Lock = field(default_factory=threading.Lock)
+    deadline: float = 0.0  # a release to make room: past it (monotonic), it settles as the outbox left it
+
+    def recording(self) -> bool:
+        """The outbox has not finished with the parked record yet."""
+        with self.lock:
+            return self.record in ("queued", "writing")
 
 
 class IdleRelease:
@@ -79,6 +89,8 @@ class IdleRelease:
         # cannot come back (journaling off, or its snapshot gone); bounded, oldest forgotten first.
         self.released: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
+        # Releases under way to make room for a new session (compute loop only): model id -> its parking.
+        self._making_room: dict[str, _Parking] = {}
 
     # -- release ---------------------------------------------------------------------------------------------
 
@@ -104,17 +116,87 @@ class IdleRelease:
         return bool(self.service.run_control(lambda: self._finish(parking, why)))
 
     def make_room(self, model_id: str) -> None:
-        """Free a session's place for a new one (worker/training/sessions.py, compute loop): released when it can come
-        back, else closed as before. The one release that waits for the outbox on the loop: the new session is made
-        right after it, in the same piece of control work."""
-        if self.service.recovery.journaling:
-            self.service.outbox.flush(RELEASE_WAIT_S)  # a snapshot still on its way: this one would wait for it
+        """Free session ``model_id``'s place for a new one (worker/training/sessions.py, compute loop; the scheduler
+        chose it: broken, or idle): released when it can come back, else closed. Never waits for the outbox: once
+        the release is started (its snapshot staged, the parked record queued) this raises :class:`RoomComing` and
+        the loop goes on; the new session waits (worker/core/compute.py defers its creation, an adopter's thread
+        waits for the outbox) and asks again. Once the record is written the session is dropped (the outbox wakes
+        the loop: :meth:`_room_recorded`). If the release cannot finish (a write failed, or the outbox did not get
+        to it within ``RELEASE_WAIT_S``: Redis away), the session is closed, as a session without journaling is.
+        Returns with the session kept when a request came for it since it was chosen (the caller picks again)."""
+        service = self.service
+        with service.cond:
+            slot = service.slots.get(model_id)
+            broken = service.scheduler.broken(model_id) is not None
+            idle = slot is not None and self._idle(model_id, slot, time.monotonic(), 0.0)
+        if slot is None:
+            return
+        if broken or not service.recovery.journaling:
+            log.warning("closing session %s (%s) to make room for a new one", model_id,
+                        "broken" if broken else "idle; it cannot be parked: TINKERQ_JOURNAL_MAX_ENTRIES=0")
+            service.close_session(model_id)
+            return
+        parking = self._making_room.get(model_id)
+        if parking is None:
+            if not idle:  # a request came for it since it was chosen
+                return
+            if slot.snapshot_staged:  # its last automatic snapshot is still on its way: after it
+                service.outbox.put(lambda: service.post_control(lambda: self._room_recorded(model_id)))
+                raise RoomComing(model_id)
             parking = self._begin(model_id, 0.0)
-            if parking is not None:
-                self.service.outbox.flush(RELEASE_WAIT_S)
-                if self._finish(parking, "to make room"):
-                    return
-        self.service.close_session(model_id)
+            if parking is None:  # its snapshot could not be written: closed
+                log.warning("closing idle session %s to make room for a new one: it could not be snapshotted",
+                            model_id)
+                service.close_session(model_id)
+                return
+            log.warning("releasing idle session %s to make room for a new one", model_id)
+            parking.deadline = time.monotonic() + RELEASE_WAIT_S
+            self._making_room[model_id] = parking
+            # After the parked record (the outbox is FIFO): the loop settles the release, and the creation goes.
+            service.outbox.put(lambda: service.post_control(lambda: self._room_recorded(model_id)))
+            raise RoomComing(model_id)
+        if parking.recording() and time.monotonic() < parking.deadline:
+            raise RoomComing(model_id)
+        if not self._settle_room(parking):  # kept: a request came for it meanwhile
+            with service.cond:
+                idle = model_id in service.slots and self._idle(model_id, service.slots[model_id],
+                                                                 time.monotonic(), 0.0)
+            if idle:  # and went: released again, from where it is now
+                self.make_room(model_id)
+
+    def wait_for_room(self) -> None:
+        """Wait (any thread but the compute loop's) until the outbox has recorded the releases started to make room,
+        or ``RELEASE_WAIT_S`` passed; the session that waits for the room then asks again."""
+        self.service.outbox.flush(RELEASE_WAIT_S)
+
+    def _room_recorded(self, model_id: str) -> None:
+        """The outbox got past a release to make room (compute loop, control work): settle it, and let the new
+        session that waits for it be made."""
+        parking = self._making_room.get(model_id)
+        if parking is not None and not parking.recording():
+            self._settle_room(parking)
+        with self.service.cond:
+            self.service.scheduler.memory_freed()  # a deferred creation is offered again
+            self.service.cond.notify_all()
+
+    def _settle_room(self, parking: _Parking) -> bool:
+        """End a release to make room (compute loop). True: the session is out (dropped, parked; or closed, as
+        before, when its snapshot or record could not be written). False: kept, a request came meanwhile."""
+        model_id = parking.home.model_id
+        self._making_room.pop(model_id, None)
+        if self._finish(parking, "to make room"):
+            return True
+        with self.service.cond:
+            slot = self.service.slots.get(model_id)
+            idle = slot is not None and self._idle(model_id, slot, time.monotonic(), 0.0)
+        if slot is None:
+            return True
+        if parking.record != "written" and idle:
+            log.warning("closing idle session %s to make room for a new one: its release could not be recorded",
+                        model_id)
+            self.service.close_session(model_id)
+            return True
+        return False
 
     def _begin(self, model_id: str, idle_for: float) -> _Parking | None:
         """The compute loop's first part of a release (files only): check the session is idle, bring its automatic

@@ -32,6 +32,17 @@ from tinkerq.worker.training.session import Session, TrainingSession
 log = logging.getLogger("tinkerq.worker")
 
 
+class RoomComing(Exception):
+    """The session chosen to make room for a new one is being released: its snapshot and parked record are on
+    their way through the outbox (worker/recovery/idle_release.py, ``make_room``). Nothing was made; the new session
+    waits (a deferred creation, or an adopter's thread) and is made once the old one is out. Never reaches a
+    caller."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"session {model_id} is being released to make room")
+        self.model_id = model_id
+
+
 @dataclass
 class Slot:
     """A session and its recovery state (worker/recovery/); its requests and order are the scheduler's."""
@@ -114,18 +125,22 @@ class SessionFactory:
             memory.admit_lora_snapshot(memory.lora_snapshot_bytes(parameters), self.settings)
 
     def _make_room(self, kind: str, slots: dict[str, Slot], close: Callable[[str], None]) -> None:
-        """Close a broken or idle session of ``kind`` when that kind is at its count limit."""
-        same = {mid: s for mid, s in slots.items() if s.session.kind == kind}
+        """Make room for a new session of ``kind`` when that kind is at its count limit: ``close`` a broken or idle
+        one (it may raise :class:`RoomComing`: that session is on its way out, and nothing was made; or return
+        with it kept, a request having come for it since it was chosen: another is chosen)."""
         limit, setting = ((self.settings.max_lora_sessions, "TINKERQ_MAX_LORA_SESSIONS") if kind == "lora"
                           else (self.settings.max_sessions, "TINKERQ_MAX_SESSIONS"))
-        if len(same) < limit:
-            return
-        chosen = self.evictable({mid: s.session.last_used for mid, s in same.items()}, time.monotonic(),
-                                self.settings.session_idle_ttl_s)
-        if chosen is not None:  # a broken session first, else the longest idle
-            log.warning("session %s (broken or idle) makes room for a new one", chosen)
+        tried: set[str] = set()
+        while True:
+            same = {mid: s for mid, s in slots.items() if s.session.kind == kind}
+            if len(same) < limit:
+                return
+            chosen = self.evictable({mid: s.session.last_used for mid, s in same.items() if mid not in tried},
+                                    time.monotonic(), self.settings.session_idle_ttl_s)
+            if chosen is None:
+                break
+            tried.add(chosen)  # a broken session first, else the longest idle
             close(chosen)
-            return
         raise CapacityError(
             f"worker {self.worker_id} already holds {len(same)} {'LoRA' if kind == 'lora' else 'full-parameter'} "
             f"training sessions ({setting}); close unused training clients (tc.close()) or start another worker "
