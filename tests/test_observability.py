@@ -19,7 +19,9 @@ from tinkerq.connection import Connection
 from tinkerq.launcher.fleet import session_lines
 from tinkerq.launcher.processes import free_port, wait_for
 from tinkerq.producer import ServiceClient
+from tinkerq.records import SessionHome, SnapshotRecord
 from tinkerq.settings import Settings
+from tinkerq.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(300)
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -42,6 +44,21 @@ def _tinkerq_stats(conn: Connection, worker_pid: int) -> dict:
     blocks = [s["tinkerq"] for s in stats.values() if s.get("pid") == worker_pid and "tinkerq" in s]
     assert blocks, stats
     return blocks[0]
+
+
+def test_fleet_status_says_which_sessions_are_parked():
+    """A session released idle is in no worker's memory: `tinkerq fleet status` says where it is parked, since when
+    and after how long idle; a live one is shown as before."""
+    store = MemoryStore()
+    live = SessionHome("a" * 32, "base", "w1")
+    parked = SessionHome("b" * 32, "base", "w2").parked_by(1000.0, 42.0, 7)
+    for home in (live, parked):
+        store.set(keys.session_home(home.model_id), home.dumps(), 60.0)
+    store.set(keys.auto_snapshot(parked.model_id), SnapshotRecord("/x", 7, 1000.0, "w2").dumps(), 60.0)
+    lines = dict((line[:12], line) for line in session_lines(store, now=1030.0))
+    assert lines["a" * 12] == f"{'a' * 12}  on w1  no snapshot yet  journal 0"
+    assert lines["b" * 12] == (f"{'b' * 12}  parked on w2 30 s ago (released after 42 s idle; back on its next "
+                               f"request)  snapshot 30 s ago  journal 0")
 
 
 def test_per_session_gauges_inspect_stats_and_fleet_status(model_dir, redis_url, tmp_path):

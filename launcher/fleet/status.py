@@ -74,8 +74,9 @@ def running_task(task: dict[str, Any]) -> str:
 
 
 def session_lines(store: Any, now: float | None = None) -> list[str]:
-    """One line per adoptable training session (its session record in Redis): model id, the worker holding it,
-    the age of its latest automatic snapshot, its journal's length, and the lost worker it was adopted from."""
+    """One line per adoptable training session (its session record in Redis): model id, the worker holding it (or,
+    for a session released idle, the worker it is parked on, since when and after how long idle), the age of its
+    latest automatic snapshot, its journal's length, and the lost worker it was adopted from."""
     from tinkerq import keys
     from tinkerq.records import SessionHome, SnapshotRecord
 
@@ -88,7 +89,11 @@ def session_lines(store: Any, now: float | None = None) -> list[str]:
         record = SnapshotRecord.loads(store.get(keys.auto_snapshot(home.model_id)))
         snapshot = "no snapshot yet" if record is None else f"snapshot {max(0.0, now - record.time):.0f} s ago"
         journal = store.length(keys.journal(home.model_id))
-        line = f"{home.model_id[:12]}  on {home.worker}  {snapshot}  journal {journal}"
+        where = f"on {home.worker}"
+        if home.parked and home.parked_at is not None:  # out of memory; restored on its next request
+            where = (f"parked on {home.worker} {max(0.0, now - home.parked_at):.0f} s ago (released after "
+                     f"{home.idle_s:.0f} s idle; back on its next request)")
+        line = f"{home.model_id[:12]}  {where}  {snapshot}  journal {journal}"
         if home.adopted_from:
             line += f"  adopted from {home.adopted_from}"
         lines.append(line)
