@@ -8,7 +8,13 @@ tinker-cookbook does), then waits for all; steps/s is the figure. Full-parameter
 steps (``--datums`` x ``--tokens`` tokens). The ratio slow/direct is what the link costs.
 
     .venv/bin/python benchmarks/slow_link.py [--delay-ms 10] [--steps 60] [--datums 2] [--tokens 64] [--repeats 2]
-                                             [--intake-batch 1 16] [--baseline REV]
+                                             [--intake-batch 1 16] [--churn] [--baseline REV]
+
+``--churn`` adds a third session kind, "lora+churn": the LoRA run again while other tenants come and go at the
+worker's LoRA session limit (``TINKERQ_MAX_LORA_SESSIONS=2``): a second client thread opens a LoRA session, runs one
+forward_backward, and opens the next, whose creation makes the previous (idle) one leave: released, parked. The
+figure is the busy session's steps/s, and how many other sessions per second came and went during its run: what
+making room costs the tenants already training, and how fast newcomers get in.
 
 Each configuration gets a fresh worker; each figure is the best of ``--repeats`` runs (the machine may be shared).
 ``--intake-batch`` runs the whole comparison once per value of the worker's ``TINKERQ_INTAKE_BATCH`` (messages taken
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +45,9 @@ MODEL: dict[str, Any] = dict(
 )
 
 
+CHURN_IDLE_TTL_S = 0.05  # the worker's TINKERQ_SESSION_IDLE_TTL_S: a session idle longer may make room
+
+
 def make_batch(rng: np.random.Generator, datums: int, tokens: int, vocab: int) -> list[types.Datum]:
     out = []
     for _ in range(datums):
@@ -47,30 +57,53 @@ def make_batch(rng: np.random.Generator, datums: int, tokens: int, vocab: int) -
     return out
 
 
-def steps_per_s(fleet: Fleet, lora: bool, args: argparse.Namespace) -> float:
-    """Best steps/s over ``args.repeats`` pipelined runs of ``args.steps`` steps, on a new session each."""
+def steps_per_s(fleet: Fleet, kind: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Best steps/s over ``args.repeats`` pipelined runs of ``args.steps`` steps, on a new session each; and, for
+    "lora+churn", how many other sessions per second were opened during that best run."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, args.datums, args.tokens, MODEL["vocab_size"])
     adam = types.AdamParams(learning_rate=1e-4)
-    best = 0.0
+    best, best_churned = 0.0, 0.0
     with fleet.service() as sc:
         for _ in range(args.repeats):
             base = str(fleet.model_dir)
-            tc = (sc.create_lora_training_client(base, rank=8, seed=0) if lora
-                  else sc.create_training_client(base)).result(timeout=300)
+            tc = (sc.create_training_client(base) if kind == "full"
+                  else sc.create_lora_training_client(base, rank=8, seed=0)).result(timeout=300)
             for _ in range(3):  # warm up: first-call costs are not the link's
                 tc.forward_backward(batch).result(timeout=120)
                 tc.optim_step(adam).result(timeout=120)
+            done, churned = threading.Event(), [0]
+            churn = threading.Thread(target=_churn, args=(sc, base, batch, done, churned))
+            if kind == "lora+churn":
+                churn.start()
+                time.sleep(1.0)  # the first other session is open: from now on each one opened makes room
             started = time.perf_counter()
+            at_start = churned[0]
             futures = []
             for _ in range(args.steps):
                 futures.append(tc.forward_backward(batch))
                 futures.append(tc.optim_step(adam))
             for fut in futures:
                 fut.result(timeout=600)
-            best = max(best, args.steps / (time.perf_counter() - started))
+            elapsed = time.perf_counter() - started
+            rate = args.steps / elapsed
+            done.set()
+            if churn.is_alive():
+                churn.join(120)
+            if rate > best:
+                best, best_churned = rate, (churned[0] - at_start) / elapsed
             tc.close()
-    return best
+    return best, best_churned
+
+
+def _churn(sc: Any, base: str, batch: list[types.Datum], done: threading.Event, churned: list[int]) -> None:
+    """Other tenants coming and going: open a LoRA session, one forward_backward, then the next (each opened at the
+    limit makes the previous one, idle past TINKERQ_SESSION_IDLE_TTL_S, leave) until ``done``."""
+    while not done.is_set():
+        tc = sc.create_lora_training_client(base, rank=8, seed=1).result(timeout=300)
+        tc.forward_backward(batch).result(timeout=300)
+        churned[0] += 1
+        time.sleep(CHURN_IDLE_TTL_S * 2)  # idle long enough to be the one that makes room
 
 
 def main() -> None:
@@ -83,6 +116,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     parser.add_argument("--intake-batch", type=int, nargs="+", default=[16],
                         help="the worker's TINKERQ_INTAKE_BATCH; several values: the comparison for each, in one run")
+    parser.add_argument("--churn", action="store_true",
+                        help="also the LoRA run while other tenants' sessions come and go at the session limit")
     parser.add_argument("--baseline", metavar="REV",
                         help="also run every configuration with commit REV's worker (benchmarks/_baseline.py): A/B")
     args = parser.parse_args()
@@ -97,6 +132,8 @@ def main() -> None:
         if args.baseline:
             trees[args.baseline] = baseline_env(args.baseline, Path(tmp) / "baseline")
         results: dict[tuple[str, int, str, str], float] = {}
+        churned: dict[tuple[str, int, str, str], float] = {}
+        kinds = ("full", "lora", "lora+churn") if args.churn else ("full", "lora")
         for batch in args.intake_batch:
             for tree, tree_env in trees.items():
                 for link in ("direct", "slow"):
@@ -110,22 +147,27 @@ def main() -> None:
                         return proxy.url
 
                     try:
-                        with Fleet(model_dir, threads=args.threads, worker_url=worker_url,
-                                   env={"TINKERQ_INTAKE_BATCH": str(batch), **tree_env}) as fleet:
-                            for kind in ("full", "lora"):
+                        env = {"TINKERQ_INTAKE_BATCH": str(batch), "TINKERQ_MAX_LORA_SESSIONS": "2",
+                               "TINKERQ_SESSION_IDLE_TTL_S": str(CHURN_IDLE_TTL_S), **tree_env}
+                        with Fleet(model_dir, threads=args.threads, worker_url=worker_url, env=env) as fleet:
+                            for kind in kinds:
                                 key = (tree, batch, link, kind)
-                                results[key] = steps_per_s(fleet, kind == "lora", args)
-                                print(f"  {tree:8s} intake batch {batch:3d} {link:6s} {kind:4s}: "
-                                      f"{results[key]:.2f} steps/s", flush=True)
+                                results[key], churned[key] = steps_per_s(fleet, kind, args)
+                                print(f"  {tree:8s} intake batch {batch:3d} {link:6s} {kind:10s}: "
+                                      f"{results[key]:.2f} steps/s"
+                                      + (f" (other sessions came and went at {churned[key]:.2f}/s)"
+                                         if kind == "lora+churn" else ""), flush=True)
                     finally:
                         for proxy in proxies:
                             proxy.close()
-                for kind in ("full", "lora"):
+                for kind in kinds:
                     direct, slow = results[(tree, batch, "direct", kind)], results[(tree, batch, "slow", kind)]
-                    rows.append([tree, kind, batch, direct, slow, slow / direct])
+                    rows.append([tree, kind, batch, direct, slow, slow / direct,
+                                 *((churned[(tree, batch, link, kind)] for link in ("direct", "slow"))
+                                   if kind == "lora+churn" else ("", ""))])
     print()
     print_table(["worker", "session", "intake batch", "direct steps/s", f"+{args.delay_ms:g} ms link steps/s",
-                 "slow / direct"], rows)
+                 "slow / direct", "others/s direct", "others/s slow"], rows)
     print(f"machine after: {machine()}")
 
 
