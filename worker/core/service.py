@@ -362,9 +362,7 @@ class WorkerService:
             finally:
                 done.set()
 
-        with self.cond:
-            self.scheduler.add_control(control)
-            self.cond.notify_all()
+        self._queue_control(control)
         done.wait()
         if "error" in result:
             raise result["error"]
@@ -382,6 +380,9 @@ class WorkerService:
         if self.compute.is_current() or not self.compute.alive:
             control()
             return
+        self._queue_control(control)
+
+    def _queue_control(self, control: Any) -> None:
         with self.cond:
             self.scheduler.add_control(control)
             self.cond.notify_all()
