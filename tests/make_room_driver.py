@@ -9,6 +9,11 @@ still compute (the compute loop does not wait for the release), and the new sess
 transport thread waits for a creation it took, as for any: requests sent after it are taken once it is made.) Once
 the write goes through, the new session is made and A is parked. Then A's client comes back: A is restored after B
 (the longest idle now) is released for it, and answers as before; then B's, the same way. Prints one JSON line.
+
+With argv[3] "stuck", the write stays held past the release's wait and the creation's (both shortened here to
+``STUCK_RELEASE_WAIT_S`` and ``STUCK_DEFER_S``), as in a Redis outage longer than the creation's wait: A, whose
+release could not be recorded, is closed and the new session made while the write is still held; once it goes
+through, the new session answers, A's client is told its session was closed, and B is untouched.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from tinkerq.settings import Settings
 from tinkerq.store import MemoryStore
 
 IDLE_TTL_S = 0.2  # TINKERQ_SESSION_IDLE_TTL_S: idle longer than this, a session may make room
+STUCK_RELEASE_WAIT_S = 1.0  # "stuck": worker/recovery/idle_release.py's RELEASE_WAIT_S (30 s)
+STUCK_DEFER_S = 3.0  # "stuck": the scheduler's max_defer_s (60 s), how long a creation waits for room
 
 
 def _wait(condition, timeout_s: float = 60.0) -> bool:
@@ -41,6 +48,11 @@ def _wait(condition, timeout_s: float = 60.0) -> bool:
 def main() -> None:
     from tinkerq.producer import ServiceClient
     from tinkerq.worker.core.embedded import EmbeddedFleet
+    from tinkerq.worker.recovery import idle_release
+
+    stuck = sys.argv[3:] == ["stuck"]
+    if stuck:
+        idle_release.RELEASE_WAIT_S = STUCK_RELEASE_WAIT_S
 
     held_key: list[bytes | str] = []  # the session-record key whose writes wait for `gate`
     gate, blocked = threading.Event(), threading.Event()
@@ -63,6 +75,8 @@ def main() -> None:
     with EmbeddedFleet(sys.argv[1], settings) as fleet, ServiceClient(settings=fleet.settings) as sc:
         service = fleet.worker.service
         store = service.connection.store
+        if stuck:
+            service.scheduler.max_defer_s = STUCK_DEFER_S
 
         def parked(model_id: str) -> bool:
             home = SessionHome.loads(store.get(keys.session_home(model_id)))
@@ -104,6 +118,10 @@ def main() -> None:
         result["release_still_held"] = not gate.is_set() and blocked.is_set()
         result["newcomer_waited"] = not newcomer.done()
         result["a_in_memory_while_held"] = a.model_id in service.slots
+        if stuck:
+            _stuck(result, service, a, b, newcomer, futures, gate, data)
+            print(json.dumps(result))
+            return
         gate.set()
         c = newcomer.result(timeout=120)
         for f in futures:
@@ -127,6 +145,31 @@ def main() -> None:
         for tc in (a, b, c):
             tc.close()
     print(json.dumps(result))
+
+
+def _stuck(result: dict[str, object], service, a, b, newcomer, futures, gate: threading.Event, data) -> None:
+    """The write of A's parked record stays held past the creation's wait: A is closed, the new session made."""
+    from tinkerq.errors import TinkerqError
+
+    made = _wait(lambda: len(service.slots) == 2 and a.model_id not in service.slots, 4 * STUCK_DEFER_S + 10)
+    result["made_while_held"] = made and not gate.is_set()
+    result["a_closed_while_held"] = a.model_id not in service.slots and not gate.is_set()
+    gate.set()  # Redis is back: the outbox's writes (then the answers) go through
+    c = newcomer.result(timeout=120)
+    result["newcomer_made"] = c.model_id in service.slots
+    for f in futures:
+        f.result(timeout=120)
+    result["b_open"] = b.model_id in service.slots
+    result["c_trains"] = float(c.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]) > 0
+    try:
+        a.forward(data, "cross_entropy").result(timeout=120)
+        result["a_error"] = None
+    except TinkerqError as exc:
+        result["a_error"] = [type(exc).__name__, str(exc)]
+    result["a_parked"] = a.model_id in service.idle.released
+    result["releases"] = service.metrics.idle_releases._value.get()
+    for tc in (b, c):
+        tc.close()
 
 
 if __name__ == "__main__":

@@ -50,8 +50,11 @@ def workers(model_dir, redis_url, tmp_path_factory):
         "journaled": Worker(model_dir, redis_url, tmp_path, "idle", {
             "TINKERQ_SESSION_RELEASE_IDLE_S": str(IDLE_S), "TINKERQ_AUTO_SNAPSHOT_STEPS": "1000",
             "TINKERQ_SESSION_IDLE_TTL_S": "0.2"}, ["--max-sessions", "1"]),
+        # Journaling off: a released session cannot come back. One full session at a time: one idle 0.2 s is
+        # closed to make room for a new one.
         "unjournaled": Worker(model_dir, redis_url, tmp_path, "idle-off", {
-            "TINKERQ_SESSION_RELEASE_IDLE_S": "2", "TINKERQ_JOURNAL_MAX_ENTRIES": "0"}, []),
+            "TINKERQ_SESSION_RELEASE_IDLE_S": str(IDLE_S), "TINKERQ_JOURNAL_MAX_ENTRIES": "0",
+            "TINKERQ_SESSION_IDLE_TTL_S": "0.2"}, ["--max-sessions", "1"]),
     }
     conn = Connection.open(Settings(broker_url=redis_url))
     try:
@@ -174,12 +177,39 @@ def test_without_journaling_a_released_session_says_why_it_cannot_come_back(work
         with pytest.raises(errors.UnknownModelError) as gone:
             tc.optim_step(ADAM).result(timeout=60)
         message = gone.value.message
-        assert "released" in message and "s idle (TINKERQ_SESSION_RELEASE_IDLE_S=2)" in message, message
+        assert "released" in message and f"s idle (TINKERQ_SESSION_RELEASE_IDLE_S={IDLE_S})" in message, message
         assert "TINKERQ_JOURNAL_MAX_ENTRIES=0" in message and "create a new training client" in message, message
-        assert gone.value.details["released_idle_s"] >= 2
+        assert gone.value.details["released_idle_s"] >= IDLE_S
         # The worker goes on serving.
         fresh = sc.create_training_client(w.name).result(timeout=120)
         fresh.forward_backward(batch, "cross_entropy").result(timeout=120)
+        fresh.close()
+    finally:
+        sc.close()
+
+
+def test_without_journaling_a_session_closed_to_make_room_says_why(workers, redis_url):
+    """At the session limit (one here), a new session closes an idle one that cannot be parked; that one's client
+    is told why, and what to do, not only that its session is gone."""
+    w = workers["unjournaled"]
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        batch = make_batch(np.random.default_rng(72), 2, max_len=16)
+        releases = _metric(w.url, "tinkerq_idle_releases_total")
+        tc = sc.create_training_client(w.name).result(timeout=120)
+        tc.forward_backward(batch, "cross_entropy").result(timeout=120)
+        time.sleep(0.5)  # idle longer than TINKERQ_SESSION_IDLE_TTL_S (0.2 s), well under the release's IDLE_S
+        newcomer = sc.create_training_client(w.name).result(timeout=120)
+        newcomer.forward_backward(batch, "cross_entropy").result(timeout=120)
+        assert _metric(w.url, "tinkerq_idle_releases_total") == releases  # tc was closed, not released
+        with pytest.raises(errors.UnknownModelError) as gone:
+            tc.optim_step(ADAM).result(timeout=60)
+        message = gone.value.message
+        for part in (f"{tc.model_id} was closed on worker", "to make room for a new session",
+                     "TINKERQ_JOURNAL_MAX_ENTRIES=0", "create a new training client"):
+            assert part in message, (part, message)
+        newcomer.forward_backward(batch, "cross_entropy").result(timeout=120)  # the worker goes on serving
+        newcomer.close()
     finally:
         sc.close()
 
@@ -222,3 +252,26 @@ def test_making_room_for_a_new_session_does_not_stop_the_compute_loop(model_dir,
     assert result["a_back"][0] == result["a_back"][1], result  # bitwise: restored from its snapshot
     assert result["b_back"][0] == result["b_back"][1], result
     assert result["releases"] == 3, result  # A for the newcomer, B for A, C for B
+
+
+def test_a_release_that_cannot_be_recorded_in_time_closes_the_session_and_the_new_one_is_made(model_dir, tmp_path):
+    """Making room while Redis stays away longer than a creation waits (the store's write of the parked record held
+    past both bounds, shortened in the driver): the idle session, which could not be parked, is closed, and the new
+    session is made, without waiting for Redis. Once the write goes through, the new session answers and trains, the
+    other session's requests are answered, and the closed session's client is told to create a new one."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "tests.make_room_driver", str(model_dir), str(tmp_path), "stuck"],
+                          cwd=root, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["b_taken"] and result["creation_taken"] and result["release_started"], result
+    assert result["b_moved_while_held"] == 6 and result["newcomer_waited"], result
+    assert result["made_while_held"] and result["a_closed_while_held"], result
+    assert result["newcomer_made"] and result["b_open"] and result["c_trains"], result
+    name, message = result["a_error"]
+    assert name == "UnknownModelError", result
+    for part in ("was closed on worker", "to make room for a new session", "its release could not be recorded",
+                 "is Redis reachable", "create a new training client"):
+        assert part in message, (part, message)
+    assert not result["a_parked"] and result["releases"] == 0, result  # closed, not released
+    assert "to make room for a new one: it was idle and its release could not be recorded" in proc.stderr

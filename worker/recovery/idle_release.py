@@ -88,6 +88,9 @@ class IdleRelease:
         # Sessions released here: model id -> seconds idle. What a returning request is told when its session
         # cannot come back (journaling off, or its snapshot gone); bounded, oldest forgotten first.
         self.released: OrderedDict[str, float] = OrderedDict()
+        # Sessions closed here to make room for a new one (they could not be parked): model id -> what their
+        # client's next request is told; bounded the same way.
+        self.closed_for_room: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         # Releases under way to make room for a new session (compute loop only): model id -> its parking.
         self._making_room: dict[str, _Parking] = {}
@@ -132,9 +135,9 @@ class IdleRelease:
         if slot is None:
             return
         if broken or not service.recovery.journaling:
-            log.warning("closing session %s (%s) to make room for a new one", model_id,
-                        "broken" if broken else "idle; it cannot be parked: TINKERQ_JOURNAL_MAX_ENTRIES=0")
-            service.close_session(model_id)
+            self._close_for_room(model_id, "it was broken" if broken else
+                                 "it was idle and could not be parked: automatic snapshots and the journal are off "
+                                 "on this worker (TINKERQ_JOURNAL_MAX_ENTRIES=0)")
             return
         parking = self._making_room.get(model_id)
         if parking is None:
@@ -145,9 +148,8 @@ class IdleRelease:
                 raise RoomComing(model_id)
             parking = self._begin(model_id, 0.0)
             if parking is None:  # its snapshot could not be written: closed
-                log.warning("closing idle session %s to make room for a new one: it could not be snapshotted",
-                            model_id)
-                service.close_session(model_id)
+                self._close_for_room(model_id, "it was idle and its automatic snapshot could not be written (is "
+                                               "the checkpoint directory writable and not full?)")
                 return
             log.warning("releasing idle session %s to make room for a new one", model_id)
             parking.deadline = time.monotonic() + RELEASE_WAIT_S
@@ -192,11 +194,23 @@ class IdleRelease:
         if slot is None:
             return True
         if parking.record != "written" and idle:
-            log.warning("closing idle session %s to make room for a new one: its release could not be recorded",
-                        model_id)
-            self.service.close_session(model_id)
+            self._close_for_room(model_id, f"it was idle and its release could not be recorded within "
+                                           f"{RELEASE_WAIT_S:g} s (is Redis reachable from the worker?)")
             return True
         return False
+
+    def _close_for_room(self, model_id: str, why: str) -> None:
+        """Close session ``model_id`` to make room for a new one (compute loop), and remember ``why`` for its
+        client's next request."""
+        log.warning("closing session %s to make room for a new one: %s", model_id, why)
+        self.service.close_session(model_id)
+        with self._lock:
+            self.closed_for_room[model_id] = (
+                f"training session {model_id} was closed on worker {self.worker_id} to make room for a new session "
+                f"(the worker was at its session limit, TINKERQ_MAX_LORA_SESSIONS / TINKERQ_MAX_SESSIONS): {why}. "
+                f"To go on, create a new training client, or resume from your last save_state checkpoint "
+                f"(create_training_client_from_state_with_optimizer(path))")
+            _bound(self.closed_for_room)
 
     def _begin(self, model_id: str, idle_for: float) -> _Parking | None:
         """The compute loop's first part of a release (files only): check the session is idle, bring its automatic
@@ -306,8 +320,7 @@ class IdleRelease:
         with self._lock:
             self.released[model_id] = idle_s
             self.released.move_to_end(model_id)
-            while len(self.released) > REMEMBERED:
-                self.released.popitem(last=False)
+            _bound(self.released)
 
     # -- return ------------------------------------------------------------------------------------------------
 
@@ -325,8 +338,11 @@ class IdleRelease:
             return None
         with self._lock:
             idle_s = self.released.get(model_id)
+            closed = self.closed_for_room.get(model_id)
         if idle_s is not None:
             raise UnknownModelError(self.why_gone(model_id, idle_s), released_idle_s=round(idle_s, 1))
+        if closed is not None:
+            raise UnknownModelError(closed)
         held = f" (it is held by worker {home.worker} now)" if home is not None else ""
         raise UnknownModelError(f"training session {model_id} is not open on worker {self.worker_id}{held} (closed, "
                                 f"evicted, or the worker restarted); create a new training client")
@@ -388,3 +404,9 @@ class IdleRelease:
                   self._snapshot_ttl(home.model_id))
         log.warning("took over parked session %s of lost worker %s: restored here on its next request",
                     home.model_id, home.worker)
+
+
+def _bound(remembered: OrderedDict[str, Any]) -> None:
+    """Keep the ``REMEMBERED`` newest of what a worker remembers about sessions gone from it."""
+    while len(remembered) > REMEMBERED:
+        remembered.popitem(last=False)
