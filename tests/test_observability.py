@@ -39,6 +39,16 @@ def _samples(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def _journal_gauge(url: str, model_id: str, want: float) -> dict[str, float]:
+    """The per-session journal gauge once it counts ``want`` entries for ``model_id`` (or what it says after 10 s).
+    The worker counts an entry once its write returns, a moment after the answer written with it can reach the
+    client: so a gauge read right after a reply may still be one behind."""
+    deadline = time.monotonic() + 10
+    while (got := _samples(url, "tinkerq_session_journal_entries")) != {model_id: want} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 def _tinkerq_stats(conn: Connection, worker_pid: int) -> dict:
     stats = conn.app.control.inspect(timeout=5.0).stats() or {}
     blocks = [s["tinkerq"] for s in stats.values() if s.get("pid") == worker_pid and "tinkerq" in s]
@@ -76,7 +86,7 @@ def test_per_session_gauges_inspect_stats_and_fleet_status(model_dir, redis_url,
         batch = make_batch(np.random.default_rng(3), 2, max_len=16)
         tc.forward_backward(batch, "cross_entropy").result(timeout=120)
         # No automatic snapshot yet: a journal gauge, no snapshot-age sample.
-        assert _samples(url, "tinkerq_session_journal_entries") == {model_id: 1.0}
+        assert _journal_gauge(url, model_id, 1.0) == {model_id: 1.0}
         assert model_id not in _samples(url, "tinkerq_session_snapshot_age_seconds")
         assert _tinkerq_stats(conn, proc.pid)["sessions"][0]["snapshot_age_s"] is None
         assert any("no snapshot yet" in line for line in session_lines(conn.store) if line.startswith(model_id[:12]))
@@ -90,7 +100,7 @@ def test_per_session_gauges_inspect_stats_and_fleet_status(model_dir, redis_url,
         # The snapshot's own request + the two applied since.
         want = 1 + 2
         assert conn.store.length(keys.journal(model_id)) == want
-        assert _samples(url, "tinkerq_session_journal_entries") == {model_id: want}
+        assert _journal_gauge(url, model_id, want) == {model_id: want}
         first = _samples(url, "tinkerq_session_snapshot_age_seconds")[model_id]
         # The age of the snapshot step 2 took: no older than that request (causality, not a speed bound) ...
         assert 0 <= first <= time.time() - asked + 1e-3
