@@ -76,6 +76,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          metrics_port=args.metrics_port, shards=args.shards, shard_rank=args.rank,
                          rendezvous=args.rendezvous, rendezvous_timeout_s=args.rendezvous_timeout,
                          role=args.role)
+    # Before torch loads (seconds) and before the broker is asked: a --model that is no model directory is told now.
+    from tinkerq.validation import check_model_directory
+
+    check_model_directory(args.model)
     check_device(settings.device)
     if settings.shard_rank > 0:  # a follower shard: no broker, it takes its commands from rank 0
         from tinkerq.worker.sharding.follower import run_follower

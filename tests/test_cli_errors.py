@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -89,12 +90,15 @@ def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "empty": root / "empty.jsonl",
         "a_file": root / "a_file",
         "no_config": root / "no_config",
+        "model_like": root / "model_like",  # passes `tinkerq worker`'s first check, so a later one can fail
     }
     files["wrong_fields"].write_text('{"question": "abc>", "answer": "cba"}\n')
     files["not_jsonl"].write_text(json.dumps({"steps": 250, "after": {"exact_match": 0.97}}, indent=2))
     files["empty"].write_text("\n")
     files["a_file"].write_text("not a directory\n")
     files["no_config"].mkdir()
+    files["model_like"].mkdir()
+    (files["model_like"] / "config.json").write_text("{}")
     return files
 
 
@@ -201,10 +205,11 @@ def test_plot_with_unknown_columns_leaves_the_previous_png_alone(tmp_path: Path,
     assert png.read_bytes() == previous, line
 
 
-@pytest.mark.parametrize("command", [["healthcheck"], ["keys", "list"], ["gateway"], ["worker", "--model", "m"],
+@pytest.mark.parametrize("command", [["healthcheck"], ["keys", "list"], ["gateway"], ["worker", "--model", "MODEL"],
                                      ["dead", "list"]])
-def test_commands_that_need_a_broker_say_none_is_configured(command):
+def test_commands_that_need_a_broker_say_none_is_configured(command, data_files):
     """healthcheck once answered "no worker registered" from an empty in-process fleet."""
+    command = [str(data_files["model_like"]) if arg == "MODEL" else arg for arg in command]
     assert_one_line_mistake(_run_here(*command), command[0], "no broker configured", "set TINKERQ_BROKER_URL")
 
 
@@ -215,9 +220,23 @@ def test_commands_that_need_a_broker_say_none_is_configured(command):
     (["--metrics-port", "70000"], "argument --metrics-port: must be a port number"),
     (["--rendezvous-timeout", "0"], "argument --rendezvous-timeout: must be a finite positive number"),
 ])
-def test_worker_option_mistakes(args, says):
-    assert_one_line_mistake(_run_here("worker", "--model", "m", *args, env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}),
-                            "worker", says)
+def test_worker_option_mistakes(args, says, data_files):
+    assert_one_line_mistake(_run_here("worker", "--model", str(data_files["model_like"]), *args,
+                                      env={"TINKERQ_BROKER_URL": "redis://:pw@h:1/0"}), "worker", says)
+
+
+def test_worker_model_path_is_checked_before_anything_loads(data_files):
+    """A --model that is no model directory is told before torch loads and before the broker is asked (none
+    configured here, and that is not what is said)."""
+    assert_one_line_mistake(_run_here("worker", "--model", str(data_files["a_file"])), "worker",
+                            "is not a directory", "pass a local Hugging Face model directory")
+    probe = ("import sys\nfrom tinkerq.launcher.main import main\n"
+             "print('exit', main(sys.argv[1:]), 'torch' in sys.modules)\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TINKERQ_")}
+    out = subprocess.run([sys.executable, "-c", probe, "worker", "--model", str(data_files["no_config"])],
+                         capture_output=True, text=True, timeout=60, env=clean)
+    assert out.stdout.split() == ["exit", "2", "False"], (out.stdout, out.stderr)  # torch never imported
+    assert "has no config.json" in out.stderr
 
 
 @pytest.mark.parametrize(("args", "says"), [

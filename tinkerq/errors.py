@@ -67,6 +67,10 @@ class UnknownModelError(UserError):
     """No worker serves the requested base model, or the training session does not exist."""
 
 
+class ModelLoadError(UserError):
+    """The model directory cannot be served (missing, not a causal LM, unreadable, a bad checkpoint)."""
+
+
 class NonFiniteError(UserError):
     """A loss or gradient norm was NaN/inf; the step was refused and the weights are unchanged."""
 

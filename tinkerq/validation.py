@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tinkerq import types
-from tinkerq.errors import ValidationError
+from tinkerq.errors import ModelLoadError, ValidationError
 
 
 @dataclass(frozen=True)
@@ -373,3 +374,14 @@ def validate_ttl_seconds(ttl_seconds: Any) -> None:
     if ttl_seconds > MAX_CHECKPOINT_TTL_S:
         raise ValidationError(f"ttl_seconds={ttl_seconds} is over the limit of {MAX_CHECKPOINT_TTL_S} (10 years); "
                               f"pass None to keep the checkpoint until it is deleted")
+
+
+def check_model_directory(path: str) -> Path:
+    """``path`` as a Hugging Face model directory (it has a ``config.json``); ModelLoadError saying what to pass
+    otherwise. Cheap and torch-free: ``tinkerq worker`` checks its ``--model`` with it before anything loads."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    return directory

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors import safe_open
 
-from tinkerq.errors import UserError
+from tinkerq.errors import ModelLoadError
 from tinkerq.worker.checkpoints import quant_formats as qf
 
 log = logging.getLogger("tinkerq.worker")
@@ -42,10 +42,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors' names
 QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
-
-
-class ModelLoadError(UserError):
-    """The model directory cannot be served (missing, not a causal LM, unreadable, a bad checkpoint)."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tinkerq.settings import Settings
+from tinkerq.validation import check_model_directory
 from tinkerq.worker.checkpoints.reader import (
     Checkpoint,
     ModelLoadError,
@@ -109,11 +110,7 @@ def load_skeleton(path: str, *, dtype: str = "float32") -> PreTrainedModel:
 
 
 def _checked_directory(path: str, dtype: str) -> Path:
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ModelLoadError(f"model path {path!r} is not a directory; pass a local Hugging Face model directory")
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    directory = check_model_directory(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
     return directory
