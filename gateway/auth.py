@@ -73,6 +73,26 @@ class Credentials:
                           "(`tinkerq keys create NAME`) and set TINKER_API_KEY", token=False)
         return tenant
 
+    def cached_tenant(self, header: str | None) -> str | None:
+        """The caller's tenant when what decides it is in this process's caches (the signing secret and the
+        tenant's live key for a token; the key's last check for an API key): no I/O, so the event loop may call
+        it. None: ask :meth:`tenant` (on a thread), which also gives every refusal its reason."""
+        if isinstance(header, str) and header.startswith(JWT_PREFIX):
+            secret = self.signer.cached_secret()
+            if secret is None:
+                return None
+            try:
+                claims = self.signer.verify(header, PURPOSE, secret=secret)
+            except BadToken:
+                return None
+            tenant, kid = str(claims["sub"]), claims.get("kid")
+            with self._lock:
+                hit = self._live.get(tenant)
+            if kid is None or hit is None or hit[1] <= time.monotonic() or hit[0] != kid:
+                return None
+            return tenant
+        return self.keys.cached(header)
+
     def key_tenant(self, header: str | None) -> str:
         """The tenant of an API key proper (the token exchange and ``auth/apikey/me`` take no token)."""
         if isinstance(header, str) and header.startswith(JWT_PREFIX):

@@ -40,6 +40,13 @@ class Signer:
         self._read_at = 0.0
         self._lock = threading.Lock()
 
+    def cached_secret(self) -> bytes | None:
+        """The secret if it was read within ``SECRET_CACHE_S`` (no I/O); None when :meth:`secret` must read it."""
+        with self._lock:
+            if self._secret is None or time.monotonic() - self._read_at > SECRET_CACHE_S:
+                return None
+            return self._secret
+
     def secret(self) -> bytes:
         with self._lock:
             if self._secret is None or time.monotonic() - self._read_at > SECRET_CACHE_S:
@@ -58,11 +65,12 @@ class Signer:
         payload = {**claims, "aud": purpose, "sub": subject, "iat": int(now), "exp": int(expires)}
         return jwt.encode(payload, self.secret(), algorithm=ALGORITHM), float(int(expires))
 
-    def verify(self, token: str, purpose: str) -> dict[str, Any]:
-        """The claims of a valid, unexpired token signed for ``purpose``; BadToken otherwise."""
+    def verify(self, token: str, purpose: str, *, secret: bytes | None = None) -> dict[str, Any]:
+        """The claims of a valid, unexpired token signed for ``purpose``; BadToken otherwise. ``secret``: the one
+        :meth:`cached_secret` gave (no I/O here then)."""
         try:
-            return dict(jwt.decode(token, self.secret(), algorithms=[ALGORITHM], audience=purpose, leeway=LEEWAY_S,
-                                   options={"require": ["exp", "sub", "aud"]}))
+            return dict(jwt.decode(token, self.secret() if secret is None else secret, algorithms=[ALGORITHM],
+                                   audience=purpose, leeway=LEEWAY_S, options={"require": ["exp", "sub", "aud"]}))
         except jwt.ExpiredSignatureError:
             raise BadToken("this token has expired; ask for a new one") from None
         except jwt.InvalidAudienceError:

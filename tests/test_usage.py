@@ -254,3 +254,27 @@ def test_cli_table_json_and_bad_since(redis_url: str, capsys: pytest.CaptureFixt
     code, said, _ = _main(capsys, "usage", "--broker", redis_url, "--key", _name(), "--since", "2026-01-01")
     assert code == 0 and said.startswith("no usage recorded since 2026-01-01 00:00:00Z for key u-")
     client.close()
+
+
+def test_the_tenants_index_is_read_at_most_once_a_minute_per_tenant(monkeypatch: pytest.MonkeyPatch):
+    """Each answered request is recorded: a process that saw the tenants' index hold this hour for a tenant does
+    not read it again for INDEX_KNOWN_S (one round trip less per request); past that it does, so an index Redis
+    lost comes back."""
+    from tinkerq import keys
+    from tinkerq import usage as usage_module
+
+    store, t = MemoryStore(), _name()
+    usage = Usage(store)
+    usage.record(t, "s", {"sampled_tokens": 1})
+    assert {r.tenant for r in usage.rows()} == {t}
+    store.delete(keys.USAGE_TENANTS)  # as a Redis that lost it
+    usage.record(t, "s", {"sampled_tokens": 1})
+    assert usage.rows() == []  # known to hold it: neither read nor written again
+    assert {r.tenant for r in Usage(store).rows()} == set()
+    Usage(store).record(t, "s", {"sampled_tokens": 1})  # another process reads it, and puts the tenant back
+    assert {r.tenant for r in usage.rows()} == {t}
+    store.delete(keys.USAGE_TENANTS)
+    monkeypatch.setattr(usage_module, "INDEX_KNOWN_S", 0.0)  # what it knew is too old now: read, and put back
+    usage.record(t, "s", {"sampled_tokens": 1})
+    assert {r.tenant for r in usage.rows()} == {t}
+    assert usage.totals(t)["sampled_tokens"] == 4

@@ -231,6 +231,15 @@ class ApiKeys:
         fields = tenant_key_fields(self.store, name, ["created_at"])
         return None if fields is None else _number(fields[0])
 
+    def cached(self, key: str | None) -> str | None:
+        """The tenant of ``key`` if :meth:`authenticate` accepted it within ``cache_s`` (no I/O); None when it must
+        be asked (unknown here, expired, or no cache)."""
+        if self.cache_s <= 0 or not isinstance(key, str) or len(key) > MAX_KEY_CHARS or not _KEY_RE.fullmatch(key):
+            return None
+        with self._lock:
+            hit = self._cache.get(_digest(key))
+        return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+
     def authenticate(self, key: str | None) -> str | None:
         """The tenant whose live key ``key`` is; None for a missing, malformed, unknown or revoked key.
 

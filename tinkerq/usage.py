@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,6 +42,9 @@ DEFAULT_KEEP_DAYS = 90
 # the SDK gives up polling long before a day. About 100 bytes of Redis per request recorded with ``once``.
 DEFAULT_ONCE_TTL_S = 24 * 3600.0
 MAX_ID_CHARS = 256
+# How long a process trusts what it last saw the tenants' index hold for a tenant (a Redis that lost the index
+# has it back within this).
+INDEX_KNOWN_S = 60.0
 BILLING_MAX_WINDOW_S = 14 * 24 * HOUR_S  # the Tinker API's limit on ending_before - starting_on
 
 _COUNTER_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -137,6 +141,10 @@ class Usage:
         self.store = store
         self.keep_days = keep_days
         self.once_ttl_s = once_ttl_s
+        # tenant -> (an hour the tenants' index is known to hold for it, monotonic time known): a record within
+        # INDEX_KNOWN_S of that skips reading the index (one round trip of every answered request's accounting).
+        self._indexed: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()
 
     @property
     def keep_s(self) -> int:
@@ -160,6 +168,9 @@ class Usage:
         hour_key, hours_key = keys.usage_hour(tenant, hour), keys.usage_hours(tenant)
         oldest = hour_of(now - self.keep_s)
         once_key = None if once is None else keys.usage_once(once)
+        with self._lock:
+            known = self._indexed.get(tenant)
+        indexed = known is not None and known[0] >= hour and time.monotonic() - known[1] < INDEX_KNOWN_S
 
         def add(t: Transaction) -> bool:
             # Counters added to the hour's hash, that hour noted in the tenant's index, the tenant in the index of
@@ -172,7 +183,7 @@ class Usage:
                     Expire(hour_key, ttl_s), ZAdd(hours_key, str(hour), hour), ZRemoveBelow(hours_key, oldest),
                     Expire(hours_key, ttl_s))
             # The tenants' index keeps each tenant's latest hour: watched only when this raises it (once an hour).
-            if hour > _int(t.hash_get(keys.USAGE_TENANTS, [tenant])[0]):
+            if not indexed and hour > _int(t.hash_get(keys.USAGE_TENANTS, [tenant])[0]):
                 t.watch(keys.USAGE_TENANTS)
                 if hour > _int(t.hash_get(keys.USAGE_TENANTS, [tenant])[0]):
                     t.write(HashPut(keys.USAGE_TENANTS, {tenant: str(hour)}))
@@ -182,6 +193,11 @@ class Usage:
                                          what=f"recording the usage of {tenant}")
         if applied:
             _export(tenant, increments)
+            if not indexed:  # the index holds this hour for the tenant now (it was there, or this wrote it)
+                with self._lock:
+                    if len(self._indexed) > 10_000:
+                        self._indexed.clear()
+                    self._indexed[tenant] = (hour, time.monotonic())
         return applied
 
     def rows(self, tenant: str | None = None, since: float | None = None) -> list[UsageRow]:
