@@ -249,17 +249,18 @@ def test_password_in_argv():
     assert not password_in_argv("redis://127.0.0.1:6379/0") and not password_in_argv(None)
 
 
-def test_worker_warns_about_a_password_on_its_command_line(monkeypatch, caplog):
+def test_worker_warns_about_a_password_on_its_command_line(monkeypatch, caplog, tmp_path):
     from tinkerq.launcher import main as launcher_main
     from tinkerq.launcher.main import main
     from tinkerq.worker.core import runtime as worker_runtime
 
     monkeypatch.setattr(launcher_main, "check_broker", lambda settings: None)  # no Redis at that address
     monkeypatch.setattr(worker_runtime, "run_worker", lambda *a, **k: None)
+    (tmp_path / "config.json").write_text("{}")  # a model directory as far as the command checks (nothing loads)
     old = os.umask(0o022)
     try:
         with caplog.at_level(logging.WARNING):
-            assert main(["worker", "--model", "/nowhere", "--broker", "redis://:secret@10.1.2.3:6379/0"]) == 0
+            assert main(["worker", "--model", str(tmp_path), "--broker", "redis://:secret@10.1.2.3:6379/0"]) == 0
         assert os.umask(0o022) == 0o077  # the worker made everything it writes owner-only
     finally:
         os.umask(old)
