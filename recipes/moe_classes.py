@@ -51,6 +51,8 @@ GENERIC: dict[str, Any] = dict(
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     max_position_embeddings=256, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     output_router_logits=False,
+    # DeepSeek sparse attention (DSA): the indexer keeps the top 4 columns, so the sparse choice matters at toy length
+    index_topk=4, index_head_dim=8, index_n_heads=16,
 )
 
 # Per class, the fields a generic rule cannot set.

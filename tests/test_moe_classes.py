@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -22,12 +22,15 @@ from tests.test_sampling_families import assert_matches_forward, lora_snapshot, 
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.recipes.moe_classes import build_moe_class, built_classes, moe_classes, skipped
+from tinkerq.settings import Settings
+from tinkerq.worker.loading import support
 from tinkerq.worker.lora import routing
-from tinkerq.worker.lora.adapter import find_targets
+from tinkerq.worker.lora.adapter import adaptable, find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import run_jobs
 from tinkerq.worker.training.logprobs import LogprobComputer
 from tinkerq.worker.training.session import TrainingSession
+from tinkerq.worker.training.sessions import SessionFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,27 +43,17 @@ REFUSED = {
     "Inkling2LoopForCausalLM": "model.message_input (Inkling2LoopMessageAttentionResidual)",  # a 3-D query
     "LongcatFlashForCausalLM": "mlp.experts (LongcatFlashExperts)",  # zero experts: gate_up E + Z, down E
 }
-LORA = [n for n in built_classes() if n not in REFUSED]
-# Checks that fail today, for reasons outside the experts (strict: a fix shows up as an unexpected pass).
-_DSA = "the sampling engine cannot batch rows of a DynamicIndexedLayer cache (DeepSeek sparse-attention indexer)"
-_V4 = ("DeepSeek-V4's o_a_proj is a Linear (4 -> 8192) whose weight its attention applies per head group "
-       "(1024 wide): the adapter's hook adds a delta of the declared width")
-KNOWN_FAILURES = {
-    ("lora", "DeepseekV4ForCausalLM"): _V4,
-    ("sampling", "DeepseekV4ForCausalLM"): _V4,
-    ("sampling", "AXK2ForCausalLM"): _DSA,
-    ("sampling", "DeepseekV32ForCausalLM"): _DSA,
-    ("sampling", "GlmMoeDsaForCausalLM"): _DSA,
-    ("sampling", "HYV4ForCausalLM"): _DSA,
-    ("sampling", "MiniMaxForCausalLM"): "sampled logprobs 0.015 off the forward (lightning-attention state)",
-    ("full", "DogeForCausalLM"): "a full session's logprobs 1e-3 off an unpadded forward (not investigated)",
-    ("full", "InklingForCausalLM"): "a full session's logprobs 0.1 off an unpadded forward (not investigated)",
-}
 
 
-def _cases(check: str, names: list[str]) -> list[Any]:
-    return [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[check, n], strict=True))
-            if (check, n) in KNOWN_FAILURES else n for n in names]
+def _served(path: str, names: list[str]) -> list[str]:
+    """The classes whose ``path`` worker/loading/support.py serves: each is checked exact below. The others are
+    refused at session creation (test_a_refused_path_is_one_user_error_at_creation): no path is served unproven."""
+    return [n for n in names if support.refusal(n, path) is None]
+
+
+LORA = _served("lora", [n for n in built_classes() if n not in REFUSED])
+REFUSED_PATHS = sorted((n, path) for (n, path) in support.REFUSED if n in built_classes())
+
 
 # The layout of experts modules transformers ships without its markers, as their source lays them out: the
 # reference below reads markers, the test states them (tinkerq reads the structure and probes it).
@@ -86,12 +79,12 @@ def test_every_enumerated_class_is_built_or_skipped_with_a_reason():
     built, skip = set(built_classes()), skipped()
     assert built | set(skip) == set(found) and not built & set(skip)
     assert all(why for why in skip.values())
-    assert set(REFUSED) <= built and {n for _, n in KNOWN_FAILURES} <= built
+    assert set(REFUSED) <= built
     assert {"Llama4ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"} <= built
     assert len(built) >= 50  # transformers 5.24: 61 enumerated, 2 not built yet, 1 vision-language
 
 
-@pytest.mark.parametrize("name", _cases("lora", LORA))
+@pytest.mark.parametrize("name", LORA)
 def test_lora_fb_equals_the_merged_weights_reference(name: str) -> None:
     """One rank-2 forward_backward over every target (attention, MLPs, routed and shared experts, output
     projection): loss and every A and B gradient equal the adapter merged into a copy of the model, then a plain
@@ -131,11 +124,15 @@ def test_lora_fb_equals_the_merged_weights_reference(name: str) -> None:
         torch.testing.assert_close(p.grad, want, atol=bound * scale, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("name", _cases("sampling", LORA))
+@pytest.mark.parametrize("name", _served("sampling", built_classes()))
 def test_sampled_logprobs_of_a_lora_snapshot_equal_its_forward(name: str) -> None:
+    """A LoRA row and a base row of different prompt lengths in the same steps (train_mlp=False where the experts'
+    layout is refused): every sampled logprob equals a plain forward (routed to the adapter for its row)."""
     model = build_moe_class(name)
     base = LoraBase(model, LogprobComputer(model, "torch"), model_dir="/nonexistent", microbatch_tokens=64)
-    adapter = lora_snapshot(base, seed=5)
+    flags = {} if name not in REFUSED else \
+        dict(train_mlp=False, train_attn=any(p.component == "attn" for p in adaptable(model)))
+    adapter = lora_snapshot(base, seed=5, **flags)
     jobs = [make_job(model, prompt_of(5, 1), 1, 4, key=name, temperature=1.0, seed=1),
             make_job(model, prompt_of(7, 2), 1, 4, key=name, temperature=1.0, seed=2)]
     jobs[0].adapter = adapter  # one adapted row and one base row in the same steps
@@ -145,7 +142,7 @@ def test_sampled_logprobs_of_a_lora_snapshot_equal_its_forward(name: str) -> Non
     assert_matches_forward(model, jobs[1], results[1], [])
 
 
-@pytest.mark.parametrize("name", _cases("full", built_classes()))
+@pytest.mark.parametrize("name", _served("full", built_classes()))
 def test_full_session_step_equals_plain_adamw(name: str) -> None:
     model = build_moe_class(name).requires_grad_(True)
     reference = copy.deepcopy(model)
@@ -161,6 +158,36 @@ def test_full_session_step_equals_plain_adamw(name: str) -> None:
     assert session.optim_step(ADAM).metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
     for (n, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize(("name", "path"), REFUSED_PATHS)
+def test_a_refused_path_is_one_user_error_at_creation(name: str, path: str) -> None:
+    """A path support.py refuses is refused by the worker's session factory when the session (or sampler) is
+    made, with one user error naming the class, the path, why, and what works instead; nothing is made."""
+    model = build_moe_class(name)
+    factory = SessionFactory(Settings(), model, "/nonexistent", LogprobComputer(model, "torch"), base_model="tiny",
+                             worker_id="w", shards=None, evictable=lambda *_: None)
+    what = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling"}[path]
+    message = rf"{what} of {name} is not served: .+; .+"
+    slots: dict[str, Any] = {}
+    with pytest.raises(ValidationError, match=message):
+        if path == "sampling":  # checked before the session is looked at
+            factory.admit_sampler(cast(Any, None), slots)
+        else:
+            factory.make("m", types.LoraConfig(rank=2) if path == "lora" else None, slots, lambda _: None)
+    assert not slots and factory.lora_base is None  # nothing was made
+
+
+def test_every_path_of_the_lineups_classes_is_served_or_refused_with_a_reason() -> None:
+    """The classes every built class maps to in support.py, and the refusals' texts."""
+    assert set(built_classes()) <= support.PROVEN
+    for (name, path), refusal in support.REFUSED.items():
+        assert name in support.PROVEN and path in support.PATHS and refusal.why and refusal.instead
+    assert support.refusal("GPT2LMHeadModel", "full") is not None  # a class never proven: refused whole
+    for name in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "InklingForCausalLM", "Inkling2ForCausalLM",
+                 "KimiLinearForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "NemotronHForCausalLM"):
+        assert support.served(name) == {"full": "served", "lora": "served", "sampling": "served"}, name
+    assert support.served("DeepseekV4ForCausalLM")["lora"] == "served"
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -233,3 +260,24 @@ def test_llama4_lora_merged_weights_reload_to_the_sessions_logprobs(tmp_path) ->
         # reference of test_lora_fb_... exactly); a wrong merge is off by the adapter's effect, > 1e-3 (below)
         np.testing.assert_allclose(o["logprobs"].to_numpy(), want, atol=2.5e-4)
     assert moved > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.parametrize("name", built_classes())
+def test_the_fused_loss_head_is_used_only_where_it_gives_the_models_own_logits(name: str) -> None:
+    """Where fused_head_support says hidden states @ W^T are the logits, they equal the class's own forward's
+    (Inkling divides its hidden states by a muP width multiplier first: that class takes its own forward)."""
+    from tinkerq.worker.training.logprobs import fused_head_support
+
+    model = build_moe_class(name)
+    tokens = torch.tensor([prompt_of(6, 3)])
+    why = fused_head_support(model)
+    if why is not None and "backbone" in why:  # Llama-4: the class is its own base_model, its forward is used
+        assert LogprobComputer(model, "torch").backend == "model-logits"
+        return
+    with torch.no_grad():
+        own = model(input_ids=tokens).logits.float()
+        fused = model.base_model(input_ids=tokens).last_hidden_state @ model.get_output_embeddings().weight.T
+    if why is None:
+        torch.testing.assert_close(fused, own, atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(fused, own, atol=1e-5)  # the fallback is needed, not merely cautious

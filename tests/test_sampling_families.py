@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer
 
 from tests.test_sampling_engine import make_job
 from tinkerq import types
@@ -227,13 +227,40 @@ def test_hybrid_layer_state_round_trip() -> None:
     assert layer.has_previous_state[0] and layer.keys is both[2] and layer.conv_states[0] is both[0]
     picked = kind.select(kind.read(layer), torch.tensor([2]), 3)  # the short row alone: its 3 columns
     assert all(torch.equal(x, y) for x, y in zip(picked, b, strict=True))
-    with pytest.raises(NotImplementedError, match="DynamicIndexedLayer"):
-        cache_rows.kind_of(DynamicIndexedLayer())
+    odd = type("OffloadedLayer", (DynamicLayer,), {})  # a subclass may hold more than keys and values
+    with pytest.raises(NotImplementedError, match="OffloadedLayer"):
+        cache_rows.kind_of(odd())
 
 
-def lora_snapshot(base: LoraBase, seed: int) -> Any:
-    """A LoRA session's frozen adapter with nonzero B (a fresh adapter changes nothing)."""
-    session = LoraSession(f"s{seed}", base, types.LoraConfig(rank=2, seed=seed), base_model="tiny")
+def test_sparse_attention_indexer_keys_round_trip() -> None:
+    """A DSA layer (DeepSeek-V3.2, GLM-5): keys, values and the indexer's keys (B, T, D) are left-padded,
+    concatenated and selected together, the indexer's columns aligned with the keys'."""
+    layer = DynamicIndexedLayer()
+    kind = cache_rows.kind_of(layer)
+
+    def rows(b: int, t: int, start: float) -> cache_rows.State:
+        keys = torch.arange(b * t, dtype=torch.float32).view(b, 1, t, 1).expand(b, 2, t, 4) + start  # (B, H, T, D)
+        index = torch.arange(b * t, dtype=torch.float32).view(b, t, 1).expand(b, t, 3) + start  # (B, T, D)
+        return [keys, keys + 0.5, index]
+
+    a, b = rows(2, 5, 0.0), rows(1, 3, 100.0)
+    both = kind.cat([a, b])
+    assert [tuple(x.shape) for x in both] == [(3, 2, 5, 4), (3, 2, 5, 4), (3, 5, 3)]
+    assert torch.equal(both[2][2, :2], torch.zeros(2, 3)) and torch.equal(both[2][2, 2:], b[2][0])
+    kind.put(layer, both, 5)
+    assert layer.is_indexer_initialized and layer.indexer_keys is both[2]
+    picked = kind.select(kind.read(layer), torch.tensor([2]), 3)  # the short row alone: its 3 columns
+    assert all(torch.equal(x, y) for x, y in zip(picked, b, strict=True))
+    with pytest.raises(NotImplementedError, match="DynamicIndexedLayer"):  # positions kept per row: not batched
+        indexed = DynamicIndexedLayer()
+        indexed.indexer_position_ids = torch.zeros(1, 1, 3)
+        cache_rows.kind_of(indexed)
+
+
+def lora_snapshot(base: LoraBase, seed: int, **flags: bool) -> Any:
+    """A LoRA session's frozen adapter (``flags``: its train_* switches) with nonzero B (a fresh adapter changes
+    nothing)."""
+    session = LoraSession(f"s{seed}", base, types.LoraConfig(rank=2, seed=seed, **flags), base_model="tiny")
     with torch.no_grad():
         for p in session.engine.params:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())), alpha=0.3)

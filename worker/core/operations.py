@@ -30,6 +30,7 @@ from tinkerq.validation import (
 from tinkerq.wire import codec, messages
 from tinkerq.worker import checkpoints, memory
 from tinkerq.worker.checkpoints import retention
+from tinkerq.worker.loading import support
 from tinkerq.worker.lora.batch import LossItem
 from tinkerq.worker.sampling.engine import SampleJob
 from tinkerq.worker.sampling.rules import StopRule
@@ -49,6 +50,7 @@ class Operations:
                  on_metrics: Callable[[dict[str, float]], None] = lambda _: None) -> None:
         self.settings = settings
         self.model = model
+        self.model_class = type(model).__name__  # what worker/loading/support.py's table is keyed by
         self.model_dir = model_dir
         self.base_model = base_model
         self.logprobs = logprobs
@@ -192,6 +194,7 @@ class Operations:
         """A checked sample request as a job for the sampling engine, and its prompt length. The prompt's logprobs
         and its top-k / target / alternative-token answers, when asked, are appended to the two lists."""
         request = messages.decode_sample_request(body)
+        support.check(self.model_class, "sampling")  # a class whose sampling is not proven: refused before compute
         prompt, num_samples, params = request.prompt, request.num_samples, request.params
         s = self.settings
         validate_sampling(prompt, num_samples, params, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,

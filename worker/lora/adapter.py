@@ -34,6 +34,9 @@ from tinkerq.worker.memory import LORA_BYTES_PER_PARAMETER
 # attention, state-space mixers) or channel mixing (MLPs, MoE blocks, experts).
 _TOKEN_MIXING = re.compile(r"attention|attn|mamba|deltanet|ssm|mixer", re.IGNORECASE)
 _CHANNEL_MIXING = re.compile(r"mlp|moe|expert|feedforward|ffn", re.IGNORECASE)
+# A sparse-attention indexer (DeepSeek-V3.2's, GLM-5's DSA): its projections reach the loss only through a top-k
+# choice of columns, which has no gradient, so an adapter there would never train. Not adapted.
+_INDEXER = re.compile(r"Indexer$")
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,13 @@ def adaptable(model: torch.nn.Module) -> list[Part]:
             continue
         if not isinstance(module, torch.nn.Linear):
             continue
+        if type(module).forward is not torch.nn.Linear.forward:
+            # A Linear subclass with a forward of its own applies its weight in another geometry (DeepSeek-V4's
+            # o_a_proj: block-diagonal per head group): a hook's x A^T B^T would not be that weight's delta.
+            continue
         parent = name.rpartition(".")[0]
+        if any(_INDEXER.search(type(modules[p]).__name__) for p in _ancestors(name)):
+            continue
         if isinstance(getattr(modules.get(parent), "experts", None), torch.nn.Module):
             continue  # a router / shared-expert gate beside the experts
         component, path = None, name
@@ -123,6 +132,12 @@ def adaptable(model: torch.nn.Module) -> list[Part]:
         elif component is not None:
             found.append(Part(name, name, module, component))
     return found
+
+
+def _ancestors(name: str) -> list[str]:
+    """The dotted names of the modules that hold ``name``, nearest first (the model itself, "", excluded)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def _holds_expert_tables(module: torch.nn.Module, name: str, modules: dict[str, torch.nn.Module],

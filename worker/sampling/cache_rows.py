@@ -11,7 +11,9 @@ recurrent state per row (no sequence dim, nothing to pad), flagged as past state
 continue theirs at their first decode. MoE / MLP blocks (DummyLayer) hold nothing. DeepSeek-V3's MLA caches
 its compressed latent as keys (B, 1, T, kv_lora_rank) and the rope key as values (B, 1, T, rope_dim), and
 re-expands them through ``kv_b_proj`` at every forward (so a hook on that projection applies at every step).
-Any other layer class is refused at prefill rather than batched wrongly.
+A sparse-attention layer (DeepSeek-V3.2's and GLM-5's DSA) adds its indexer's keys (B, T, D), padded like the keys.
+Any other layer class is refused at prefill rather than batched wrongly (and the classes whose caches are known not
+to batch are refused when their sampler is made: worker/loading/support.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import (
     DummyLayer,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -115,6 +118,31 @@ class Window(KeyValues):
         layer.cumulative_length = width
 
 
+class Indexed(KeyValues):
+    """A sparse-attention layer (DeepSeek-V3.2's and GLM-5's DSA): keys and values as :class:`KeyValues`, plus the
+    indexer's own keys (B, T, D), one head, left-padded along T like the mask. The indexer scores every cached
+    column with the attention mask added before its top-k, so a padding column is never chosen over a real one."""
+
+    size = 3
+
+    def put(self, layer: Any, state: State, width: int) -> None:
+        layer.keys, layer.values, layer.indexer_keys = state
+        layer.is_indexer_initialized = state[2] is not None
+
+    def read(self, layer: Any) -> State:
+        return [layer.keys, layer.values, layer.indexer_keys if layer.is_indexer_initialized else None]
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        keys, values, index = state
+        if index is not None:  # (B, T, D) as (B, 1, T, D): the same columns as the keys'
+            index = _last_columns(index.index_select(0, idx).unsqueeze(1), width).squeeze(1)
+        return [*super().select([keys, values], idx, width), index]
+
+    def cat(self, states: list[State]) -> State:
+        index = _present(tuple(s[2] for s in states))
+        return [*super().cat([s[:2] for s in states]), None if index is None else pad_cat(index, 1, True, 0.0)]
+
+
 class Recurrent(Kind):
     """Linear attention / Mamba: per state index a conv state and a recurrent state, one per row (no sequence
     dim, so no padding); ``state`` is [conv_0, recurrent_0, conv_1, ...], None where the layer has none."""
@@ -189,6 +217,8 @@ def kind_of(layer: Any) -> Kind:
         return NoState()
     if cls is DynamicLayer:
         return KeyValues()
+    if cls is DynamicIndexedLayer and layer.indexer_position_ids is None:
+        return Indexed()
     if cls is DynamicSlidingWindowLayer and not layer.record_past:
         return Window()
     if cls is LinearAttentionLayer and not layer.record_past:

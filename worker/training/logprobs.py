@@ -20,8 +20,11 @@ from tinkerq.worker.loss_head import resolve_backend, target_logprobs_from_hidde
 
 log = logging.getLogger("tinkerq.worker")
 
-# Config fields that mean "logits are not just hidden @ W.T" (Gemma 2/3, Cohere, Granite, ...).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Config fields that mean "logits are not just hidden @ W.T" (Gemma 2/3, Cohere, Granite, Inkling's muP width
+# multiplier that divides the hidden states, ...). tests/test_moe_classes.py checks this verdict against each proven
+# class's own forward.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                     "logits_mup_width_multiplier")
 # Bytes of float32 logits one chunk may hold (sets the chunk length from the vocabulary size).
 CHUNK_LOGITS_BYTES = 128 * 1024 * 1024
 
@@ -37,6 +40,9 @@ def fused_head_support(model: PreTrainedModel) -> str | None:
         value = getattr(model.config, name, None)
         if value not in (None, 0, 0.0, 1, 1.0):
             return f"the model transforms its logits ({name}={value})"
+    unpadded = getattr(model.config, "unpadded_vocab_size", None)
+    if isinstance(unpadded, int) and unpadded < head.out_features:
+        return f"the model drops its padded vocabulary rows (unpadded_vocab_size={unpadded})"
     if model.base_model is model:
         return "the model exposes no backbone (base_model)"
     return None

@@ -22,6 +22,7 @@ from tinkerq.errors import CapacityError
 from tinkerq.settings import Settings
 from tinkerq.validation import validate_lora
 from tinkerq.worker import memory
+from tinkerq.worker.loading import support
 from tinkerq.worker.loading.quantized_base import refuse_full_session
 from tinkerq.worker.lora.adapter import find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession, config_dict
@@ -81,6 +82,7 @@ class SessionFactory:
         it can come back: worker/recovery/idle_release.py) and memory admission."""
         if isinstance(lora, dict):
             lora = types.LoraConfig(**lora)
+        support.check(type(self.model).__name__, "full" if lora is None else "lora")  # a path not proven: refused
         if lora is None:
             # A base kept quantized trains LoRA adapters only (a shard group's: its ranks hold it, refused here too).
             refuse_full_session(self.model, kept=self.shards is not None and self.shards.kept_quantized)
@@ -117,7 +119,9 @@ class SessionFactory:
         return self.lora_base
 
     def admit_sampler(self, session: Session, slots: dict[str, Slot]) -> None:
-        """Refuse (CapacityError) a sampler whose weights copy would not fit; a LoRA sampler is its adapter only."""
+        """Refuse a sampler of a class whose sampling is not served (a user error), or (CapacityError) one whose
+        weights copy would not fit; a LoRA sampler is its adapter only."""
+        support.check(type(self.model).__name__, "sampling")
         if session.kind == "full":
             memory.admit_snapshot(self.model, self.settings, [slot.session for slot in slots.values()])
         else:
