@@ -61,7 +61,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(_COMMON, num_hidden_layers=2, intermediate_size=64)),
 }
 
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "nemotron_h")
+# Today's lineup (tinker-cookbook 0.6.1's model list: docs/families.md), by the config's model_type, whose tiny
+# config is recipes/moe_classes.py's generic one for the class (the class checks of tests/test_moe_classes.py run on
+# the same config): Inkling-2 (its text model), DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention), Kimi-Linear,
+# Qwen3-Next.
+GENERIC_TINY: dict[str, str] = {
+    "inkling2": "Inkling2ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+FAMILIES.update({family: (cls, "", {}) for family, cls in GENERIC_TINY.items()})
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "nemotron_h", *GENERIC_TINY)
 
 # Reduced-depth, real-width shapes for the GPU benchmark (benchmarks/families.py --shape real-small): the
 # widths, heads and expert counts of the named checkpoints, with 4 layers. (DeepSeek-V3 is left out: one of its
@@ -99,6 +112,10 @@ def family_config(family: str, **overrides: Any) -> Any:
 
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family in GENERIC_TINY:
+        from tinkerq.recipes.moe_classes import moe_config
+
+        return moe_config(GENERIC_TINY[family], **overrides)
     _, config_cls, fields = FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**fields, **overrides})
     config.architectures = [FAMILIES[family][0]]

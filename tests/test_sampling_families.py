@@ -45,7 +45,7 @@ def forward_logprobs(model: Any, tokens: list[int]) -> torch.Tensor:
 
 
 def assert_matches_forward(model: Any, job: SampleJob, seqs: list[types.SampledSequence],
-                           prompt_logprobs: list[np.ndarray]) -> None:
+                           prompt_logprobs: list[np.ndarray], atol: float = ATOL) -> None:
     """Each token's logprob (and a greedy row's argmax) and the prompt's logprobs, from a plain forward."""
     assert len(seqs) == job.num_samples
     p = len(job.prompt)
@@ -53,7 +53,7 @@ def assert_matches_forward(model: Any, job: SampleJob, seqs: list[types.SampledS
         assert seq.stop_reason == "length" and len(seq.tokens) == len(seq.logprobs) == job.max_tokens
         lp = forward_logprobs(model, job.prompt + seq.tokens)  # (P + N, V)
         want = lp[p - 1:-1].gather(-1, torch.tensor(seq.tokens)[:, None]).squeeze(-1)  # (N,)
-        np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=ATOL, rtol=0)
+        np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=atol, rtol=0)
         if job.params.temperature == 0:
             assert seq.tokens == lp[p - 1:-1].argmax(-1).tolist()
     if job.on_prompt_logprobs is not None:
@@ -288,11 +288,17 @@ def test_family_lora_rows_equal_their_adapters_forward(family: str) -> None:
     schedule = Schedule(at)
     schedule.run(first)
 
+    # The linear-attention MoE families with adapters this large (B at 0.3 on every target at once) are
+    # ill-conditioned in float32: the plain forward itself differs by 4.6e-5 between a 9-token prefix and the whole
+    # 17 tokens (Qwen3-Next, same adapter); the rows here measured 5.9e-4 at 0.3, 1.3e-5 at 0.1, 1.7e-6 at 0.03, and
+    # each train_* flag alone at 0.3 <= 2.6e-6 (a missing or misrouted delta would scale with the adapter, not blow
+    # up past a size): rounding amplified, so these two get 1e-3 (docs/families.md).
+    atol = 1e-3 if family in ("qwen3_next", "kimi_linear") else ATOL
     for made in first + late:
         seqs, err = schedule.outcomes[id(made)]
         assert err is None, err
         with routing.routed([(made.adapter, slice(0, 1))]) if made.adapter else contextlib.nullcontext():
-            assert_matches_forward(model, made, seqs, [])
+            assert_matches_forward(model, made, seqs, [], atol=atol)
     with routing.routed([(adapters[0], slice(0, 1))]):  # the adapters really change the rows
         adapted = forward_logprobs(model, shared)
     assert (adapted - forward_logprobs(model, shared)).abs().max() > 1e-3
