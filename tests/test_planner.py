@@ -179,35 +179,152 @@ def _shape_of_loaded(directory: Path) -> memory.ModelShape:
 # -- the lineup -------------------------------------------------------------------------------------------------
 
 
-# Total parameters of each lineup model as their model cards publish them (billions; DeepSeek-V3.1 without its
-# multi-token-prediction layer, 671B; Kimi-K2 "1T").
+# Total parameters of the earlier lineup's models as their model cards publish them (billions; DeepSeek-V3.1 without
+# its multi-token-prediction layer, 671B; Kimi-K2 "1T").
 PUBLISHED_B = {"llama-3.1-8b": 8.03, "qwen3-8b": 8.19, "llama-3.3-70b": 70.55, "gpt-oss-20b": 20.91,
                "qwen3-30b-a3b": 30.53, "gpt-oss-120b": 116.83, "qwen3-235b-a22b": 235.09, "deepseek-v3.1": 671.03,
                "kimi-k2-thinking": 1026.41}
+# The text models the planner counts for today's other lineup models (billions; no vision or audio tower, no
+# multi-token-prediction layer). Published totals: docs/planning.md#the-lineup.
+COUNTED_B = {"qwen3.6-27b": 26.90, "nemotron-3-nano-30b-a3b": 31.58, "qwen3.6-35b-a3b": 34.66,
+             "nemotron-3-super-120b-a12b": 120.67, "inkling-small": 263.66, "qwen3.5-397b-a17b": 396.35,
+             "inkling-2-small": 593.72, "glm-5.3": 743.91, "inkling": 947.03, "kimi-k2.6": 1026.41}
+# tinker-cookbook 0.6.1's LoRA parameters per unit of rank for each checkpoint Tinker serves (hyperparam_utils.py
+# _LORA_PARAMS_PER_RANK_BY_COMPONENT: Tinker's own count of the adapter it trains), (mlp, attn, unembed).
+COOKBOOK_PER_RANK = {
+    "qwen3.6-27b": (4_325_376, 2_965_504, 253_440),
+    "gpt-oss-20b": (6_842_880, 497_664, 203_968), "nemotron-3-nano-30b-a3b": (11_346_176, 584_832, 133_760),
+    "qwen3.6-35b-a3b": (16_281_600, 1_013_760, 250_368), "gpt-oss-120b": (40_124_160, 746_496, 203_968),
+    "nemotron-3-super-120b-a12b": (111_349_760, 1_675_264, 135_168),
+    "inkling-small": (64_503_808, 1_311_744, 205_120), "qwen3.5-397b-a17b": (96_030_720, 2_841_600, 252_416),
+    "inkling-2-small": (128_065_536, 2_347_008, 205_632), "deepseek-v3.1": (94_307_328, 2_440_000, 136_448),
+    "glm-5.3": (121_356_288, 2_920_320, 161_024), "inkling": (154_705_920, 3_424_256, 207_168),
+    "kimi-k2.6": (144_583_680, 1_940_288, 171_008),
+}
 
 
 def test_the_lineup_ships_and_every_model_is_planned():
-    assert set(planner.LINEUP) == set(PUBLISHED_B) == {p.name for p in planner.LINEUP_DIR.iterdir() if p.is_dir()}
+    assert set(planner.LINEUP) | set(planner.EARLIER) == set(PUBLISHED_B) | set(COUNTED_B) == {
+        p.name for p in planner.LINEUP_DIR.iterdir() if p.is_dir()}
+    assert not set(planner.LINEUP) & set(planner.EARLIER)
     tomllib = pytest.importorskip("tomllib")
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    for name in planner.LINEUP:  # each config.json ships in the wheel (package data of tinkerq.worker.planning)
+    for name in planner.LINEUP + planner.EARLIER:  # each config.json ships in the wheel (tinkerq.worker.planning)
         assert any(fnmatch(f"lineup/{name}/config.json", pattern) for pattern in data["tinkerq.worker.planning"]), name
-    for name in planner.LINEUP:
+    for name in planner.LINEUP + planner.EARLIER:
         p = planner.plan(name, devices=8, device_gb=80)
         print(f"{name}: {p.parameters / 1e9:.2f}B, full {p.full.shards} shards, LoRA {p.lora.shards} shards, "
               f"{p.lora.tenants_all_devices} tenants on 8")
-        assert round(p.parameters / 1e9, 2) == PUBLISHED_B[name]
-        assert 2 * p.parameters <= p.param_bytes <= 2.001 * p.parameters  # bfloat16 (a few float32 router biases)
+        assert round(p.parameters / 1e9, 2) == {**PUBLISHED_B, **COUNTED_B}[name]
+        # bfloat16, but for float32 routers (Nemotron-H's 512 x 4096 gates: 0.14% more bytes), router biases and
+        # short convolutions
+        assert 2 * p.parameters <= p.param_bytes <= 2.002 * p.parameters
         assert p.lora.longest_datum >= p.full.longest_datum
         if p.full.shards is not None and p.lora.shards is not None:
             assert p.lora.shards <= p.full.shards  # a frozen shared base needs no more shards than a full session
     quantized = {n: planner.plan(n, devices=8, device_gb=80).quantized for n in
-                 ("gpt-oss-120b", "deepseek-v3.1", "kimi-k2-thinking")}
+                 ("gpt-oss-120b", "deepseek-v3.1", "kimi-k2-thinking", "kimi-k2.6")}
     assert {n: q.method for n, q in quantized.items() if q} == {
-        "gpt-oss-120b": "mxfp4", "deepseek-v3.1": "fp8", "kimi-k2-thinking": "compressed-tensors"}
+        "gpt-oss-120b": "mxfp4", "deepseek-v3.1": "fp8", "kimi-k2-thinking": "compressed-tensors",
+        "kimi-k2.6": "compressed-tensors"}
     for q in quantized.values():
         assert q is not None and q.checkpoint_bytes < q.dequantized_bytes
     assert quantized["gpt-oss-120b"].bits == 4.25 and quantized["kimi-k2-thinking"].bits == 4.5
+    assert quantized["kimi-k2.6"] == quantized["kimi-k2-thinking"]  # its text model is Kimi-K2's
+
+
+def test_the_lineup_configs_have_the_shapes_tinker_trains():
+    """Each lineup config builds the checkpoint's shape: the LoRA parameters per rank that find_targets counts on it,
+    attention, MLP and output apart, equal tinker-cookbook's counts for that checkpoint, where tinkerq adapts what
+    Tinker adapts. The exceptions are tinkerq's adapter, not the config: Nemotron-3-Super's latent MoE projections
+    (fc1/fc2_latent_proj, 2 x (4096 + 1024) per MoE layer) and Inkling's fused shared experts are not adapted, and
+    Inkling-2's head is built unpadded (200,058 rows of 201,024)."""
+    from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+
+    assert set(COOKBOOK_PER_RANK) == set(planner.LINEUP)
+    differ = {}
+    for name, (mlp, attn, unembed) in COOKBOOK_PER_RANK.items():
+        model = planner._load(name, "bfloat16")[2]
+        config, _ = planner.lora_targets(model)
+        per = parameters_per_rank(find_targets(model, config))
+        counted = {"mlp": per["mlp"] if config.train_mlp else None, "attn": per["attn"], "unembed": per["unembed"]}
+        cookbook = {"mlp": mlp if config.train_mlp else None, "attn": attn, "unembed": unembed}
+        differ[name] = {k: (counted[k], cookbook[k]) for k in counted if counted[k] != cookbook[k]}
+    print(differ)
+    assert {n: d for n, d in differ.items() if d} == {
+        "nemotron-3-super-120b-a12b": {"mlp": (111_349_760 - 40 * 2 * (4096 + 1024), 111_349_760)},
+        "inkling-2-small": {"attn": (2_421_248, 2_347_008), "unembed": (4608 + 200_058, 4608 + 201_024)},
+    }
+    # Inkling's MLP: the count of the config's shape, by hand (tinkerq refuses its shared experts): 2 dense layers
+    # (fused gate/up, 2 x I wide, and down), then shared-outer routed experts (H + E x I per projection) and 2
+    # shared experts (H + 2 x I per projection) in every other layer.
+    for name, hidden, layers, dense, inter in (("inkling", 6144, 66, 24576, 3072),
+                                                ("inkling-small", 4096, 42, 16384, 2048)):
+        by_hand = 2 * (hidden + 2 * dense + dense + hidden) + (layers - 2) * 3 * (
+            (hidden + 256 * inter) + (hidden + 2 * inter))
+        assert by_hand == COOKBOOK_PER_RANK[name][0], name
+
+
+TINY_MLA = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+            "topk_group": 1, "vocab_size": 256, "tie_word_embeddings": False}
+TINY_INKLING = {"model_type": "inkling_text", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128,
+                "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "swa_num_attention_heads": 2,
+                "swa_num_key_value_heads": 2, "swa_head_dim": 16, "d_rel": 4, "rel_extent": 8,
+                "sliding_window_size": 4, "local_layer_ids": [0], "dense_mlp_idx": 1, "dense_intermediate_size": 64,
+                "intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2}
+
+
+def test_a_vision_language_config_is_planned_as_its_text_model(tmp_path: Path):
+    """A checkpoint whose top-level config has no causal LM of its own (Kimi-K2.6's kimi_k25, Inkling's
+    inkling_mm_model, Inkling-2's inkling2) is planned as its text_config's model, the towers left out, and a
+    quantization_config kept with the text model is found (the planner raised "cannot build a causal LM" before)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    quant = json.loads((planner.LINEUP_DIR / "kimi-k2.6" / "config.json").read_text())["quantization_config"]
+    text = {"model_type": "kimi_k2", **TINY_MLA}
+    composite = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                 "text_config": {**text, "quantization_config": quant}}
+    (tmp_path / "config.json").write_text(json.dumps(composite))
+    model = planner.meta_model(planner.read_config(str(tmp_path))[1], "float32")
+    alone = planner.meta_model({**TINY_MLA, "model_type": "deepseek_v3"}, "float32")
+    assert type(model) is type(alone) is DeepseekV3ForCausalLM
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in alone.parameters())
+    plan = planner.plan(str(tmp_path), devices=2, device_gb=1, headroom_gb=0)
+    assert plan.architecture == "KimiK25ForConditionalGeneration" and plan.quantized is not None
+    assert plan.quantized.method == "compressed-tensors" and plan.quantized.expert_parameters > 0
+    for model_type, text_config in (("inkling_mm_model", TINY_INKLING),
+                                    ("inkling2", {"model_type": "inkling2_text", **{
+                                        k: v for k, v in TINY_INKLING.items() if k not in (
+                                            "model_type", "local_layer_ids", "dense_mlp_idx",
+                                            "dense_intermediate_size", "intermediate_size", "n_shared_experts")},
+                                        "moe_intermediate_size": 16})):
+        towers = {"vision_config": {"text_hidden_size": 32}} if model_type == "inkling2" else {}  # checked equal
+        model = planner.meta_model({"model_type": model_type, "text_config": text_config, **towers}, "float32")
+        assert type(model).__name__ == {"inkling_mm_model": "InklingForCausalLM",
+                                        "inkling2": "Inkling2ForCausalLM"}[model_type]
+        assert not any("vision" in n or "audio" in n for n, _ in model.named_parameters())
+
+
+def test_lora_is_planned_without_the_mlp_where_tinkerq_refuses_it(tmp_path: Path):
+    """Inkling's fused shared experts are not adaptable by tinkerq (a user error asks for train_mlp=False): its
+    LoRA column is the adapter a user can create, attention and output only, and the plan says so in every
+    output; a model tinkerq adapts whole has no note."""
+    from tinkerq.worker.lora.adapter import find_targets
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "inkling_mm_model", "text_config": TINY_INKLING}))
+    plan = planner.plan(str(tmp_path), devices=2, device_gb=1, headroom_gb=0)
+    model = planner._load(str(tmp_path), plan.dtype)[2]
+    config, note = planner.lora_targets(model)
+    assert not config.train_mlp and config.train_attn and config.train_unembed
+    assert plan.notes == [note] and "train_mlp=False" in note and "InklingSharedExperts" in note
+    assert plan.lora_parameters == 32 * sum(t.parameters_per_rank() for t in find_targets(model, config))
+    assert note in planner.render(plan)
+    table = planner.render_markdown([plan])
+    assert f"| {tmp_path.name} (1) |" in table and f"(1) {tmp_path.name}: {note}." in table
+    assert planner.plan("qwen3.6-27b", devices=8, device_gb=80).notes == []
 
 
 def test_sharding_divides_the_state_and_not_what_every_shard_holds_whole():
@@ -603,29 +720,38 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
     assert "adapter per tenant (expert factors split)" in out.stdout
 
 
+# Today's lineup models whose rank-32 LoRA group needs more than one node of 8 H200s (the LoRA shards it needs on
+# them): planned from their bfloat16 checkpoints, whose bases no layout keeps on 8 x 139 GiB.
+BEYOND_ONE_NODE = {"inkling-2-small": 10, "glm-5.3": 12, "inkling": 15}
+
+
 def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
-    """Issue 30's bar: `tinkerq plan --lineup --devices 8 --device-memory 141` (the command itself, its defaults:
-    the planner picks each model's layout) shows rank-32 LoRA for all nine models on one node (a tenant at least,
-    datums of 2,048 tokens at least, host RAM per rank within one device), and full fine-tuning of every model up to
-    120B parameters within 16 devices. DeepSeek-V3.1 and Kimi-K2 need both: their checkpoints' experts kept as
-    stored (block FP8, INT4), split by expert with each tenant's expert factors; the plan names those flags."""
+    """Issue 30's bar, on today's lineup: `tinkerq plan --lineup --devices 8 --device-memory 141` (the command
+    itself, its defaults: the planner picks each model's layout) shows rank-32 LoRA on one node (a tenant at least,
+    datums of 2,048 tokens at least, host RAM per rank within one device) for every model but the three of
+    BEYOND_ONE_NODE, and full fine-tuning of every model up to Nemotron-3-Super's 121B parameters within 16 devices.
+    DeepSeek-V3.1 and Kimi-K2.6 need both: their checkpoints' experts kept as stored (block FP8, INT4), split by
+    expert with each tenant's expert factors; the plan names those flags."""
     device = 141 * planner.GiB
     out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "plan", "--lineup", "--devices", "8",
                           "--device-memory", "141", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     plans = {p["model"]: p for p in json.loads(out.stdout)}
     assert list(plans) == list(planner.LINEUP)
+    assert {n: p["lora"]["shards"] for n, p in plans.items() if not p["lora"]["fits"]} == BEYOND_ONE_NODE
     for name, p in plans.items():
+        if p["parameters"] <= 121e9:
+            assert planner.plan(name, devices=16, device_gb=141).full.fits, name
+        if name in BEYOND_ONE_NODE:
+            continue
         lora = p["lora"]
         assert lora["fits"] and lora["tenants"] >= 1 and lora["longest_datum"] >= 2048, (name, lora)
         assert lora["host_bytes"] <= device, name
-        if p["parameters"] <= 120e9:
-            assert planner.plan(name, devices=16, device_gb=141).full.fits, name
         assert lora["sampling_tenants_all_devices"] >= 1, name  # RL: a tenant sampling from its snapshot too
-    for name, shards in (("deepseek-v3.1", 7), ("kimi-k2-thinking", 6)):
+    for name, shards in (("deepseek-v3.1", 7), ("kimi-k2.6", 6)):
         assert plans[name]["lora"]["flags"] == f"--shards {shards} --expert-parallel --quantized-base keep", name
-    assert plans["llama-3.3-70b"]["lora"]["flags"] == "--shards 2"  # a dense model: FSDP2 alone
-    for name in ("deepseek-v3.1", "kimi-k2-thinking"):  # neither part alone takes them onto one node
+    assert plans["qwen3.6-27b"]["full"]["flags"] == "--shards 3"  # a dense model: FSDP2 alone
+    for name in ("deepseek-v3.1", "kimi-k2.6"):  # neither part alone takes them onto one node
         assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=True,
                                 quantized_base="dequantize").lora.fits, name
         assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=False,

@@ -10,9 +10,10 @@ exactly, module by module, and no weight is read or allocated.
 Every figure comes from worker/memory/estimates.py, the estimates the worker's admission uses
 (worker/memory/); this module only picks the shard counts and lays the figures out.
 
-The lineup's config.json files are written by hand from the public model cards' config.json (hyperparameters
-only; nothing is downloaded). Kimi-K2's card says ``model_type: kimi_k2`` with custom code: its architecture is
-DeepSeek-V3's, so its file says ``deepseek_v3``, which transformers knows.
+The lineup's config.json files are written by hand from the published configs or model cards (hyperparameters
+only; nothing is downloaded; docs/planning.md#the-lineup names the source of each). Kimi-K2's card says
+``model_type: kimi_k2`` with custom code: its architecture is DeepSeek-V3's, so its file says ``deepseek_v3``, which
+transformers knows. A vision-language checkpoint (Kimi-K2.6, Inkling, Qwen3.5) is planned as its text model.
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ from tinkerq.worker.memory.estimates import (
 )
 
 LINEUP_DIR = Path(__file__).resolve().parent / "lineup"
-# The order of the lineup's tables (docs/planning.md): dense, then mixtures of experts, small to large.
-LINEUP = ("llama-3.1-8b", "qwen3-8b", "llama-3.3-70b", "gpt-oss-20b", "qwen3-30b-a3b", "gpt-oss-120b",
-          "qwen3-235b-a22b", "deepseek-v3.1", "kimi-k2-thinking")
+# The models Tinker users train today (tinker-cookbook 0.6.1's list; docs/planning.md#the-lineup names each config's
+# source), in the order of the lineup's tables: dense, then mixtures of experts, small to large.
+LINEUP = ("qwen3.6-27b", "gpt-oss-20b", "nemotron-3-nano-30b-a3b", "qwen3.6-35b-a3b", "gpt-oss-120b",
+          "nemotron-3-super-120b-a12b", "inkling-small", "qwen3.5-397b-a17b", "inkling-2-small", "deepseek-v3.1",
+          "glm-5.3", "inkling", "kimi-k2.6")
+# The earlier lineup's models, not in today's (Llama left Tinker's list, Qwen3-30B-A3B was retired on 2026-06-12;
+# Qwen3.5/3.6 and Kimi-K2.6 stand for Qwen3 and Kimi-K2-Thinking): still planned by name (--model llama-3.1-8b),
+# not by --lineup; the tests and docs/planning.md use them.
+EARLIER = ("llama-3.1-8b", "qwen3-8b", "llama-3.3-70b", "qwen3-30b-a3b", "qwen3-235b-a22b", "kimi-k2-thinking")
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARDS = 4096
@@ -70,7 +77,7 @@ class PlanError(UserError):
 def read_config(spec: str) -> tuple[str, dict[str, Any]]:
     """(a name for it, its config.json as a dict) for a lineup name, a model directory or a config.json file."""
     path = Path(spec)
-    if spec in LINEUP or (not path.exists() and (LINEUP_DIR / spec / "config.json").is_file()):
+    if spec in LINEUP + EARLIER or (not path.exists() and (LINEUP_DIR / spec / "config.json").is_file()):
         path, name = LINEUP_DIR / spec / "config.json", spec
     elif path.is_dir():
         name, path = path.name, path / "config.json"
@@ -97,15 +104,23 @@ def meta_model(config: dict[str, Any], dtype: str = "bfloat16") -> torch.nn.Modu
     A ``quantization_config`` is left out: the model is planned as a worker serves it, dequantized to ``dtype``
     on load (:func:`quantized_checkpoint` says what the checkpoint itself holds)."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    if isinstance(fields.get("text_config"), dict):  # a multimodal config may keep it with its text model
+        fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "quantization_config"}
     model_type = fields.pop("model_type")
     try:
         hf_config = AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as exc:
         raise PlanError(f"unknown architecture {model_type!r}: transformers {transformers.__version__} has no "
                         f"config for it ({str(exc).splitlines()[0]})") from None
+    # A vision-language (or audio) checkpoint whose top-level config has no causal LM of its own (Kimi-K2.6's
+    # kimi_k25, Inkling's inkling_mm_model, Inkling-2's inkling2): the text model is planned, its towers left out.
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(hf_config, "get_text_config"):
+        text = hf_config.get_text_config()
+        if text is not hf_config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            hf_config = text
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[dtype])
@@ -121,18 +136,38 @@ def _load(spec: str, dtype: str) -> tuple[str, dict[str, Any], torch.nn.Module]:
     return name, config, meta_model(config, dtype)
 
 
-def lora_parameters(model: torch.nn.Module, rank: int) -> int:
-    """A rank-``rank`` adapter's parameters on every target (Tinker's defaults: attention, MLP, output)."""
+def lora_targets(model: torch.nn.Module) -> tuple[types.LoraConfig, str]:
+    """The rank-1 LoRA config a plan counts: Tinker's defaults (attention, MLP, output) where tinkerq adapts them;
+    where it refuses the MLP (Inkling's fused shared experts: docs/families.md) the adapter a user can create,
+    train_mlp=False, with a note saying why ("" otherwise)."""
+    from tinkerq.errors import ValidationError
     from tinkerq.worker.lora.adapter import find_targets
 
-    return rank * sum(t.parameters_per_rank() for t in find_targets(model, types.LoraConfig(rank=1)))
+    try:
+        find_targets(model, types.LoraConfig(rank=1))
+        return types.LoraConfig(rank=1), ""
+    except ValidationError as exc:
+        if "set train_mlp=False" not in str(exc):
+            raise
+        config = types.LoraConfig(rank=1, train_mlp=False)
+        find_targets(model, config)
+        return config, (f"LoRA planned with train_mlp=False (attention and output only): tinkerq refuses this "
+                        f"model's MLP ({str(exc).split(':')[0].removeprefix('[user error] ')})")
+
+
+def lora_parameters(model: torch.nn.Module, rank: int) -> int:
+    """A rank-``rank`` adapter's parameters on every target (Tinker's defaults: attention, MLP, output; without
+    the MLP where tinkerq refuses it: :func:`lora_targets`)."""
+    from tinkerq.worker.lora.adapter import find_targets
+
+    return rank * sum(t.parameters_per_rank() for t in find_targets(model, lora_targets(model)[0]))
 
 
 def lora_expert_parameters(model: torch.nn.Module, rank: int) -> int:
     """Of :func:`lora_parameters`, the per-expert factors': split with the experts on an expert-parallel group."""
     from tinkerq.worker.lora.adapter import find_targets
 
-    return rank * sum(t.expert_parameters_per_rank() for t in find_targets(model, types.LoraConfig(rank=1)))
+    return rank * sum(t.expert_parameters_per_rank() for t in find_targets(model, lora_targets(model)[0]))
 
 
 # -- quantized checkpoints (docs/planning.md#quantized-checkpoints) ------------------------------------------------
@@ -173,7 +208,7 @@ _QUANTIZED: dict[str, tuple[str, Callable[[str, torch.Tensor], bool], float]] = 
 
 def quantized_checkpoint(config: dict[str, Any], model: torch.nn.Module) -> Quantized | None:
     """What a quantized checkpoint stores, against the dequantized model the worker holds; None if not quantized."""
-    quant = config.get("quantization_config")
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not isinstance(quant, dict):
         return None
     method = str(quant.get("quant_method", "?"))
@@ -547,9 +582,10 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
                         longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on,
                         flags=_worker_flags(1 if fits else None, False, kept=True))
     architecture = (config.get("architectures") or [type(model).__name__])[0]
+    note = lora_targets(model)[1]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
                 workload, adapter_parameters, full, lora, quantized, quantized_base,
-                activation_checkpointing=activation_checkpointing, expert_parallel=ep)
+                activation_checkpointing=activation_checkpointing, expert_parallel=ep, notes=[note] if note else [])
 
 
 # -- output --------------------------------------------------------------------------------------------------------
@@ -625,6 +661,7 @@ def render(p: Plan) -> str:
     lines.append("")
     lines += [f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}".rstrip() for a, b, c in rows]
     lines.append("")
+    lines += p.notes
     if p.expert_parallel:
         lines.append("")
         lines.append("Expert parallel (--expert-parallel): a MoE layer is gathered without its routed experts, and "
@@ -665,16 +702,19 @@ def render_markdown(plans: list[Plan]) -> str:
              "LoRA tenants with a sampler each (at shards; at all devices) | "
              "host RAM per rank GiB (full; LoRA) | worker flags (full; LoRA) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    notes = {p.model: i + 1 for i, p in enumerate(q for q in plans if q.notes)}  # footnotes, numbered
     for p in plans:
         fixed = p.lora.total - p.lora.adapter_bytes
-        lines.append(f"| {p.model} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
+        mark = f" ({notes[p.model]})" if p.model in notes else ""
+        lines.append(f"| {p.model}{mark} | {p.parameters / 1e9:,.1f}B | {gb(p.param_bytes)} | {_shards(p.full)} | "
                      f"{gb(p.full.total)} | {_shards(p.lora)} | {gb(fixed)} | {gb(p.lora.adapter_bytes)} | "
                      f"{p.lora.tenants:,}; {p.lora.tenants_all_devices:,} | "
                      f"{p.full.longest_datum:,}; {p.lora.longest_datum:,} | "
                      f"{'yes' if p.full.checkpointing else 'no'}; {'yes' if p.lora.checkpointing else 'no'} | "
                      f"{p.lora.sampling_tenants:,}; {p.lora.sampling_tenants_all_devices:,} | "
                      f"{gb(p.full.host_bytes)}; {gb(p.lora.host_bytes)} | {_md_flags(p.full)}; {_md_flags(p.lora)} |")
-    return head + "\n".join(lines)
+    footnotes = [f"({notes[p.model]}) {p.model}: {'; '.join(p.notes)}." for p in plans if p.model in notes]
+    return head + "\n".join(lines) + ("\n\n" + "\n".join(footnotes) if footnotes else "")
 
 
 def to_json(p: Plan) -> dict[str, Any]:
