@@ -35,6 +35,7 @@ class _CreateModelRequired(TypedDict):
 
 class CreateModelRequest(_CreateModelRequired, total=False):
     lora: dict[str, Any]  # messages.encode_lora; absent: a full-parameter session
+    optimizer: dict[str, Any]  # messages.encode_optimizer; absent: AdamW
 
 
 class LossRequest(TypedDict):
@@ -45,8 +46,11 @@ class LossRequest(TypedDict):
     data: list[dict[str, Any]]  # messages.encode_datum each
 
 
-class OptimStepRequest(TypedDict):
-    adam: dict[str, float]  # messages.encode_adam: types.AdamParams' fields
+class OptimStepRequest(TypedDict, total=False):
+    """messages.encode_optim: exactly one of the two, the session's optimizer family's."""
+
+    adam: dict[str, float]  # types.AdamParams' fields
+    dimuon: dict[str, float]  # types.DimuonParams' fields
 
 
 class _SaveRequired(TypedDict):
@@ -67,7 +71,7 @@ class SaveWeightsRequest(_SaveRequired, total=False):
 
 class LoadStateRequest(TypedDict):
     path: str
-    optimizer: bool  # AdamW state and pending gradients too
+    optimizer: bool  # the optimizer's state (AdamW's moments, Dimuon's momentum) and pending gradients too
 
 
 class EmptyRequest(TypedDict):

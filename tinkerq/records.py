@@ -39,6 +39,9 @@ class SessionHome:
     parked_at: float | None = None
     idle_s: float = 0.0
     seq_id: int = 0
+    # Its optimizer's config (tinkerq.optimizers.encode_config): re-made with the same one. None: AdamW (records
+    # written before the field was).
+    optimizer: dict[str, Any] | None = None
 
     def dumps(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -48,14 +51,15 @@ class SessionHome:
         value = _json(raw)
         if value is None or not all(isinstance(value.get(k), str) for k in ("model_id", "worker", "base_model")):
             return None
-        lora = value.get("lora")
+        lora, optimizer = value.get("lora"), value.get("optimizer")
         adopted_from = value.get("adopted_from")
         parked_at, idle_s, seq_id = value.get("parked_at"), value.get("idle_s"), value.get("seq_id")
         return cls(value["model_id"], value["base_model"], value["worker"],
                    lora if isinstance(lora, dict) else None,
                    adopted_from if isinstance(adopted_from, str) else None,
                    _float(parked_at), _float(idle_s) or 0.0,
-                   seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else 0)
+                   seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else 0,
+                   optimizer if isinstance(optimizer, dict) else None)
 
     @property
     def parked(self) -> bool:

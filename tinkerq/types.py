@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -157,12 +157,53 @@ class Datum:
 class AdamParams:
     """AdamW hyper-parameters with Tinker's defaults (decoupled weight decay, as torch.optim.AdamW)."""
 
+    type: ClassVar[str] = "adamw"  # the optimizer family these parameters step (AdamOptimizerConfig)
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0  # 0 = no clipping; otherwise the global L2 norm
+
+
+@dataclass
+class DimuonParams:
+    """One Dimuon step's hyper-parameters (docs/optimizers.md: tinkerq's definition of the update). Tinker's
+    fields: ``learning_rate`` (required), ``grad_clip_norm`` (<= 0: no clipping), ``beta1`` (the momentum's EMA
+    coefficient); and the two its docs list that SDK 0.38's class no longer carries, ``damping`` (of the
+    row/column preconditioner) and ``rank_lr_correction_exponent`` (of the learning rate's correction relative to
+    LoRA rank 32). An omitted setting takes its default at every step."""
+
+    type: ClassVar[str] = "dimuon"
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+
+OptimParams = AdamParams | DimuonParams
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """The optimizer a training client is created with (``optimizer=``; fixed for its life): AdamW, the default,
+    stepped with :class:`AdamParams`."""
+
+    type: Literal["adamw"] = "adamw"
+
+
+@dataclass(frozen=True)
+class DimuonOptimizerConfig:
+    """Dimuon (version 1, docs/optimizers.md), stepped with :class:`DimuonParams`."""
+
+    type: Literal["dimuon"] = "dimuon"
+    version: Literal[1] = 1
+
+
+OptimizerConfig = AdamOptimizerConfig | DimuonOptimizerConfig
 
 
 LossFnOutput = dict[str, TensorData]

@@ -42,9 +42,9 @@ LOSS_SPECS: dict[str, LossSpec] = {
 
 # Names SDK 0.38 carries without defining what they compute: types/loss_fn_type.py lists "stable_reinforce" (and a
 # docstring mentions its kl_coeff), types/sample_request.py and the clients' docstrings say record_stability_info
-# "records stability information" for it, and types/optimizer.py gives Dimuon's parameters, but no formula, update
-# rule or recorded quantity is in its source or docs (nor in tinker-cookbook's, which only selects them). Each is
-# refused with a message saying so, never approximated.
+# "records stability information" for it, but no formula or recorded quantity is in its source or docs (nor in
+# tinker-cookbook's, which only selects them). Each is refused with a message saying so, never approximated. (The
+# Dimuon optimizer, also undefined there, is served with a definition of tinkerq's own: docs/optimizers.md.)
 UNDEFINED_BY_SDK: dict[str, str] = {
     "stable_reinforce": "loss_fn 'stable_reinforce' is not served: the tinker SDK (0.38) names it but does not define "
                         "its loss (no formula in its source or docs), so this server cannot compute it; use "
@@ -53,9 +53,6 @@ UNDEFINED_BY_SDK: dict[str, str] = {
                              "stability information is recorded, nor the stable_reinforce loss that reads it, so "
                              "this server cannot compute either; sample without it (e.g. the cookbook's "
                              "loss_fn=importance_sampling)",
-    "dimuon": "the Dimuon optimizer is not served: the tinker SDK (0.38) defines only its parameters "
-              "(DimuonOptimizerConfig; DimuonParams: learning_rate, beta1, grad_clip_norm), not its update rule, so "
-              "this server cannot implement it; train with AdamW (AdamOptimizerConfig, AdamParams)",
 }
 
 

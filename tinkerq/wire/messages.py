@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.errors import MalformedMessageError, TinkerqError, error_from_wire
 from tinkerq.validation import PromptOptions
 from tinkerq.wire import codec
@@ -167,15 +167,43 @@ def encode_adam(params: types.AdamParams) -> dict[str, Any]:
     return {"adam": asdict(params)}
 
 
-def decode_adam(body: Any) -> types.AdamParams:
-    adam = body.get("adam") if isinstance(body, dict) else None
-    if not isinstance(adam, dict):
-        raise MalformedMessageError("optim_step body needs a map 'adam'")
-    _reject_unknown_fields(types.AdamParams, adam)
-    for key, value in adam.items():
+def encode_optim(params: types.OptimParams) -> dict[str, Any]:
+    """An optim_step body: ``{"adam": AdamParams' fields}`` or ``{"dimuon": DimuonParams' fields}``."""
+    if isinstance(params, types.DimuonParams):
+        return {"dimuon": asdict(params)}
+    return encode_adam(params)
+
+
+def decode_optim(body: Any) -> types.OptimParams:
+    """An optim_step body's hyperparameters (values are checked by :func:`tinkerq.optimizers.validate`)."""
+    family = next((k for k in ("adam", "dimuon") if isinstance(body, dict) and k in body), None)
+    if family is None:
+        raise MalformedMessageError("optim_step body needs a map 'adam' or 'dimuon'")
+    cls: type[types.AdamParams] | type[types.DimuonParams] = types.AdamParams if family == "adam" \
+        else types.DimuonParams
+    fields = body[family]
+    if not isinstance(fields, dict):
+        raise MalformedMessageError(f"optim_step body's '{family}' must be a map, got {type(fields).__name__}")
+    _reject_unknown_fields(cls, fields)
+    for key, value in fields.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise MalformedMessageError(f"AdamParams.{key} must be a number, got {value!r}")
-    return types.AdamParams(**{k: float(v) for k, v in adam.items()})
+            raise MalformedMessageError(f"{cls.__name__}.{key} must be a number, got {value!r}")
+    if cls is types.DimuonParams and "learning_rate" not in fields:
+        raise MalformedMessageError("DimuonParams.learning_rate is missing from the optim_step body")
+    return cls(**{k: float(v) for k, v in fields.items()})
+
+
+def encode_optimizer(config: types.OptimizerConfig) -> dict[str, Any]:
+    """A create_model body's ``optimizer`` (the client's optimizer family, fixed for its life)."""
+    return optimizers.encode_config(config)
+
+
+def decode_optimizer(raw: Any) -> types.OptimizerConfig:
+    """A create_model body's ``optimizer`` map (absent: AdamW, as before the field existed); a config this server
+    does not serve is a ValidationError."""
+    if raw is not None and not isinstance(raw, dict):
+        raise MalformedMessageError(f"create_model 'optimizer' must be a map, got {type(raw).__name__}")
+    return optimizers.config_of(raw)
 
 
 def encode_lora(config: types.LoraConfig) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 A training state is a directory::
 
     model.safetensors, config.json      the weights (save_pretrained: tied weights stored once)
-    optimizer.safetensors               AdamW moments and step per parameter, by parameter name
+    optimizer.safetensors               optimizer state per parameter, by parameter name (AdamW: moments
+                                        and step; Dimuon: momentum)
     gradients.safetensors               pending gradients, only when some are non-zero
-    tinkerq_state.json                  format, base model, optimizer steps, request position
+    tinkerq_state.json                  format, base model, optimizer (absent: AdamW), optimizer steps,
+                                        request position
 
 The layout does not depend on how the model was held: a sharded worker gathers full tensors to rank 0
 and writes the same files, so a state loads with any number of shards. Everything is safetensors and
@@ -48,7 +50,6 @@ from tinkerq.worker.checkpoints.files import (
     SavedState,
     check_state,
     copy_tokenizer_files,
-    optimizer_entries,
     read_state,
     write_state,
     write_weights_marker,
@@ -72,7 +73,7 @@ from tinkerq.worker.checkpoints.paths import (
 __all__ = [  # where checkpoints lie and what they hold (their modules); writing, resolving and expiry (here)
     "ADAPTER_FILE", "AUTO_SNAPSHOT", "AUTO_SNAPSHOT_STAGED", "PEFT_PREFIX", "STATE_FILE", "STATE_FORMAT",
     "WEIGHTS_FILE", "SavedState", "check_name", "check_state", "checkpoint_root", "copy_tokenizer_files", "expiry",
-    "install_directory", "now", "optimizer_entries", "path_below", "previous_path", "read_state", "refuse_existing",
+    "install_directory", "now", "path_below", "previous_path", "read_state", "refuse_existing",
     "refuse_links_inside", "remove_auto_snapshot", "remove_expired", "resolve_state_path", "resolve_weights_path",
     "state_path", "weights_path", "write_atomically", "write_state", "write_weights_marker",
 ]

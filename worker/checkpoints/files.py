@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tinkerq import optimizers, types
 from tinkerq.errors import ValidationError
 from tinkerq.worker.checkpoints.paths import refuse_links_inside
 
@@ -41,21 +42,19 @@ class SavedState:
     """A training state as full (unsharded) CPU tensors, keyed by parameter name."""
 
     weights: dict[str, torch.Tensor]
-    moments: dict[str, torch.Tensor]  # "<name>::exp_avg" / "::exp_avg_sq" / "::step"
+    # The optimizer's state by "<name>::<key>": AdamW's exp_avg / exp_avg_sq / step, Dimuon's momentum
+    # (worker/training/optimizers.py).
+    moments: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]  # empty when no gradient is pending
     meta: dict[str, Any]
-
-
-def optimizer_entries(name: str, state: dict[str, Any], full: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """One parameter's AdamW state as ``{"<name>::<key>": tensor}`` (``full`` gathers a shard, if any)."""
-    return {f"{name}::{key}": full(state[key]) for key in ("exp_avg", "exp_avg_sq", "step") if key in state}
 
 
 def write_state(directory: Path, *, write_weights: Callable[[Path], None], shapes: dict[str, list[int]],
                 moments: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], base_model: str,
                 model_id: str, steps: int, seq_id: int, shards: int = 1, lora: dict[str, Any] | None = None,
-                expires_at: float | None = None) -> None:
-    """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json."""
+                expires_at: float | None = None, optimizer: dict[str, Any] | None = None) -> None:
+    """Write a training state; ``write_weights(directory)`` writes model.safetensors + config.json. ``optimizer``:
+    the session's optimizer config (tinkerq.optimizers.encode_config; a state without one was saved by AdamW)."""
     write_weights(directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in moments.items()},
               str(directory / "optimizer.safetensors"))
@@ -66,6 +65,8 @@ def write_state(directory: Path, *, write_weights: Callable[[Path], None], shape
             "seq_id": seq_id, "created": time.time(), "saved_by_shards": shards, "parameters": shapes}
     if lora is not None:
         meta["lora"] = lora
+    if optimizer is not None:
+        meta["optimizer"] = optimizer
     if expires_at is not None:
         meta["expires_at"] = expires_at
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
@@ -85,9 +86,10 @@ def write_weights_marker(directory: Path, base_model: str, lora: dict[str, Any] 
 
 
 def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, Any] | None = None,
-                base_model: str | None = None) -> dict[str, Any]:
+                base_model: str | None = None, optimizer: types.OptimizerConfig | None = None) -> dict[str, Any]:
     """The state's metadata, after checking it fits a session with these parameter shapes (``lora``: the LoRA
-    session's configuration; None for a full-parameter session; ``base_model``: checked when given)."""
+    session's configuration; None for a full-parameter session; ``base_model``: checked when given; ``optimizer``:
+    the session's, when its optimizer state is to be loaded too)."""
     try:
         meta = json.loads((directory / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -111,6 +113,15 @@ def check_state(directory: Path, shapes: dict[str, list[int]], lora: dict[str, A
                 raise ValidationError(f"{directory} holds a LoRA adapter with {key}={saved_lora.get(key)!r}; this "
                                       f"session has {key}={lora.get(key)!r}: resume it with "
                                       f"create_training_client_from_state(path)")
+    if optimizer is not None:
+        saved_optimizer = optimizers.config_of(meta.get("optimizer"))  # absent: saved by AdamW
+        if saved_optimizer != optimizer:
+            raise ValidationError(
+                f"{directory} holds the state of the {optimizers.describe(saved_optimizer)} optimizer; this session "
+                f"trains with {optimizers.describe(optimizer)}: an optimizer's state cannot be loaded into another "
+                f"(load_state takes the weights only, with a fresh optimizer; or resume with "
+                f"create_training_client_from_state_with_optimizer(path), which opens a session with the saved "
+                f"optimizer)")
     if meta.get("parameters") != shapes:
         saved = meta.get("parameters") or {}
         diff = next((n for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)), "")

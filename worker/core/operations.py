@@ -15,13 +15,12 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.errors import TinkerqError, ValidationError, WorkerError
 from tinkerq.settings import Settings
 from tinkerq.threads import NamedThread
 from tinkerq.validation import (
     Limits,
-    validate_adam,
     validate_loss_request,
     validate_prompt_options,
     validate_sampling,
@@ -109,9 +108,9 @@ class Operations:
         return codec.packb(messages.encode_forward_backward_output(out)), tokens_of(item)
 
     def optim_step(self, session: Session, body: Any) -> tuple[bytes, int]:
-        adam = messages.decode_adam(body)
-        validate_adam(adam)
-        metrics = session.optim_step(adam).metrics or {}
+        hyper = messages.decode_optim(body)
+        optimizers.validate(hyper)
+        metrics = session.optim_step(hyper).metrics or {}  # a family not the session's optimizer's is refused
         self._on_metrics(metrics)  # the automatic snapshot, if due, follows once the step is journaled
         return codec.packb({"metrics": metrics}), 0
 

@@ -398,8 +398,8 @@ class WorkerService:
 
     # -- sessions ------------------------------------------------------------------------------------------------
 
-    def open_session(self, model_id: str, lora: Any) -> Slot:
-        session = self.factory.make(model_id, lora, self.slots, self.idle.make_room)
+    def open_session(self, model_id: str, lora: Any, optimizer: Any = None) -> Slot:
+        session = self.factory.make(model_id, lora, self.slots, self.idle.make_room, optimizer)
         with self.cond:
             self.scheduler.open(model_id, session.pass_group)
             slot = Slot(session)

@@ -7,7 +7,7 @@ forward, routed to this adapter only).
 
 Files (docs/lora.md): ``save_weights_for_sampler`` writes a standard PEFT adapter directory
 (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads, and
-optionally the merged full weights (``merged/``); ``save_state`` adds the AdamW state and pending gradients.
+optionally the merged full weights (``merged/``); ``save_state`` adds the optimizer state and pending gradients.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.worker import checkpoints
 from tinkerq.worker.lora import experts, routing
 from tinkerq.worker.lora.adapter import Adapter, FrozenAdapter, Target, adaptable, find_targets
@@ -101,14 +101,17 @@ def config_dict(config: types.LoraConfig) -> dict[str, Any]:
 
 
 class LoraSession:
-    """A LoRA session. On a shard group every rank holds one (the adapter and its AdamW state replicated: whole
-    copies that every rank updates alike); rank 0's runs each engine command on every rank (``run``)."""
+    """A LoRA session. On a shard group every rank holds one (the adapter and its optimizer state replicated: whole
+    copies that every rank updates alike); rank 0's runs each engine command on every rank (``run``). ``optimizer``:
+    AdamW (None) or Dimuon, whose learning rate is corrected for the adapter's rank (docs/optimizers.md)."""
 
     kind = "lora"
 
     def __init__(self, model_id: str, base: LoraBase, config: types.LoraConfig, *, base_model: str,
-                 run: Runner | None = None, on_close: Callable[[], None] | None = None) -> None:
+                 run: Runner | None = None, on_close: Callable[[], None] | None = None,
+                 optimizer: types.OptimizerConfig | None = None) -> None:
         self.model_id = model_id
+        self.optimizer_config: types.OptimizerConfig = optimizer or types.AdamOptimizerConfig()
         self.base = base
         self.base_model = base_model
         self.config = config
@@ -117,7 +120,8 @@ class LoraSession:
         if base.shard_adapter is not None:
             base.shard_adapter(self.adapter)
         self.engine = TrainingEngine(base.forward(self.adapter), self.adapter.named_pairs(), base.group,
-                                     microbatch_tokens=base.microbatch_tokens, device=base.device, replicated=True)
+                                     microbatch_tokens=base.microbatch_tokens, device=base.device, replicated=True,
+                                     optimizer=self.optimizer_config, lora_rank=config.rank)
         self._run_command: Runner = run or (lambda op, **args: execute(self.engine, op, args, {}))
         self._on_close = on_close
         self.last_used = time.monotonic()
@@ -135,7 +139,8 @@ class LoraSession:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"lora": {**config_dict(self.config), "trainable_parameters": self.num_parameters(),
-                                        "state_bytes": self.state_bytes()}}
+                                        "state_bytes": self.state_bytes()},
+                               "optimizer": optimizers.encode_config(self.optimizer_config)}
         if self.base.group.world > 1:  # the frozen base each shard holds (rank 0's), beside the adapter's state
             out["base_shard_bytes"] = self.base.local_bytes()
         return out
@@ -163,8 +168,8 @@ class LoraSession:
         assert out is not None
         return out
 
-    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
-        return cast(types.OptimStepResponse, self._run("optim_step", adam=adam))
+    def optim_step(self, hyper: types.OptimParams) -> types.OptimStepResponse:
+        return cast(types.OptimStepResponse, self._run("optim_step", hyper=hyper))
 
     def snapshot(self) -> FrozenAdapter:
         """The adapter's current weights, frozen, for sampling over the shared base (worker/sampling/snapshots.py)."""
@@ -225,15 +230,17 @@ class LoraSession:
             tmp, write_weights=lambda d: self._write_adapter(d, base_model, saved.weights),
             shapes=self.engine.shapes(), moments=saved.moments, grads=saved.grads, base_model=base_model,
             model_id=self.model_id, steps=self.engine.steps, seq_id=seq_id, lora=config_dict(self.config),
-            expires_at=expires_at), overwrite=overwrite)
+            expires_at=expires_at, optimizer=optimizers.encode_config(self.optimizer_config)), overwrite=overwrite)
         return str(final)
 
     def load_state(self, directory: Path, *, optimizer: bool = True) -> dict[str, Any]:
-        """Replace the adapter, its AdamW state and pending gradients with a saved LoRA state's (same base model,
-        rank and targets); without ``optimizer``, the adapter only: AdamW and the gradients start afresh."""
+        """Replace the adapter, its optimizer state and pending gradients with a saved LoRA state's (same base model,
+        rank, targets and optimizer); without ``optimizer``, the adapter only: the optimizer and the gradients start
+        afresh."""
         self._touch()
         lora = config_dict(self.config)
-        checkpoints.check_state(directory, self.engine.shapes(), lora, self.base_model)
+        checkpoints.check_state(directory, self.engine.shapes(), lora, self.base_model,
+                                optimizer=self.optimizer_config if optimizer else None)
         return cast(dict[str, Any], self._run("load_state", path=str(directory), optimizer=optimizer, lora=lora))
 
     def close(self) -> None:

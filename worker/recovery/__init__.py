@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tinkerq import keys
+from tinkerq import keys, optimizers
 from tinkerq.errors import CapacityError, TinkerqError, WorkerError
 from tinkerq.operations import CHECKPOINT_KINDS, PASS_OPS
 from tinkerq.operations import STATELESS as STATELESS_OPS
@@ -64,7 +64,7 @@ class RecoveryHost(SessionsHost, Protocol):
     idle: IdleRelease
     redis_back_at: float
 
-    def open_session(self, model_id: str, lora: Any) -> Slot: ...
+    def open_session(self, model_id: str, lora: Any, optimizer: Any = None) -> Slot: ...
     def drop_session(self, model_id: str) -> Slot | None: ...
     def break_session(self, model_id: str, reason: str, error: type[ServerError] = ...) -> None: ...
     def expire_gaps(self) -> int: ...
@@ -100,7 +100,8 @@ class Recovery:
         """Record where the session lives and how to re-make it (an adopter opens the same one)."""
         if not self.journaling:
             return
-        home = SessionHome(session.model_id, self.service.base_model, self.worker_id, session.recipe())
+        home = SessionHome(session.model_id, self.service.base_model, self.worker_id, session.recipe(),
+                           optimizer=optimizers.encode_config(session.optimizer_config))
         try:
             self.store.set(keys.session_home(session.model_id), home.dumps(), self.settings.auto_snapshot_ttl_s)
         except TinkerqError as exc:  # the session works; it just cannot be adopted
@@ -339,7 +340,7 @@ class Recovery:
         model_id, service = home.model_id, self.service
         if model_id in service.slots:
             return None
-        slot = service.open_session(model_id, home.lora)
+        slot = service.open_session(model_id, home.lora, home.optimizer)
         try:
             last, entries = self.rebuild(slot, journal, resume=False)
             with service.cond:

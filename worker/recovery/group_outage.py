@@ -129,7 +129,8 @@ class GroupHold:
             others = {mid: s for mid, s in service.slots.items() if mid != model_id}  # not counted twice
             recipe = slot.session.recipe()
             slot.session.close()  # its shards went with the group; nothing to do on a re-formed group
-            slot.session = service.factory.make(model_id, recipe, others, service.close_session)
+            slot.session = service.factory.make(model_id, recipe, others, service.close_session,
+                                                optimizer=slot.session.optimizer_config)
             with service.cond:
                 service.scheduler.regroup(model_id, slot.session.pass_group)
             last, entries = self.recovery.rebuild(slot, journal, resume=True)

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tinkerq import keys
+from tinkerq import keys, optimizers
 from tinkerq.errors import CapacityError, TinkerqError, UnknownModelError, WorkerError
 from tinkerq.records import JournalEntry, SessionHome
 from tinkerq.wire import codec
@@ -221,7 +221,8 @@ class IdleRelease:
             if slot is None or not self._idle(model_id, slot, time.monotonic(), idle_for):
                 return None
             idle_s, seq_id = time.monotonic() - slot.session.last_used, service.scheduler.position(model_id)
-        home = SessionHome(model_id, service.base_model, self.worker_id, slot.session.recipe(), slot.adopted_from)
+        home = SessionHome(model_id, service.base_model, self.worker_id, slot.session.recipe(), slot.adopted_from,
+                           optimizer=optimizers.encode_config(slot.session.optimizer_config))
         parking = _Parking(slot, seq_id, idle_s, home)
         if not recovery.journaling:
             return parking

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.errors import ServerError, ShardGroupError, TinkerqError
 from tinkerq.threads import NamedThread
 from tinkerq.wire import messages
@@ -90,16 +90,18 @@ class ShardHost:
                 return join_forward(base.root, self.group.spec.device)
         model_id = str(args["model_id"])
         if op == "create":
-            return self._create(model_id, args.get("lora"), str(args.get("base_model", "")))
+            return self._create(model_id, args.get("lora"), str(args.get("base_model", "")), args.get("optimizer"))
         if op == "close":
             self.sessions.pop(model_id, None)
             self.lora_sessions.pop(model_id, None)
             return None
         return execute(self.sessions[model_id], op, args, self.tied)
 
-    def _create(self, model_id: str, lora: dict[str, Any] | None, base_model: str) -> LoraSession | None:
-        """Open a session on this rank: a full one (its own FSDP shards of a copy of the base) or a LoRA one
-        (an adapter over the shared sharded base). Every rank agrees before any keeps it."""
+    def _create(self, model_id: str, lora: dict[str, Any] | None, base_model: str,
+                optimizer: dict[str, Any] | None = None) -> LoraSession | None:
+        """Open a session on this rank: a full one (its own FSDP shards of a copy of the base, AdamW) or a LoRA one
+        (an adapter over the shared sharded base, with ``optimizer``: None is AdamW). Every rank agrees before any
+        keeps it."""
         error: TinkerqError | None = None
         session = None
         try:
@@ -116,7 +118,8 @@ class ShardHost:
                     run = lambda op, **a: self.run(op, model_id=model_id, **a)  # noqa: E731
                     on_close = lambda: self.close_session(model_id)  # noqa: E731
                 session = LoraSession(model_id, self.lora_base(), types.LoraConfig(**lora),
-                                      base_model=base_model, run=run, on_close=on_close)
+                                      base_model=base_model, run=run, on_close=on_close,
+                                      optimizer=optimizers.config_of(optimizer))
                 self.sessions[model_id], self.lora_sessions[model_id] = session.engine, session
         except TinkerqError as exc:  # a config every rank refuses alike
             error = exc
@@ -279,9 +282,11 @@ class ShardHost:
         NamedThread(target=loop, name="tinkerq-shard-ping", daemon=True).start()
         return stop
 
-    def open_lora(self, model_id: str, config: types.LoraConfig, *, base_model: str) -> LoraSession:
+    def open_lora(self, model_id: str, config: types.LoraConfig, *, base_model: str,
+                  optimizer: types.OptimizerConfig | None = None) -> LoraSession:
         """Rank 0: open a LoRA session on every rank; returns rank 0's."""
-        session = self.run("create", model_id=model_id, lora=config_dict(config), base_model=base_model)
+        session = self.run("create", model_id=model_id, lora=config_dict(config), base_model=base_model,
+                           optimizer=optimizers.encode_config(optimizer or types.AdamOptimizerConfig()))
         assert isinstance(session, LoraSession)
         return session
 
@@ -337,7 +342,7 @@ def _to_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
         args = {"model_id": args["model_id"], "backward": args["backward"], "request": request,
                 "checkpointing": bool(args.get("checkpointing", False))}
     elif op == "optim_step":
-        args = {**args, "adam": messages.encode_adam(args["adam"])}
+        args = {**args, "hyper": messages.encode_optim(args["hyper"])}
     elif op == "sample_forward":
         args = {"mirror": args.get("mirror")}  # rank 0's forward stays on rank 0; new factors follow by broadcast
     elif op == "lora_pass":
@@ -354,7 +359,7 @@ def from_wire(op: str, args: dict[str, Any]) -> dict[str, Any]:
         args = {"model_id": args["model_id"], "backward": args["backward"], "data": data, "loss_fn": loss_fn,
                 "config": config, "checkpointing": bool(args.get("checkpointing", False))}
     elif op == "optim_step":
-        args = {**args, "adam": messages.decode_adam(args["adam"])}
+        args = {**args, "hyper": messages.decode_optim(args["hyper"])}
     elif op == "lora_pass":
         requests = []
         for r in args["requests"]:

@@ -1,4 +1,4 @@
-"""The training engine: one set of trainable parameters, their pending gradients and their AdamW state.
+"""The training engine: one set of trainable parameters, their pending gradients and their optimizer's state.
 
 The same engine serves every session kind and shard count:
 
@@ -11,6 +11,9 @@ The same engine serves every session kind and shard count:
 Every operation either completes or leaves the engine exactly as it was: a forward_backward sets the
 pending gradients aside, computes its own, has every rank agree they are finite, and only then adds
 them; an optim_step checks the gradient norm before touching a weight.
+
+The optimizer (AdamW or Dimuon, fixed at creation) is a strategy (worker/training/optimizers.py): the engine norms
+and clips the gradients, the strategy turns them into new weights and keeps its state.
 
 What must match one unsharded run, and how it does:
 
@@ -29,12 +32,13 @@ from typing import Any, Protocol, cast
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.errors import NonFiniteError, TinkerqError
 from tinkerq.validation import resolve_loss_config
 from tinkerq.wire import codec
-from tinkerq.worker.checkpoints import SavedState, optimizer_entries
+from tinkerq.worker.checkpoints import SavedState
 from tinkerq.worker.training import checkpointing as activation_checkpointing
+from tinkerq.worker.training import optimizers as strategies
 from tinkerq.worker.training.batching import pad_batch, rank_plans
 from tinkerq.worker.training.losses import LOSSES, MetricTotals, ScoredBatch, score
 
@@ -91,12 +95,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TrainingEngine:
     def __init__(self, forward: Forward, named_params: Sequence[tuple[str, torch.nn.Parameter]],
                  collectives: Collectives, *, microbatch_tokens: int, device: torch.device,
-                 replicated: bool = False, fixed: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+                 replicated: bool = False, fixed: Sequence[tuple[str, torch.Tensor]] = (),
+                 optimizer: types.OptimizerConfig | None = None, lora_rank: int | None = None) -> None:
         self.forward = forward
         self.group = collectives
         # Whole copies of the parameters on every rank (LoRA adapters on a shard group), not FSDP shards: each
         # rank's fresh gradients are summed over the ranks (:meth:`sum_fresh`), and every rank then takes the
-        # same AdamW step, so the copies stay equal.
+        # same optimizer step, so the copies stay equal.
         self.replicated = replicated
         self.microbatch_tokens = microbatch_tokens
         self.device = device
@@ -110,12 +115,9 @@ class TrainingEngine:
         # does after a backward pass that reached all of them.
         for p in self.params:
             p.grad = torch.zeros_like(p)
-        # A LoRA adapter on an expert-parallel group mixes whole tensors and DTensors (its per-expert factors,
-        # worker/sharding/experts.py): AdamW's fused loops take one kind per parameter group.
-        kinds = _kinds(self.params)
-        self.mixed = all(kinds)
-        self.optimizer = torch.optim.AdamW([{"params": ps} for ps in kinds if ps] if self.mixed else self.params,
-                                           lr=0.0, weight_decay=0.0)
+        # Whole tensors and DTensors together: a LoRA adapter's per-expert factors on an expert-parallel group.
+        self.mixed = all(strategies.kinds(self.params))
+        self.optimizer = strategies.make(optimizer or types.AdamOptimizerConfig(), self.params, lora_rank=lora_rank)
         self.steps = 0
 
     def shapes(self) -> dict[str, list[int]]:
@@ -210,7 +212,9 @@ class TrainingEngine:
 
     # -- optim_step ---------------------------------------------------------------------------------------------
 
-    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
+    def optim_step(self, hyper: types.OptimParams) -> types.OptimStepResponse:
+        """One step of the engine's optimizer with ``hyper`` (its family's hyperparameters: a user error else)."""
+        optimizers.check_matches(self.optimizer.config, hyper)  # before anything changes
         grads = self.grads()
         total = _total_norm(grads)
         norm = float(total)
@@ -221,27 +225,24 @@ class TrainingEngine:
                 f"gradient norm is {norm} at step {self.steps + 1}: the step was refused, the weights are "
                 f"unchanged and the pending gradients were discarded"
             )
-        if adam.grad_clip_norm > 0:
+        if hyper.grad_clip_norm > 0:
             if self.mixed:  # torch's clip takes one kind of tensor: each kind, by the same coefficient
-                for kind in _kinds(self.params):
-                    torch.nn.utils.clip_grads_with_norm_(kind, adam.grad_clip_norm, total)
+                for kind in strategies.kinds(self.params):
+                    torch.nn.utils.clip_grads_with_norm_(kind, hyper.grad_clip_norm, total)
             else:
-                torch.nn.utils.clip_grads_with_norm_(self.params, adam.grad_clip_norm, total)
-        for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-        self.optimizer.step()
+                torch.nn.utils.clip_grads_with_norm_(self.params, hyper.grad_clip_norm, total)
+        learning_rate = self.optimizer.step(self.params, hyper)
         for g in grads:
             g.zero_()
         self.steps += 1
-        metrics = {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": self.steps}
+        metrics = {"grad_norm:mean": norm, "learning_rate:mean": learning_rate, "step:max": self.steps}
         if self.group.world > 1:
             (largest,) = self.group.all_reduce([float(self.state_bytes())], op="max")
             metrics["shard_state_bytes:max"] = largest
         return types.OptimStepResponse(metrics=metrics)
 
     def state_bytes(self) -> int:
-        """Bytes this rank holds for parameters, gradients and AdamW state."""
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
         def size(t: torch.Tensor) -> int:
             local = _local(t)
             return local.numel() * local.element_size()
@@ -252,13 +253,9 @@ class TrainingEngine:
         return total
 
     def unallocated_state_bytes(self) -> int:
-        """This rank's AdamW moments not allocated yet (they come at the first optim_step: 2 x the weights)."""
-        total = 0
-        for p in self.params:
-            if "exp_avg" not in self.optimizer.state.get(p, {}):
-                t = _local(p)
-                total += 2 * t.numel() * t.element_size()
-        return total
+        """This rank's optimizer state not allocated yet (it comes at the first optim_step: AdamW's moments are
+        2 x the weights, Dimuon's float32 momentum 4 bytes a parameter)."""
+        return self.optimizer.unallocated_bytes(self.params)
 
     # -- whole tensors out, for the leader -------------------------------------------------------------------
 
@@ -279,7 +276,7 @@ class TrainingEngine:
         weights = self.gather_weights()
         moments: dict[str, torch.Tensor] = {}
         for n, p in zip(self.param_names, self.params, strict=True):
-            moments.update(optimizer_entries(n, self.optimizer.state.get(p, {}), self._full))
+            moments.update(self.optimizer.entries(n, p, self._full))
         local_pending = float(any(bool(_local(g).any()) for g in self.grads()))
         (pending,) = self.group.all_reduce([local_pending], op="max")
         grads = {n: self._full(g) for n, g in zip(self.param_names, self.grads(), strict=True)} if pending else {}
@@ -293,8 +290,10 @@ class TrainingEngine:
     def load(self, saved: SavedState, tied: dict[str, str], *, optimizer: bool = True) -> None:
         """Take this rank's piece of every tensor of a (full) saved state; no communication needed.
 
-        Without ``optimizer`` (Tinker's ``load_state``, weights only) the AdamW state and the pending gradients
-        become those of a fresh session: no moments, step 0, zero gradients, whatever the state holds.
+        Without ``optimizer`` (Tinker's ``load_state``, weights only) the optimizer state and the pending gradients
+        become those of a fresh session: no moments or momentum, step 0, zero gradients, whatever the state holds
+        (the caller checked that a state loaded with its optimizer was saved with this engine's:
+        worker/checkpoints/files.py ``check_state``).
         """
         def place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             full = full.to(like.device, like.dtype)
@@ -313,24 +312,15 @@ class TrainingEngine:
                     g.copy_(place(grads[n], p))
                 else:
                     g.zero_()
-                state = adam_state(n, moments, functools.partial(place, like=p))
-                if state:
-                    self.optimizer.state[p] = state
-                else:  # AdamW starts this parameter afresh at its next step, as in a new session
-                    self.optimizer.state.pop(p, None)
+                self.optimizer.restore(n, p, moments, functools.partial(place, like=p))
         self.steps = int(saved.meta["optimizer_steps"]) if optimizer else 0
-
-
-def _kinds(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``tensors`` split into whole ones and DTensors, each in order."""
-    return [t for t in tensors if not isinstance(t, DTensor)], [t for t in tensors if isinstance(t, DTensor)]
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of every gradient together, a plain tensor (a collective where some are DTensor shards: every rank
     calls it). Whole tensors and DTensors (an adapter on an expert-parallel group) are normed apart, then joined."""
     norms = []
-    for kind in _kinds(grads):
+    for kind in strategies.kinds(grads):
         if kind:
             n = torch.nn.utils.get_total_norm(kind, norm_type=2.0)
             norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
@@ -403,15 +393,3 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(n)
     return {n: other for names in by_id.values() for n in names for other in names if other != n}
-
-
-def adam_state(name: str, moments: dict[str, torch.Tensor],
-               place: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One parameter's AdamW state from a checkpoint; ``place`` turns a full moment into this rank's piece.
-
-    torch keeps AdamW's step counter on the CPU (unless capturable); the moments live with the parameter.
-    """
-    state = {k: place(moments[f"{name}::{k}"]) for k in ("exp_avg", "exp_avg_sq") if f"{name}::{k}" in moments}
-    if f"{name}::step" in moments:
-        state["step"] = moments[f"{name}::step"]
-    return state

@@ -17,11 +17,12 @@ from typing import Any, Protocol, cast
 import torch
 from transformers import PreTrainedModel
 
-from tinkerq import types
+from tinkerq import optimizers, types
 from tinkerq.errors import ServerError, TinkerqError
 from tinkerq.worker import checkpoints
 from tinkerq.worker.training.engine import SingleProcess, TrainingEngine, model_weights, tied_names
 from tinkerq.worker.training.logprobs import LogprobComputer
+from tinkerq.worker.training.optimizers import Optimizer
 
 # (op, **args) -> the command's result on rank 0
 Runner = Callable[..., Any]
@@ -31,6 +32,7 @@ class Session(Protocol):
     model_id: str
     last_used: float
     kind: str  # "full" or "lora": which count limit and memory admission apply (worker/training/sessions.py)
+    optimizer_config: types.OptimizerConfig  # chosen at creation, fixed for the session's life
 
     @property
     def pass_group(self) -> Any:
@@ -40,7 +42,7 @@ class Session(Protocol):
 
     def recipe(self) -> dict[str, Any] | None:
         """How to make the same session again on another worker (its LoRA config with the effective seed;
-        None for a full-parameter session)."""
+        None for a full-parameter session), beside its ``optimizer_config``."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -53,7 +55,7 @@ class Session(Protocol):
     def run_loss(self, data: list[types.Datum], loss_fn: str, config: dict[str, Any] | None, *,
                  backward: bool, checkpointing: bool = False) -> types.ForwardBackwardOutput: ...
 
-    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse: ...
+    def optim_step(self, hyper: types.OptimParams) -> types.OptimStepResponse: ...
 
     def snapshot(self) -> Any:
         """Frozen weights to sample from: a model copy (full), or an adapter over the shared base (LoRA)."""
@@ -80,7 +82,7 @@ def execute(engine: TrainingEngine, op: str, args: dict[str, Any], tied: dict[st
         return engine.run_loss(args["data"], args["loss_fn"], args["config"], backward=bool(args["backward"]),
                                checkpointing=bool(args.get("checkpointing", False)))
     if op == "optim_step":
-        return engine.optim_step(args["adam"])
+        return engine.optim_step(args["hyper"])
     if op == "gather_weights":
         return engine.gather_weights()
     if op == "gather_state":
@@ -116,8 +118,10 @@ class FullSession:
 
     def __init__(self, model_id: str, run: Runner, engine: Callable[[], TrainingEngine | None], *,
                  blank: Callable[[], PreTrainedModel], template: PreTrainedModel, model_dir: str,
-                 shapes: dict[str, list[int]], world: int = 1, device: torch.device | str = "cpu") -> None:
+                 shapes: dict[str, list[int]], world: int = 1, device: torch.device | str = "cpu",
+                 optimizer: types.OptimizerConfig | None = None) -> None:
         self.model_id = model_id
+        self.optimizer_config: types.OptimizerConfig = optimizer or types.AdamOptimizerConfig()
         self._run_command = run
         self._engine = engine
         self._blank = blank
@@ -132,7 +136,7 @@ class FullSession:
         return None
 
     def describe(self) -> dict[str, Any]:
-        return {}
+        return {"optimizer": optimizers.encode_config(self.optimizer_config)}
 
     @property
     def steps(self) -> int:
@@ -155,8 +159,8 @@ class FullSession:
         return self._run("run_loss", data=data, loss_fn=loss_fn, config=config, backward=backward,
                          checkpointing=checkpointing)
 
-    def optim_step(self, adam: types.AdamParams) -> types.OptimStepResponse:
-        return self._run("optim_step", adam=adam)
+    def optim_step(self, hyper: types.OptimParams) -> types.OptimStepResponse:
+        return self._run("optim_step", hyper=hyper)
 
     def snapshot(self) -> PreTrainedModel:
         """A frozen copy of the current weights, for sampling (worker/sampling/snapshots.py keeps and publishes it)."""
@@ -187,7 +191,7 @@ class FullSession:
 
     def save_state(self, checkpoint_dir: str, name: str, *, base_model: str, seq_id: int,
                    expires_at: float | None = None, overwrite: bool = True) -> str:
-        """Weights + AdamW state + pending gradients + request position, for load_state (any shard count)."""
+        """Weights + optimizer state + pending gradients + request position, for load_state (any shard count)."""
         final = checkpoints.state_path(checkpoint_dir, self.model_id, name)
         if not overwrite:  # refused before every shard gathers the whole state (and checked again at the rename)
             checkpoints.refuse_existing(final)
@@ -199,13 +203,15 @@ class FullSession:
                                                                        save_original_format=False),
             shapes=self._shapes, moments=saved.moments, grads=saved.grads, base_model=base_model,
             model_id=self.model_id, steps=int(saved.meta["optimizer_steps"]), seq_id=seq_id, shards=self.world,
-            expires_at=expires_at), overwrite=overwrite)
+            expires_at=expires_at, optimizer=optimizers.encode_config(self.optimizer_config)), overwrite=overwrite)
         return str(final)
 
     def load_state(self, directory: Path, *, optimizer: bool = True) -> dict[str, Any]:
-        """Replace the weights, AdamW state and pending gradients with a saved state's (any shard count);
-        without ``optimizer``, the weights only: AdamW and the pending gradients start afresh."""
-        checkpoints.check_state(directory, self._shapes)  # user errors before any shard is involved
+        """Replace the weights, optimizer state and pending gradients with a saved state's (any shard count; saved
+        with this session's optimizer); without ``optimizer``, the weights only: the optimizer and the pending
+        gradients start afresh."""
+        # User errors before any shard is involved.
+        checkpoints.check_state(directory, self._shapes, optimizer=self.optimizer_config if optimizer else None)
         return self._run("load_state", path=str(directory), optimizer=optimizer)
 
     def close(self) -> None:
@@ -216,23 +222,25 @@ class TrainingSession(FullSession):
     """A full-parameter session on this process: ``model`` is its own copy of the weights."""
 
     def __init__(self, model_id: str, model: PreTrainedModel, *, base_dir: str, microbatch_tokens: int,
-                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel]) -> None:
+                 logprobs: LogprobComputer, blank_model: Callable[[], PreTrainedModel],
+                 optimizer: types.OptimizerConfig | None = None) -> None:
         self.model = model
         self.logprobs = logprobs
         device = next(model.parameters()).device
         named, fixed = model_weights(model)
         self.engine = TrainingEngine(lambda tokens, mask, targets: logprobs(model, tokens, mask, targets), named,
-                                     SingleProcess(), microbatch_tokens=microbatch_tokens, device=device, fixed=fixed)
+                                     SingleProcess(), microbatch_tokens=microbatch_tokens, device=device, fixed=fixed,
+                                     optimizer=optimizer)
         tied = tied_names(model)
         super().__init__(model_id, lambda op, **args: execute(self.engine, op, args, tied), lambda: self.engine,
                          blank=blank_model, template=model, model_dir=base_dir,
-                         shapes=self.engine.shapes(), device=device)
+                         shapes=self.engine.shapes(), device=device, optimizer=optimizer)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return self.engine.params
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> Optimizer:
         return self.engine.optimizer
 

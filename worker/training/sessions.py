@@ -17,8 +17,8 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from tinkerq import types
-from tinkerq.errors import CapacityError
+from tinkerq import optimizers, types
+from tinkerq.errors import CapacityError, ValidationError
 from tinkerq.settings import Settings
 from tinkerq.validation import validate_lora
 from tinkerq.worker import memory
@@ -76,13 +76,16 @@ class SessionFactory:
         self.lora_base: LoraBase | None = None  # made on the first LoRA session (docs/lora.md)
 
     def make(self, model_id: str, lora: dict[str, Any] | types.LoraConfig | None, slots: dict[str, Slot],
-             close: Callable[[str], None]) -> Session:
-        """A new session (``lora``: its config, else full-parameter), after its kind's count limit (at it, a broken
-        session of the kind is closed, or an idle one given to ``close``: the service releases it, parked, when
-        it can come back: worker/recovery/idle_release.py) and memory admission."""
+             close: Callable[[str], None], optimizer: Any = None) -> Session:
+        """A new session (``lora``: its config, else full-parameter; ``optimizer``: its optimizer config or that
+        config's map, None: AdamW), after its kind's count limit (at it, a broken session of the kind is closed, or
+        an idle one given to ``close``: the service releases it, parked, when it can come back:
+        worker/recovery/idle_release.py) and memory admission."""
         if isinstance(lora, dict):
             lora = types.LoraConfig(**lora)
+        config = optimizers.config_of(optimizer)
         support.check(type(self.model).__name__, "full" if lora is None else "lora")  # a path not proven: refused
+        self._check_optimizer(config, lora)
         if lora is None:
             # A base kept quantized trains LoRA adapters only (a shard group's: its ranks hold it, refused here too).
             refuse_full_session(self.model, kept=self.shards is not None and self.shards.kept_quantized)
@@ -93,7 +96,8 @@ class SessionFactory:
             # Every weight of the copy trains (the shared model itself is frozen once LoRA sessions use it).
             return TrainingSession(model_id, copy.deepcopy(self.model).requires_grad_(True),
                                    base_dir=self.model_dir, microbatch_tokens=self.settings.microbatch_tokens,
-                                   logprobs=self.logprobs, blank_model=lambda: copy.deepcopy(self.model))
+                                   logprobs=self.logprobs, blank_model=lambda: copy.deepcopy(self.model),
+                                   optimizer=config)
         validate_lora(lora, max_rank=self.settings.max_lora_rank)
         if lora.seed is None:  # Tinker: no seed, a random one; kept so the session can be told and re-made
             lora = types.LoraConfig(**{**config_dict(lora), "seed": secrets.randbits(63)})
@@ -108,9 +112,23 @@ class SessionFactory:
                                   expert_parameters=lora.rank * sum(t.expert_parameters_per_rank() for t in targets),
                                   base_bytes=self.shards.kept_base_bytes()
                                   if self.shards is not None and not self.shards.has_lora_base else None)
-        if self.shards is not None:  # the adapter and its AdamW state on every rank, over the base sharded once
-            return self.shards.open_lora(model_id, lora, base_model=self.base_model)
-        return LoraSession(model_id, self.lora(), lora, base_model=self.base_model)
+        if self.shards is not None:  # the adapter and its optimizer state on every rank, over the base sharded once
+            return self.shards.open_lora(model_id, lora, base_model=self.base_model, optimizer=config)
+        return LoraSession(model_id, self.lora(), lora, base_model=self.base_model, optimizer=config)
+
+    def _check_optimizer(self, config: types.OptimizerConfig, lora: types.LoraConfig | None) -> None:
+        """Dimuon's matrix sign needs each trained matrix whole on one rank: a shard group's full-parameter sessions
+        (FSDP shards) and its adapters' per-expert factors on an expert-parallel group are not, so Dimuon is refused
+        there (a user error) rather than computed otherwise. Replicated adapters on a shard group are whole."""
+        if not isinstance(config, types.DimuonOptimizerConfig) or self.shards is None:
+            return
+        if lora is None or self.shards.expert_parallel:
+            what = "full-parameter sessions" if lora is None else "LoRA sessions on an expert-parallel group"
+            raise ValidationError(
+                f"the Dimuon optimizer is not served for {what} on a shard group (worker {self.worker_id}): its "
+                f"matrix sign needs each trained matrix whole on one rank, and these are sharded; train with AdamW "
+                f"here, or with Dimuon on an unsharded worker" + ("" if lora is None else " or a LoRA session on a "
+                                                                  "group without --expert-parallel"))
 
     def lora(self) -> LoraBase:
         if self.lora_base is None:

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 def admit(service: WorkerService, request: Request) -> str | None:
     """Check a create_model and decide what becomes of it, on the transport's thread; raises its refusal.
 
-    None: queue it for the compute loop (``request.plan`` = (LoRA config, claimed): build the session claimed
-    here, or answer from the one already open). Otherwise why it is not answered here: a copy whose session
-    another worker claimed is forwarded to that worker, which answers it (the answer may have been lost, say
+    None: queue it for the compute loop (``request.plan`` = (LoRA config, optimizer config, claimed): build the
+    session claimed here, or answer from the one already open). Otherwise why it is not answered here: a copy whose
+    session another worker claimed is forwarded to that worker, which answers it (the answer may have been lost, say
     in a Redis outage); a forwarded copy whose answer is stored already is dropped."""
     model_id = request.model_id
     assert model_id is not None
@@ -43,11 +43,12 @@ def admit(service: WorkerService, request: Request) -> str | None:
         # a session nobody will use would only take a slot.
         raise RequestTimeoutError(f"create_model for {requested!r} arrived after its caller stopped waiting")
     lora = messages.decode_lora(body.get("lora"))
+    optimizer = messages.decode_optimizer(body.get("optimizer"))  # an optimizer not served: refused here
     forwarded = isinstance(request.envelope.get("forwarded_by"), str)
     if model_id in service.slots:
         if forwarded and answered(service, request):  # the holder's own copy was answered: once is enough
             return "a duplicate delivery: another worker built the session"
-        request.plan = (lora, False)
+        request.plan = (lora, optimizer, False)
         return None
     holder = claim_creation(service, model_id)
     if holder != service.worker_id:
@@ -58,7 +59,7 @@ def admit(service: WorkerService, request: Request) -> str | None:
         # (a parent_id header, which the holder's intake refuses).
         service.outbox.put(lambda: forward_create(service, request, holder))
         return f"forwarded to worker {holder}, which holds the session"
-    request.plan = (lora, True)
+    request.plan = (lora, optimizer, True)
     return None
 
 
