@@ -118,7 +118,8 @@ def copy(records: Records, audit: AuditLog, checkpoint_dir: str, tenant: str, bo
             records.store.delete(keys.gateway_claim(claim))
         raise
     run = {"tenant": tenant, "model_id": run_id, "session_id": session_id, "base_model": source["base_model"],
-           "lora": source.get("lora"), "created": time.time(), "user_metadata": None, "info": None, "offset": 0,
+           "lora": source.get("lora"), "optimizer": source.get("optimizer"), "created": time.time(),
+           "user_metadata": None, "info": None, "offset": 0,
            "closed": True, "copied_from": str(source_path)}
     records.put("run", run_id, run)
     record = checkpoint_record(tenant, path, directory, run, ttl_seconds, source.get("user_metadata"))

@@ -75,7 +75,8 @@ class Jobs:
         done = await asyncio.to_thread(gw.records.get, "run", model_id, tenant)
         if done is None:
             lora = None if job.get("lora") is None else messages.decode_lora(job["lora"])
-            client = await self._open(request_id, tenant, model_id, job["base_model"], lora)
+            optimizer = messages.decode_optimizer(job.get("optimizer"))  # absent (a job from before): AdamW
+            client = await self._open(request_id, tenant, model_id, job["base_model"], lora, optimizer)
             load = job.get("load")
             if load is not None:  # the load is the worker session's request 1; the SDK's 1, 2... follow as 2, 3...
                 try:
@@ -90,7 +91,7 @@ class Jobs:
         return Answer(json={"model_id": model_id, "type": "create_model"})
 
     async def _open(self, request_id: str, tenant: str, model_id: str, base_model: str,
-                    lora: types.LoraConfig | None) -> Any:
+                    lora: types.LoraConfig | None, optimizer: types.OptimizerConfig) -> Any:
         """A worker session for the run, once the key's quota and the fleet have room for it (waiting, not
         failing, while either is full: the poll says which)."""
         gw = self.gw
@@ -104,7 +105,7 @@ class Jobs:
         while True:
             try:
                 return await asyncio.to_thread(gw.service.open_training_client, base_model, lora,
-                                               session_id=session_id)
+                                               session_id=session_id, optimizer=optimizer)
             except (CapacityError, RequestTimeoutError) as exc:
                 if isinstance(exc, RequestTimeoutError):
                     # No answer: maybe the worker that claimed this id is gone (its copy went to a dead queue).

@@ -59,7 +59,7 @@ def list_checkpoints(records: Records, tenant: str, run_id: str) -> dict[str, An
 def weights_info(record: dict[str, Any]) -> dict[str, Any]:
     lora = record.get("lora")
     info: dict[str, Any] = {"base_model": record["base_model"], "is_lora": lora is not None,
-                            "optimizer_config": {"type": "adamw"}}
+                            "optimizer_config": record.get("optimizer") or {"type": "adamw"}}
     if lora is not None:
         info.update({"lora_rank": lora["rank"], "train_unembed": lora.get("train_unembed"),
                      "train_mlp": lora.get("train_mlp"), "train_attn": lora.get("train_attn")})

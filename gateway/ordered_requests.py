@@ -12,15 +12,14 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tinkerq import keys, types
+from tinkerq import keys, optimizers
 from tinkerq.errors import TinkerqError
 from tinkerq.gateway import lookups, proto
 from tinkerq.gateway.futures import Waiting
 from tinkerq.gateway.http_errors import HTTPError
 from tinkerq.gateway.records import PathError, TinkerPath, check_name, top_raised
-from tinkerq.gateway.request_bodies import check_optimizer, ttl_seconds
+from tinkerq.gateway.request_bodies import optim_params, optimizer_config, ttl_seconds
 from tinkerq.gateway.training_runs import Run
-from tinkerq.validation import UNDEFINED_BY_SDK, validate_adam
 from tinkerq.wire import messages
 
 if TYPE_CHECKING:
@@ -130,18 +129,12 @@ class OrderedRequests:
         return self.accept(tenant, call.model_id, call.seq_id, kind, prepare, tokens=tokens)
 
     def optim_step(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        def prepare(_run: Run, _request_id: str) -> dict[str, Any]:
-            optimizer = body.get("optimizer_params")
-            if isinstance(optimizer, dict) and optimizer.get("type") == "dimuon":
-                raise HTTPError(400, UNDEFINED_BY_SDK["dimuon"])
-            if optimizer is not None:
-                raise HTTPError(400, "only AdamW is served: send adam_params (optimizer_params is not supported)")
-            raw = body.get("adam_params") or {}
-            params = types.AdamParams(**{k: raw[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
-                                                             "grad_clip_norm") if k in raw})
-            validate_adam(params)
-            return {"op": "optim_step", "finish": "optim", "body": messages.encode_adam(params),
-                    "argsrepr": f"lr={params.learning_rate:g}"}
+        def prepare(run: Run, _request_id: str) -> dict[str, Any]:
+            params = optim_params(body)
+            # The run's optimizer, fixed at its creation (the worker checks it too).
+            optimizers.check_matches(optimizers.config_of(run.record.get("optimizer")), params)
+            return {"op": "optim_step", "finish": "optim", "body": messages.encode_optim(params),
+                    "argsrepr": f"{params.type} lr={params.learning_rate:g}"}
 
         return self.accept(tenant, body.get("model_id"), body.get("seq_id"), "OptimStep", prepare)
 
@@ -208,11 +201,19 @@ class OrderedRequests:
         if session["finished"]:
             raise HTTPError(400, f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{model_seq_id}"
-        check_optimizer(body.get("optimizer_config"))
+        asked = optimizer_config(body.get("optimizer_config"))
         checkpoint = self.gw.checkpoint(tenant, body.get("path"), segment="weights", readable=True)
+        # With its optimizer state: the optimizer it was saved with (absent: AdamW); weights only: the one asked for
+        # (the SDK's optimizer_config "cannot override restored optimizer state").
+        config = optimizers.config_of(checkpoint.get("optimizer")) if optimizer else asked
+        if optimizer and body.get("optimizer_config") is not None and asked != config:
+            raise HTTPError(400, f"{body.get('path')} holds the state of {optimizers.describe(config)}: "
+                                 f"optimizer_config {optimizers.describe(asked)} cannot override a restored "
+                                 f"optimizer's state (load the weights only to train them with another optimizer)")
         base_model = str(body.get("base_model") or checkpoint["base_model"])
         await self.gw.check_served(base_model)
         job = {"type": "create", "model_id": model_id, "session_id": session_id, "base_model": base_model,
-               "lora": checkpoint.get("lora"), "user_metadata": body.get("user_metadata"),
+               "lora": checkpoint.get("lora"), "optimizer": messages.encode_optimizer(config),
+               "user_metadata": body.get("user_metadata"),
                "load": {"directory": checkpoint["directory"], "optimizer": optimizer, "path": body["path"]}}
         return {"request_id": self.gw.create_once(tenant, model_id, "LoadWeights", job), "model_id": model_id}

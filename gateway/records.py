@@ -191,6 +191,6 @@ def checkpoint_record(tenant: str, path: TinkerPath, directory: str, run: dict[s
     return {
         "tenant": tenant, "tinker_path": str(path), "checkpoint_id": path.checkpoint_id,
         "checkpoint_type": path.checkpoint_type, "run": path.run, "directory": directory,
-        "base_model": run["base_model"], "lora": run.get("lora"), "time": now,
+        "base_model": run["base_model"], "lora": run.get("lora"), "optimizer": run.get("optimizer"), "time": now,
         "expires_at": None if ttl_seconds is None else now + ttl_seconds, "user_metadata": user_metadata,
     }

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinkerq import types
+from tinkerq import optimizers, types
+from tinkerq.errors import ValidationError
 from tinkerq.gateway.http_errors import HTTPError
-from tinkerq.validation import UNDEFINED_BY_SDK
+from tinkerq.validation import validate_adam
 
 
 def sample_promise(request_id: str, num_samples: Any) -> dict[str, Any]:
@@ -15,11 +16,32 @@ def sample_promise(request_id: str, num_samples: Any) -> dict[str, Any]:
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
 
-def check_optimizer(config: Any) -> None:
-    if isinstance(config, dict) and config.get("type") == "dimuon":
-        raise HTTPError(400, UNDEFINED_BY_SDK["dimuon"])
-    if config is not None and (not isinstance(config, dict) or config.get("type", "adamw") != "adamw"):
-        raise HTTPError(400, f"optimizer {config!r} is not supported; this server trains with AdamW")
+def optimizer_config(raw: Any) -> types.OptimizerConfig:
+    """create_model's (or a weights-only load's) ``optimizer_config``: absent is AdamW."""
+    if raw is not None and not isinstance(raw, dict):
+        raise HTTPError(400, f"optimizer_config must be a map, got {raw!r}")
+    try:
+        return optimizers.config_of(raw)
+    except ValidationError as exc:
+        raise HTTPError(400, exc.message) from None
+
+
+def optim_params(body: dict[str, Any]) -> types.OptimParams:
+    """An optim_step body's hyperparameters: ``adam_params`` (AdamW) or ``optimizer_params`` (another family, by
+    its ``type``: Dimuon's), checked (a ValidationError, answered 400)."""
+    raw, other = body.get("adam_params"), body.get("optimizer_params")
+    if raw is not None and other is not None:
+        raise HTTPError(400, "send adam_params or optimizer_params, not both")
+    if other is not None:
+        if not isinstance(other, dict) or "type" not in other:
+            raise HTTPError(400, f"optimizer_params must be a map with the optimizer's type (e.g. 'dimuon'), got "
+                                 f"{other!r}")
+        return optimizers.params_of(other)
+    raw = raw or {}
+    params = types.AdamParams(**{k: raw[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
+                                                     "grad_clip_norm") if k in raw})
+    validate_adam(params)
+    return params
 
 
 def lora_config(raw: Any) -> types.LoraConfig | None:

@@ -44,7 +44,7 @@ from tinkerq.gateway.http_errors import HTTPError, not_found
 from tinkerq.gateway.jobs import Jobs
 from tinkerq.gateway.ordered_requests import OrderedRequests
 from tinkerq.gateway.records import PathError, Records, TinkerPath
-from tinkerq.gateway.request_bodies import check_optimizer, lora_config
+from tinkerq.gateway.request_bodies import lora_config, optimizer_config
 from tinkerq.gateway.run_metrics import RunMetrics
 from tinkerq.gateway.samplers import Samplers
 from tinkerq.gateway.session_trace import SessionTrace
@@ -147,14 +147,15 @@ class Gateway:
         if session["finished"]:
             raise HTTPError(400, f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{model_seq_id}"
-        check_optimizer(body.get("optimizer_config"))
+        optimizer = optimizer_config(body.get("optimizer_config"))
         base_model = str(body["base_model"])
         lora = lora_config(body.get("lora_config"))
         if lora is not None:
             validate_lora(lora, max_rank=self.settings.max_lora_rank)  # refused now (400), not in the future
         await self.check_served(base_model)
         job = {"type": "create", "model_id": model_id, "session_id": session_id, "base_model": base_model,
-               "lora": None if lora is None else messages.encode_lora(lora), "user_metadata": body.get("user_metadata")}
+               "lora": None if lora is None else messages.encode_lora(lora),
+               "optimizer": messages.encode_optimizer(optimizer), "user_metadata": body.get("user_metadata")}
         return {"request_id": self.create_once(tenant, model_id, "CreateModel", job), "model_id": model_id}
 
     def create_once(self, tenant: str, model_id: str, kind: str, job: dict[str, Any]) -> str:

@@ -103,6 +103,7 @@ class TrainingRuns:
         record = {
             "tenant": tenant, "model_id": model_id, "session_id": job["session_id"], "base_model": job["base_model"],
             "lora": None if lora is None else messages.encode_lora(lora), "created": time.time(),
+            "optimizer": job.get("optimizer"),  # its optimizer's config (None: AdamW)
             "user_metadata": job.get("user_metadata"),
             # What any gateway needs to drive the same worker session (see get()).
             "info": dataclasses.asdict(client.info), "offset": offset, "closed": False,
@@ -146,5 +147,5 @@ class TrainingRuns:
             "lora_rank": None if lora is None else lora["rank"], "model_name": base_model,
             "model_data": {"model_name": base_model, "tokenizer_id": base_model, "arch": run.client.info.extra.get(
                 "arch", "transformers")},
-            "optimizer_config": {"type": "adamw"},
+            "optimizer_config": run.record.get("optimizer") or {"type": "adamw"},
         }

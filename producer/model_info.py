@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tinkerq import types
+from tinkerq import optimizers, types
 
 
 @dataclasses.dataclass
@@ -20,7 +20,7 @@ class ModelData:
 class GetInfoResponse(types.ModelInfo):
     """``TrainingClient.get_info()``: tinkerq's :class:`tinkerq.types.ModelInfo` (vocab_size, max_seq_len,
     worker, extra...) that also reads as Tinker's ``GetInfoResponse`` (model_data.model_name, is_lora,
-    lora_rank, model_name)."""
+    lora_rank, model_name, optimizer_config)."""
 
     @classmethod
     def of(cls, info: types.ModelInfo) -> GetInfoResponse:
@@ -45,3 +45,8 @@ class GetInfoResponse(types.ModelInfo):
     def lora_rank(self) -> int | None:
         lora = self.extra.get("lora")
         return int(lora["rank"]) if isinstance(lora, dict) and "rank" in lora else None
+
+    @property
+    def optimizer_config(self) -> types.OptimizerConfig:
+        """The optimizer the session was created with (fixed for its life; docs/optimizers.md)."""
+        return optimizers.config_of(self.extra.get("optimizer"))

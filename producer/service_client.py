@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from tinkerq import keys, types
+from tinkerq import keys, optimizers, types
 from tinkerq.connection import Connection
 from tinkerq.errors import RequestTimeoutError, UnknownModelError, UserError, ValidationError
 from tinkerq.producer.dispatch import Dispatcher
@@ -24,7 +24,7 @@ from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, Samp
 from tinkerq.producer.saved_dirs import normalize_model_name, saved_base_model, saved_marker
 from tinkerq.producer.training_client import TrainingClient
 from tinkerq.settings import Settings
-from tinkerq.validation import UNDEFINED_BY_SDK, validate_lora
+from tinkerq.validation import validate_lora
 from tinkerq.wire import codec, messages
 
 log = logging.getLogger("tinkerq.producer")
@@ -89,7 +89,8 @@ class ServiceClient:
 
         Returns at once with a future of the client (``.result()`` / ``await``; it can also be used as the
         client). Bad arguments and a model no worker serves raise here. ``user_metadata`` is accepted and
-        not stored; ``optimizer`` may only name AdamW (tinkerq's one optimizer).
+        not stored. ``optimizer``: the client's optimizer, fixed for its life (None or ``AdamOptimizerConfig()``:
+        AdamW; ``DimuonOptimizerConfig()``: Dimuon, docs/optimizers.md); tinkerq's types or the SDK's.
         """
         config = types.LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
                                   train_unembed=train_unembed)
@@ -121,9 +122,10 @@ class ServiceClient:
         self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
         weights_access_token: str | None = None, optimizer: Any = None,
     ) -> TrainingClientFuture:
-        """A new training session with the weights of ``save_state``'s directory and a fresh optimizer (as in
-        Tinker; ``create_training_client_from_state_with_optimizer`` also restores the AdamW state). A LoRA
-        state opens a LoRA session with the saved adapter's configuration. ``weights_access_token`` is
+        """A new training session with the weights of ``save_state``'s directory and a fresh ``optimizer`` (as in
+        Tinker: AdamW unless another is named, whatever optimizer the state was saved with;
+        ``create_training_client_from_state_with_optimizer`` restores the saved optimizer and its state instead).
+        A LoRA state opens a LoRA session with the saved adapter's configuration. ``weights_access_token`` is
         accepted and unused: every path under the fleet's checkpoint directory is readable to its clients.
         """
         return self._from_state(path, base_model, with_optimizer=False, optimizer=optimizer)
@@ -139,8 +141,9 @@ class ServiceClient:
         self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
         weights_access_token: str | None = None,
     ) -> TrainingClientFuture:
-        """A new training session resumed exactly from ``save_state``'s directory: weights, AdamW state and
-        pending gradients (the run continues as if never interrupted)."""
+        """A new training session resumed exactly from ``save_state``'s directory: the optimizer it was saved
+        with (AdamW or Dimuon) and its state, the weights and pending gradients (the run continues as if never
+        interrupted)."""
         return self._from_state(path, base_model, with_optimizer=True, optimizer=None)
 
     async def create_training_client_from_state_with_optimizer_async(
@@ -153,7 +156,8 @@ class ServiceClient:
     # -- sessions driven by the caller (a tinkerq extension: the HTTP gateway's seam) ---------------------------
 
     def open_training_client(self, base_model: str, lora: types.LoraConfig | None = None, *,
-                             timeout: float | None = None, session_id: str | None = None) -> TrainingClient:
+                             timeout: float | None = None, session_id: str | None = None,
+                             optimizer: types.OptimizerConfig | None = None) -> TrainingClient:
         """Open a training session and wait for it, in the calling thread: a LoRA session when ``lora`` is
         given, else a full-parameter one.
 
@@ -165,6 +169,7 @@ class ServiceClient:
         ``session_id`` (32 hex digits; default: a new random one) names the worker session. Opening the same
         id again answers with the session already built (workers build one session per id, fleet-wide): a
         caller that may repeat its open (a gateway re-running a dead gateway's create) leaves no orphan.
+        ``optimizer``: the session's optimizer (None: AdamW).
         """
         base_model = normalize_model_name(base_model)
         if lora is not None:
@@ -172,7 +177,7 @@ class ServiceClient:
         if session_id is not None and not _is_session_id(session_id):
             raise ValidationError(f"session_id must be 32 lowercase hex digits, got {session_id!r}")
         self._require_served(base_model)
-        return self._create(base_model, lora, timeout, session_id)
+        return self._create(base_model, lora, timeout, session_id, optimizers.config_of(optimizer))
 
     def attach_training_client(self, info: types.ModelInfo) -> TrainingClient:
         """A client for a training session opened earlier, here or in another process (a restarted gateway),
@@ -191,26 +196,28 @@ class ServiceClient:
         return TrainingClient(self, info)
 
     def _create_async(self, base_model: str, lora: types.LoraConfig | None, optimizer: Any) -> TrainingClientFuture:
-        _check_optimizer(optimizer)
+        config = optimizers.config_of(optimizer)
         base_model = normalize_model_name(base_model)
         self._require_served(base_model)  # here, so a model nobody serves fails at the call
-        return TrainingClientFuture(in_background(lambda: self._create(base_model, lora, None)),
+        return TrainingClientFuture(in_background(lambda: self._create(base_model, lora, None, optimizer=config)),
                                     f"training client on {base_model}")
 
     def _from_state(self, path: str, base_model: str | None, *, with_optimizer: bool,
                     optimizer: Any) -> TrainingClientFuture:
-        _check_optimizer(optimizer)
         saved = saved_marker(path, "tinkerq_state.json", "save_state()", base_model=base_model)
+        # Resuming with the optimizer: the one the state was saved with (absent: AdamW, saved before Dimuon was);
+        # weights only: the one asked for (Tinker's optimizer_config of a new weights-only model).
+        config = optimizers.config_of(saved.get("optimizer") if with_optimizer else optimizer)
         base_model = normalize_model_name(base_model or str(saved["base_model"]))
         lora = saved.get("lora")
-        config = None
+        lora_config = None
         if isinstance(lora, dict):
-            config = types.LoraConfig(**{k: lora[k] for k in LORA_FIELDS if k in lora})
-            validate_lora(config, max_rank=self.settings.max_lora_rank)
+            lora_config = types.LoraConfig(**{k: lora[k] for k in LORA_FIELDS if k in lora})
+            validate_lora(lora_config, max_rank=self.settings.max_lora_rank)
         self._require_served(base_model)
 
         def resume() -> TrainingClient:
-            tc = self._create(base_model, config, None)
+            tc = self._create(base_model, lora_config, None, optimizer=config)
             try:
                 tc._load(path, optimizer=with_optimizer).result()
             except BaseException:
@@ -230,18 +237,21 @@ class ServiceClient:
             )
 
     def _create(self, base_model: str, lora: types.LoraConfig | None, timeout: float | None,
-                session_id: str | None = None) -> TrainingClient:
+                session_id: str | None = None, optimizer: types.OptimizerConfig | None = None) -> TrainingClient:
         model_id = session_id or uuid.uuid4().hex
         timeout = self.settings.create_timeout_s if timeout is None else timeout
         # The deadline lets a worker that finds this request late (no worker was free) skip it.
         request: dict[str, Any] = {"base_model": base_model, "deadline": time.time() + timeout}
         if lora is not None:
             request["lora"] = messages.encode_lora(lora)
+        if optimizer is not None and optimizer != types.AdamOptimizerConfig():  # absent: AdamW (older workers too)
+            request["optimizer"] = messages.encode_optimizer(optimizer)
         body = codec.packb(request)
         future = self._dispatch.submit(
             "create_model", body, model_id=model_id, seq_id=0, queue=keys.model_queue(base_model),
             decode=messages.decode_model_info,
-            argsrepr=f"base_model={base_model}" + (f", lora_rank={lora.rank}" if lora is not None else ""),
+            argsrepr=f"base_model={base_model}" + (f", lora_rank={lora.rank}" if lora is not None else "")
+            + (f", optimizer={optimizer.type}" if optimizer is not None else ""),
         )
         try:
             info = future.result(timeout=timeout)
@@ -305,16 +315,6 @@ class ServiceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    """Tinker's ``optimizer=`` (an OptimizerConfig): tinkerq trains with AdamW only."""
-    kind = optimizer.get("type") if isinstance(optimizer, dict) else getattr(optimizer, "type", None)
-    if optimizer is not None and kind == "dimuon":
-        raise UserError(UNDEFINED_BY_SDK["dimuon"])
-    if optimizer is not None and kind != "adamw":
-        raise UserError(f"tinkerq trains with AdamW only; optimizer={optimizer!r} is not supported "
-                        f"(pass None or an AdamOptimizerConfig)")
 
 
 def _is_session_id(value: Any) -> bool:

@@ -9,18 +9,17 @@ let a caller number requests itself (the HTTP gateway).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from tinkerq import operations, types
+from tinkerq import operations, optimizers, types
 from tinkerq.errors import TinkerqError, UserError
 from tinkerq.producer.custom_loss import custom_forward_backward
 from tinkerq.producer.futures import APIFuture, in_background, off_loop
 from tinkerq.producer.model_info import GetInfoResponse
 from tinkerq.producer.sampling import SamplingClient, SamplingClientFuture, check_stability_info, load_tokenizer
-from tinkerq.validation import Limits, validate_adam, validate_loss_request, validate_ttl_seconds
+from tinkerq.validation import Limits, validate_loss_request, validate_ttl_seconds
 from tinkerq.wire import codec, messages
 
 if TYPE_CHECKING:
@@ -94,26 +93,35 @@ class TrainingClient:
     ) -> APIFuture[types.ForwardBackwardOutput]:
         return await off_loop(self.forward_backward_custom, data, loss_fn, loss_type_input=loss_type_input)
 
-    def optim_step(self, optim_params: types.AdamParams | None = None, *,
+    def optim_step(self, optim_params: types.AdamParams | types.DimuonParams | None = None, *,
                    adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
-        """Apply AdamW to the gradients of every forward_backward submitted before this call, then zero them.
+        """Apply the client's optimizer to the gradients of every forward_backward submitted before this call, then
+        zero them.
 
         ``optim_params`` (Tinker's name) or ``adam_params=`` (its legacy keyword, and tinkerq's positional
-        argument before) give the hyperparameters; neither: ``types.AdamParams()``.
+        argument before) give the hyperparameters of the optimizer the client was created with: ``AdamParams``
+        (neither: ``types.AdamParams()``) for AdamW, ``DimuonParams`` for Dimuon (docs/optimizers.md). The SDK's
+        own classes are taken too, and a raw ``OptimParamsBase(type="dimuon", ...)`` with ``damping`` or
+        ``rank_lr_correction_exponent``.
         """
         try:
-            params = _adam_params(optim_params, adam_params)
-            validate_adam(params)
+            params = _optim_params(optim_params, adam_params)
+            optimizers.check_matches(self.optimizer_config, params)
         except TinkerqError as exc:
             return APIFuture.failed(exc)
         return self._submit(
-            "optim_step", messages.encode_adam(params), messages.decode_optim_step_response,
-            argsrepr=f"lr={params.learning_rate:g}",
+            "optim_step", messages.encode_optim(params), messages.decode_optim_step_response,
+            argsrepr=f"{params.type} lr={params.learning_rate:g}",
         )
 
-    async def optim_step_async(self, optim_params: types.AdamParams | None = None, *,
+    async def optim_step_async(self, optim_params: types.AdamParams | types.DimuonParams | None = None, *,
                                adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
         return self.optim_step(optim_params, adam_params=adam_params)
+
+    @property
+    def optimizer_config(self) -> types.OptimizerConfig:
+        """The optimizer this client was created with (fixed for its life), as its worker reported it."""
+        return self.info.optimizer_config
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None, *,
@@ -144,7 +152,8 @@ class TrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsResponse]:
-        """Save weights, AdamW state and pending gradients after every earlier request; the future holds the path.
+        """Save weights, optimizer state (AdamW's moments or Dimuon's momentum) and pending gradients after every
+        earlier request; the future holds the path.
 
         ``create_training_client_from_state_with_optimizer(path)`` (or ``load_state_with_optimizer``) resumes
         from it exactly; the ``load_state`` forms take its weights only. ``ttl_seconds``: it expires that long
@@ -166,8 +175,9 @@ class TrainingClient:
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
         """Replace this session's weights with a saved state's, in request order. The optimizer starts afresh
-        (no AdamW moments, step 0) and pending gradients are dropped, as in a new session from those weights.
-        ``load_state_with_optimizer`` restores the saved AdamW state and pending gradients too."""
+        (no AdamW moments or Dimuon momentum, step 0) and pending gradients are dropped, as in a new session from
+        those weights (saved with either optimizer). ``load_state_with_optimizer`` restores the saved optimizer state
+        and pending gradients too."""
         return self._load(path, optimizer=False)
 
     async def load_state_async(self, path: str,
@@ -176,8 +186,8 @@ class TrainingClient:
 
     def load_state_with_optimizer(self, path: str,
                                   weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
-        """Replace this session's weights, AdamW state and pending gradients with a saved state's: the run
-        continues exactly where the saved one was."""
+        """Replace this session's weights, optimizer state and pending gradients with a saved state's: the run
+        continues exactly where the saved one was. The state must have been saved with this client's optimizer."""
         return self._load(path, optimizer=True)
 
     async def load_state_with_optimizer_async(
@@ -260,7 +270,7 @@ class TrainingClient:
 
         For callers that number requests themselves (the HTTP gateway passes the SDK's ``seq_id`` through).
         ``op`` is one of :data:`tinkerq.operations.ORDERED`; ``body`` is its request map as the worker reads it (what
-        :mod:`tinkerq.wire.messages` encodes: ``encode_loss_request``, ``encode_adam``; ``{"path", "optimizer"}``
+        :mod:`tinkerq.wire.messages` encodes: ``encode_loss_request``, ``encode_optim``; ``{"path", "optimizer"}``
         for ``load_state``...). ``decode`` turns the answer's body into the future's result (None: the body as
         it came). ``argsrepr``: a short description for Flower and logs, never tensors.
 
@@ -391,16 +401,8 @@ def _saved_path(body: Any) -> types.SaveWeightsResponse:
     return types.SaveWeightsResponse(path=str(body["path"]))
 
 
-def _adam_params(optim_params: Any, adam_params: Any) -> types.AdamParams:
-    """The AdamParams of an optim_step call; Tinker's own ``types.AdamParams`` (same fields) is accepted too."""
+def _optim_params(optim_params: Any, adam_params: Any) -> types.OptimParams:
+    """The hyperparameters of an optim_step call, checked (tinkerq's types, the SDK's, or a raw OptimParamsBase)."""
     if optim_params is not None and adam_params is not None:
         raise UserError("pass optim_params or adam_params=, not both")
-    params = optim_params if optim_params is not None else adam_params
-    if params is None or isinstance(params, types.AdamParams):
-        return params or types.AdamParams()
-    if getattr(params, "type", "adamw") != "adamw":
-        raise UserError(f"tinkerq trains with AdamW only; got {type(params).__name__} (pass types.AdamParams)")
-    names = [f.name for f in dataclasses.fields(types.AdamParams)]
-    if not all(hasattr(params, n) for n in names):
-        raise UserError(f"optim_params must be types.AdamParams, got {type(params).__name__}")
-    return types.AdamParams(**{n: getattr(params, n) for n in names})
+    return optimizers.params_of(optim_params if optim_params is not None else adam_params)
