@@ -32,6 +32,7 @@ from tinkerq.wire import messages
 
 pytestmark = pytest.mark.timeout(600)
 ADAM = types.AdamParams(learning_rate=1e-2)
+DIMUON = types.DimuonParams(learning_rate=1e-2, grad_clip_norm=1.0)
 EVERY = 3  # TINKERQ_AUTO_SNAPSHOT_STEPS in these workers
 PAIRS = 30
 
@@ -84,16 +85,17 @@ def fleet(model_dir, redis_url, tmp_path):
     f.stop()
 
 
-def _open(sc: ServiceClient, name: str, lora: bool):
+def _open(sc: ServiceClient, name: str, lora: bool, optimizer: types.OptimizerConfig | None = None):
     if lora:
-        return sc.create_lora_training_client(name, rank=4, seed=3).result(timeout=120)
-    return sc.create_training_client(name).result(timeout=120)
+        return sc.create_lora_training_client(name, rank=4, seed=3, optimizer=optimizer).result(timeout=120)
+    return sc.create_training_client(name, optimizer=optimizer).result(timeout=120)
 
 
 def _submit_pairs(tc, batches) -> list:
+    hyper = DIMUON if tc.optimizer_config == types.DimuonOptimizerConfig() else ADAM
     futures = []
     for b in batches:
-        futures += [tc.forward_backward(b, "cross_entropy"), tc.optim_step(ADAM)]
+        futures += [tc.forward_backward(b, "cross_entropy"), tc.optim_step(hyper)]
     return futures
 
 
@@ -102,9 +104,10 @@ def _logprobs(tc, batch) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
 
 
-def _reference(sc: ServiceClient, name: str, lora: bool, batches, probe) -> list[np.ndarray]:
+def _reference(sc: ServiceClient, name: str, lora: bool, batches, probe,
+               optimizer: types.OptimizerConfig | None = None) -> list[np.ndarray]:
     """The uninterrupted run's probe logprobs."""
-    fresh = _open(sc, name, lora)
+    fresh = _open(sc, name, lora, optimizer)
     for f in _submit_pairs(fresh, batches):
         f.result(timeout=120)
     want = _logprobs(fresh, probe)
@@ -113,11 +116,12 @@ def _reference(sc: ServiceClient, name: str, lora: bool, batches, probe) -> list
 
 def _assert_uninterrupted(sc: ServiceClient, name: str, tc, futures, batches, probe, *, lora: bool) -> None:
     """Every future answered (by the lost worker, or the adopter: applied or kept), and the probe's logprobs
-    bitwise those of a run never interrupted."""
+    bitwise those of a run never interrupted (with the same optimizer)."""
     for f in futures:
         f.result(timeout=180)
-    for got, want in zip(_logprobs(tc, probe), _reference(sc, name, lora, batches, probe), strict=True):
-        np.testing.assert_array_equal(got, want)
+    want = _reference(sc, name, lora, batches, probe, tc.optimizer_config)
+    for got, expected in zip(_logprobs(tc, probe), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 
@@ -146,6 +150,35 @@ def test_a_killed_workers_session_is_adopted_exactly(fleet, redis_url, lora):
         tc.close()
         assert fleet.redis.get(keys.session_home(tc.model_id)) is None
         assert fleet.redis.llen(keys.journal(tc.model_id)) == 0
+    finally:
+        sc.close()
+
+
+def test_a_killed_workers_dimuon_session_is_adopted_with_its_optimizer(fleet, redis_url):
+    """The session's record keeps its optimizer (docs/optimizers.md): the adopter re-makes a Dimuon session, loads
+    its momentum from the automatic snapshot and replays the journal; the numbers are bitwise a run's never
+    interrupted (which they would not be with AdamW, or with the momentum lost)."""
+    rng = np.random.default_rng(140)
+    batches = [make_batch(rng, 2, max_len=16) for _ in range(12)]
+    probe = make_batch(rng, 3, max_len=16)
+    fleet.start()
+    fleet.start()
+    sc = ServiceClient(broker_url=redis_url)
+    try:
+        tc = _open(sc, fleet.name, True, types.DimuonOptimizerConfig())
+        assert json.loads(fleet.redis.get(keys.session_home(tc.model_id)))["optimizer"] == {"type": "dimuon",
+                                                                                             "version": 1}
+        futures = _submit_pairs(tc, batches)
+        wait_for(lambda: _done(futures) >= 2 * EVERY + 3, 120, "a snapshot and a step after it")
+        lost = fleet.holder(tc.model_id)
+        fleet.kill(lost)
+        _assert_uninterrupted(sc, fleet.name, tc, futures, batches, probe, lora=True)
+        home = json.loads(fleet.redis.get(keys.session_home(tc.model_id)))
+        assert home["worker"] != lost and home["optimizer"] == {"type": "dimuon", "version": 1}
+        # Still a Dimuon session: AdamParams are refused by the adopter.
+        with pytest.raises(errors.ValidationError, match="created with optimizer=DimuonOptimizerConfig"):
+            tc.submit("optim_step", messages.encode_optim(ADAM)).result(timeout=60)
+        tc.close()
     finally:
         sc.close()
 

@@ -408,7 +408,7 @@ def test_bad_input_gets_final_4xx_with_a_reason(gateway_url, api_keys, raw_model
         (post(gateway_url, "create_model", key, {"session_id": _session, "model_seq_id": 10, "base_model": NAME,
                                                  "lora_config": {"rank": 100000}}), 400, "rank"),
         (post(gateway_url, "create_model", key, {"session_id": _session, "model_seq_id": 11, "base_model": NAME,
-                                                 "optimizer_config": {"type": "dimuon"}}), 400, "AdamW"),
+                                                 "optimizer_config": {"type": "lion"}}), 400, "'lion' is not served"),
     ]
     for response, status, fragment in cases:
         assert response.status_code == status, response.text

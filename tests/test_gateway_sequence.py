@@ -92,7 +92,9 @@ def _hostile(url: str, key: str, model_id: str) -> list[tuple[str, object]]:
         ("unknown route", post("no_such_route", {"type": "garbage"})),
         ("wrong method", post("optim_step", {"adam_params": {"learning_rate": 1e-3}}, method="PUT")),
         ("malformed adam_params", post("optim_step", {"adam_params": {"learning_rate": "fast"}})),
-        ("optimizer_params (not served)", post("optim_step", {"optimizer_params": {"type": "dimuon"}})),
+        ("optimizer_params of a family not served", post("optim_step", {"optimizer_params": {"type": "lion"}})),
+        ("Dimuon's optimizer_params on an AdamW run", post("optim_step", {"optimizer_params": {
+            "type": "dimuon", "learning_rate": 1e-3}})),
         ("a JSON body to the protobuf route", post("forward_backward", {"forward_backward_input": {}})),
         ("JSON /forward", post("forward", {"forward_input": {}})),
         ("a bad save name", post("save_weights", {"path": "../escape", "type": "save_weights"})),

@@ -240,3 +240,8 @@ def test_the_producers_bodies_have_the_registrys_keys():
     _keys_fit("sample", messages.encode_sample_request({"base": True}, types.ModelInput.from_ints([1]), 1,
                                                        types.SamplingParams()))
     _keys_fit("create_model", {"base_model": "m", "deadline": 0.0, "lora": messages.encode_lora(types.LoraConfig())})
+    _keys_fit("create_model", {"base_model": "m", "deadline": 0.0,
+                               "optimizer": messages.encode_optimizer(types.DimuonOptimizerConfig())})
+    _keys_fit("optim_step", messages.encode_optim(types.DimuonParams(learning_rate=1e-3)))
+    assert messages.decode_optim(messages.encode_optim(types.DimuonParams(learning_rate=1e-3, damping=1e-3))) == \
+        types.DimuonParams(learning_rate=1e-3, damping=1e-3)

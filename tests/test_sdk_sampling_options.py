@@ -259,7 +259,7 @@ def test_malformed_options_are_final_400s_that_say_what_to_fix(sdk_sampler):
 # -- what SDK 0.38 names without defining: refused, saying so ----------------------------------------------------
 
 
-def test_stable_reinforce_stability_info_and_dimuon_are_refused_as_undefined_by_the_sdk(sdk, reference, redis_url):
+def test_stable_reinforce_and_stability_info_are_refused_as_undefined_by_the_sdk(sdk, reference, redis_url):
     from tinkerq import errors
     from tinkerq.producer import ServiceClient
 
@@ -273,23 +273,17 @@ def test_stable_reinforce_stability_info_and_dimuon_are_refused_as_undefined_by_
         "weights": tinker.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32", shape=[len(tokens) - 1])})
     with pytest.raises(tinker.BadRequestError, match=f"stable_reinforce' is not served: {undefined} names it"):
         tc.forward_backward([datum], "stable_reinforce").result(timeout=60)
-    with pytest.raises(tinker.BadRequestError, match=f"Dimuon optimizer is not served: {undefined} defines only"):
-        tc.optim_step(tinker.DimuonParams(learning_rate=1e-3)).result(timeout=60)
-    # Both refused positions were filled: the run's next request answers, with the base model's numbers (a new
-    # LoRA adapter changes nothing) from a plain forward.
+    # The refused position was filled: the run's next request answers, with the base model's numbers (a new
+    # LoRA adapter changes nothing) from a plain forward. (Dimuon is served: tests/test_sdk_dimuon.py.)
     out = tc.forward([datum], "cross_entropy").result(timeout=120)
     expected = log_softmax_rows(reference, tokens[:-1]).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
     np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), expected.numpy(), atol=1e-4)
-    with pytest.raises(tinker.BadRequestError, match=f"Dimuon optimizer is not served: {undefined}"):
-        sdk.create_lora_training_client(base_model=NAME, rank=4, optimizer=tinker.DimuonOptimizerConfig()).result()
     stable = sdk.create_sampling_client(base_model=NAME, record_stability_info=True).result()
     with pytest.raises(tinker.BadRequestError, match=f"record_stability_info is not served: {undefined} does not"):
         stable.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=2)).result(timeout=60)
     # The producer says the same.
     service = ServiceClient(broker_url=redis_url)
     try:
-        with pytest.raises(errors.UserError, match=f"Dimuon optimizer is not served: {undefined}"):
-            service.create_lora_training_client(NAME, optimizer={"type": "dimuon"})
         with pytest.raises(errors.UserError, match=f"record_stability_info is not served: {undefined}"):
             service.create_sampling_client(base_model=NAME, record_stability_info=True)
     finally:

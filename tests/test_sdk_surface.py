@@ -265,8 +265,8 @@ def test_create_calls_return_futures_usable_as_clients(service, model_dir):
         future.close()
     with pytest.raises(errors.UnknownModelError):  # raised at the call, as before
         service.create_training_client("/nobody/serves/this")
-    with pytest.raises(errors.UserError):
-        service.create_lora_training_client(str(model_dir), optimizer={"type": "dimuon"})
+    with pytest.raises(errors.UserError, match="'lion' is not served"):
+        service.create_lora_training_client(str(model_dir), optimizer={"type": "lion"})
     caps = service.get_server_capabilities()
     assert isinstance(caps, types.GetServerCapabilitiesResponse)
     (model,) = [m for m in caps.supported_models if m.model_name == str(model_dir)]

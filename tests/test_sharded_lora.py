@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers import build_tiny_llama, make_batch
 from tinkerq import types
-from tinkerq.errors import NonFiniteError
+from tinkerq.errors import NonFiniteError, ValidationError
 from tinkerq.launcher.processes import free_port, start_process, worker_command
 from tinkerq.settings import Settings
 from tinkerq.worker.loading.models import load_causal_lm
@@ -220,6 +220,36 @@ def _with_rl(batches: list[list[types.Datum]]) -> list[list[types.Datum]]:
                 "advantages": types.TensorData.from_numpy(rng.normal(0.0, 1.0, n).astype(np.float32))}))
         out.append(rows)
     return out
+
+
+def test_dimuon_on_the_group_equals_one_process_and_an_expert_parallel_group_refuses_it(group):
+    """Dimuon (docs/optimizers.md) on replicated adapters: every rank takes the same step, and the weights equal one
+    process's after several rounds. On an expert-parallel group the per-expert factors are split by expert, so the
+    session is refused, by every rank alike, and the group goes on serving."""
+    dimuon, config = types.DimuonOptimizerConfig(), CONFIGS[0]
+    hyper = types.DimuonParams(learning_rate=1e-2, grad_clip_norm=5.0, beta1=0.9)
+    if group.expert_parallel:
+        with pytest.raises(ValidationError, match="Dimuon needs every trained matrix whole on a rank"):
+            group.host.open_lora("dimuon-ep", config, base_model="tiny", optimizer=dimuon)
+        assert "dimuon-ep" not in group.host.sessions
+        group.host.run("ping")  # every rank agreed; the group is healthy
+        return
+    sharded = group.host.open_lora("dimuon", config, base_model="tiny", optimizer=dimuon)
+    alone = LoraSession("alone-dimuon", _alone_base(group), config, base_model="tiny", optimizer=dimuon)
+    try:
+        for batch in _batches(30, 3):
+            _assert_close(sharded.run_loss(batch, "cross_entropy", None, backward=True),
+                          alone.run_loss(batch, "cross_entropy", None, backward=True))
+            _assert_same_grads(sharded, alone)
+            s_step, a_step = sharded.optim_step(hyper).metrics, alone.optim_step(hyper).metrics
+            assert s_step["grad_norm:mean"] == pytest.approx(a_step["grad_norm:mean"], rel=1e-5)
+            assert s_step["learning_rate:mean"] == a_step["learning_rate:mean"] == pytest.approx(1e-2 * 4 ** 0.175)
+        assert _max_diff(sharded, alone) <= TOLERANCE
+        probe = _batches(98, 1)[0]
+        _assert_close(sharded.run_loss(probe, "cross_entropy", None, backward=False),
+                      alone.run_loss(probe, "cross_entropy", None, backward=False))
+    finally:
+        sharded.close()
 
 
 def test_a_non_finite_loss_in_one_tenant_is_refused_by_every_rank_and_spares_the_others(group):
