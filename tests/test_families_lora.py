@@ -106,6 +106,11 @@ def merged_weights(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, 
         t = (lambda w: w.transpose(1, 2)) if m.is_transposed else (lambda w: w)
         if "w2" in deltas:
             out[f"{module_name}.down_proj"] = m.down_proj + t(deltas["w2"])
+        if getattr(m, "has_separate_gate_up", False):  # gate_proj and up_proj apart (Inkling's shared experts)
+            for proj, param in (("w1", "gate_proj"), ("w3", "up_proj")):
+                if proj in deltas:
+                    out[f"{module_name}.{param}"] = getattr(m, param) + t(deltas[proj])
+            continue
         if not m.has_gate:
             if "w1" in deltas:
                 out[f"{module_name}.up_proj"] = m.up_proj + t(deltas["w1"])

@@ -39,7 +39,6 @@ REFUSED = {
     "DbrxForCausalLM": "ffn.experts.mlp (DbrxExpertGLU)",  # experts stacked 2-D (E * I, H), no grouped layout
     "DogeForCausalLM": "mlp.down_embed (Embedding)",  # retrieval experts: one embedding row per expert
     "JetMoeForCausalLM": "mlp.input_linear (JetMoeParallelExperts)",  # unmarked, forward(inputs, expert_size)
-    "InklingForCausalLM": "mlp.shared_experts (InklingSharedExperts)",  # unmarked 3-D shared experts
     "Inkling2LoopForCausalLM": "model.message_input (Inkling2LoopMessageAttentionResidual)",  # a 3-D query
     "LongcatFlashForCausalLM": "mlp.experts (LongcatFlashExperts)",  # zero experts: gate_up E + Z, down E
 }
@@ -57,7 +56,8 @@ REFUSED_PATHS = sorted((n, path) for (n, path) in support.REFUSED if n in built_
 
 # The layout of experts modules transformers ships without its markers, as their source lays them out: the
 # reference below reads markers, the test states them (tinkerq reads the structure and probes it).
-_UNMARKED = {"Llama4TextExperts": dict(is_transposed=True, has_gate=True, is_concatenated=True)}
+_UNMARKED = {"Llama4TextExperts": dict(is_transposed=True, has_gate=True, is_concatenated=True),
+             "InklingSharedExperts": dict(is_transposed=False, has_gate=True, has_separate_gate_up=True)}
 
 
 def _lora_flags(name: str, model: torch.nn.Module) -> dict[str, bool]:

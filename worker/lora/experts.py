@@ -7,7 +7,11 @@ ungated ``up_proj``), marked by ``use_experts_implementation`` (attributes ``has
 An unmarked module (Llama-4's ``gate_up_proj`` (E, H, 2I), ``down_proj`` (E, I, H), whose forward takes the
 (E * N, H) hidden states alone: every expert on every token, pre-scaled by its router score) is read from its shapes
 and signature and checked against its own forward on a probe; its deltas ride that dense dispatch
-(:func:`lora_dense_experts_forward`).
+(:func:`lora_dense_experts_forward`). Stacked shared experts (Inkling's: ``gate_proj``, ``up_proj`` (E, I, H) and
+``down_proj`` (E, H, I), a forward taking the hidden states and per-token coefficients ``gammas`` (N, E) that scale
+each expert's activation, the experts' outputs summed) are read and probed the same way
+(:func:`lora_gammas_experts_forward`); Tinker's per-rank counts for Inkling count them shared-outer like routed
+experts (H + E x I per projection: tests/test_planner.py).
 
 Tinker's layout (../shared/reference/model-families.md): one adapter per projection, ``w1`` (gate), ``w3`` (up),
 ``w2`` (down). The factor that touches the hidden size is shared by all experts, the inner one is per expert:
@@ -56,6 +60,9 @@ class ExpertsLayout:
     transposed: bool  # weights stored (E, in, out)
     has_bias: bool
     dense: bool = False  # forward(hidden (E * N, H)): every expert on every token, pre-scaled (Llama-4)
+    # forward(hidden (..., H), gammas (..., E)): every expert on every token, its activation scaled by its gamma, the
+    # outputs summed; gate_proj and up_proj separate (E, I, H), down_proj (E, H, I) (Inkling's shared experts)
+    gammas: bool = False
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """Tinker name -> (in_features, out_features) of each projection an adapter may target."""
@@ -90,7 +97,7 @@ def layout(module: torch.nn.Module, name: str) -> ExpertsLayout:
         f"frozen), or serve a model whose experts use transformers' standard expert layouts")
     marked = all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
     if not marked:
-        lay = _dense_layout(module)
+        lay = _dense_layout(module) or _gammas_layout(module)
         if lay is None:
             raise refusal
         module._tinkerq_layout = lay  # type: ignore[assignment]  # a plain attribute: probed once
@@ -173,12 +180,77 @@ def _dense_experts(module: Any, lay: ExpertsLayout, x: torch.Tensor, inputs: tup
     return out
 
 
+def _gammas_layout(module: torch.nn.Module) -> ExpertsLayout | None:
+    """Stacked shared experts (Inkling's), read from their structure and checked on a probe; None if ``module`` is
+    not one: 3-D ``gate_proj`` and ``up_proj`` (E, I, H) and ``down_proj`` (E, H, I), an ``act_fn``, and a forward
+    taking (hidden_states, gammas)."""
+    gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (gate, up, down)) \
+            or not callable(getattr(module, "act_fn", None)):
+        return None
+    assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)
+    num_experts, inter, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (num_experts, hidden, inter):
+        return None
+    forward = getattr(type(module), "_tinkerq_original_forward", type(module).forward)
+    if list(inspect.signature(forward).parameters)[1:] != ["hidden_states", "gammas"]:
+        return None
+    lay = ExpertsLayout(num_experts, hidden, inter, True, True, False, False, dense=True, gammas=True)
+    return lay if _probe_gammas(module, forward, lay) else None
+
+
+def _probe_gammas(module: torch.nn.Module, forward: Any, lay: ExpertsLayout) -> bool:
+    """Whether the module's own forward equals :func:`_gammas_experts` (no adapter) on 3 random tokens (taken as is
+    on the meta device or FSDP shards, as :func:`_probe_dense`)."""
+    from torch.distributed.tensor import DTensor
+
+    weight = module.gate_proj
+    assert isinstance(weight, torch.Tensor)  # checked by _gammas_layout
+    if weight.device.type == "meta" or isinstance(weight, DTensor):
+        return True
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, lay.hidden, generator=generator).to(weight.device, weight.dtype)
+    gammas = torch.rand(3, lay.num_experts, generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            theirs = forward(module, x, gammas)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        ours = _gammas_experts(module, lay, x, gammas, None, None, 0.0)
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return theirs.shape == x.shape and bool(torch.allclose(
+        theirs.float(), ours.float(), rtol=tolerance, atol=tolerance * max(1.0, float(theirs.abs().max()))))
+
+
+def _gammas_experts(module: Any, lay: ExpertsLayout, x: torch.Tensor, gammas: torch.Tensor,
+                    inputs: tuple[torch.Tensor, torch.Tensor] | None, down: tuple[torch.Tensor, torch.Tensor] | None,
+                    scaling: float) -> torch.Tensor:
+    """Stacked shared experts on ``x`` (n, H) with ``gammas`` (n, E): sum_e (act(x G_e^T) * (x U_e^T) * gamma_e)
+    D_e^T, returns (n, H). ``inputs``, ``down``: one adapter's factors, as :func:`_dense_experts` takes them."""
+    dtype = x.dtype
+    xe = x.unsqueeze(0).expand(lay.num_experts, -1, -1)  # (E, n, H)
+    gate = torch.bmm(xe, module.gate_proj.transpose(1, 2))  # (E, n, I)
+    up = torch.bmm(xe, module.up_proj.transpose(1, 2))  # (E, n, I)
+    if inputs is not None:  # A (R, H), B (E, 2I, R) over [gate | up]
+        a, b = inputs
+        delta = torch.bmm((F.linear(x, a) * scaling).unsqueeze(0).expand(lay.num_experts, -1, -1),
+                          b.transpose(1, 2))  # (E, n, 2I)
+        gate = gate + delta[..., :lay.intermediate]
+        up = up + delta[..., lay.intermediate:]
+    h = module.act_fn(gate) * up * gammas.t().unsqueeze(-1)  # (E, n, I)
+    out = torch.bmm(h, module.down_proj.transpose(1, 2))  # (E, n, H)
+    if down is not None:
+        a_down, b_down = down
+        out = out + F.linear(torch.bmm(h, a_down.to(dtype).transpose(1, 2)) * scaling, b_down[0].to(dtype))
+    return out.float().sum(dim=0).to(dtype)
+
+
 def register(module: torch.nn.Module, name: str) -> None:
     """Route ``module``'s forwards through adapters (once per module; its class's forward is wrapped once).
 
     Copies of the module (a full session's deep copy of the base) are not registered: they run the original."""
     cls = type(module)
-    dense = layout(module, name).dense  # read (and probed) before the class's forward is wrapped
+    lay = layout(module, name)  # read (and probed) before the class's forward is wrapped
     with _lock:
         _registered[id(module)] = (module, name)
         if getattr(cls, "_tinkerq_lora", False):
@@ -202,7 +274,15 @@ def register(module: torch.nn.Module, name: str) -> None:
                     return out
             return original(self, hidden_states)
 
-        cls.forward = dense_forward if dense else forward  # type: ignore[method-assign]
+        def gammas_forward(self: torch.nn.Module, hidden_states: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+            entry = _registered.get(id(self))
+            if entry is not None and entry[0] is self:
+                out = lora_gammas_experts_forward(self, entry[1], hidden_states, gammas)
+                if out is not None:
+                    return out
+            return original(self, hidden_states, gammas)
+
+        cls.forward = gammas_forward if lay.gammas else dense_forward if lay.dense else forward  # type: ignore[method-assign]
         cls._tinkerq_lora = True  # type: ignore[attr-defined]
         cls._tinkerq_original_forward = original  # type: ignore[attr-defined]
 
@@ -258,6 +338,45 @@ def lora_dense_experts_forward(module: torch.nn.Module, name: str, hidden_states
             index = (token_group == g).nonzero().squeeze(1)
             if index.numel():
                 out = out.index_copy(1, index, run(adapter, x.index_select(1, index)))
+    return out.reshape(hidden_states.shape)
+
+
+def lora_gammas_experts_forward(module: torch.nn.Module, name: str, hidden_states: torch.Tensor,
+                                gammas: torch.Tensor) -> torch.Tensor | None:
+    """Stacked shared experts' output (..., H) on ``hidden_states`` (..., H) and ``gammas`` (..., E) (token-major,
+    as a Linear's input), each token with its adapter's deltas; None when no adapter targets ``name``."""
+    from tinkerq.worker.lora import routing
+
+    route = routing.current()
+    if route is None or not route.groups:
+        return None
+    lay = layout(module, name)
+    x = hidden_states.reshape(-1, lay.hidden)  # (N, H)
+    g = gammas.reshape(-1, lay.num_experts)  # (N, E)
+    n_tokens = x.shape[0]
+    adapters, token_group = route.token_groups(n_tokens, hidden_states.device)
+    if all(a is None or all(a.pair(f"{name}.{p}") is None for p in (GATE, UP, DOWN)) for a in adapters):
+        return None
+    dtype = hidden_states.dtype
+
+    def run(adapter: Any, rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:  # (n, H), (n, E)
+        if adapter is None:
+            return _gammas_experts(module, lay, rows, coefficients, None, None, 0.0)
+        inputs = _input_factors(adapter.pair(f"{name}.{GATE}"), adapter.pair(f"{name}.{UP}"), lay, dtype)
+        return _gammas_experts(module, lay, rows, coefficients, inputs, adapter.pair(f"{name}.{DOWN}"),
+                               adapter.scaling)
+
+    sizes = route.token_sizes(n_tokens)
+    if sizes is not None:  # contiguous groups: each through its own products (batch invariance)
+        with route.whole():
+            out = torch.cat([run(a, rows, c) for a, rows, c in
+                             zip(adapters, torch.split(x, sizes), torch.split(g, sizes), strict=True)])
+    else:  # the sampling engine's interleaved rows
+        out = x.new_zeros(x.shape)
+        for group, adapter in enumerate(adapters):
+            index = (token_group == group).nonzero().squeeze(1)
+            if index.numel():
+                out = out.index_copy(0, index, run(adapter, x.index_select(0, index), g.index_select(0, index)))
     return out.reshape(hidden_states.shape)
 
 
@@ -488,6 +607,8 @@ def merge(module: torch.nn.Module, proj: str, delta: torch.Tensor, lay: ExpertsL
     filled from the module on first use, so w1 and w3 both land in one gate_up_proj)."""
     if proj == DOWN:
         name, rows = "down_proj", slice(None)
+    elif lay.gammas:  # separate gate_proj and up_proj
+        name, rows = ("gate_proj" if proj == GATE else "up_proj"), slice(None)
     elif not lay.gated:
         name, rows = "up_proj", slice(None)
     else:
