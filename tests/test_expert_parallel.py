@@ -23,8 +23,9 @@ from tests.helpers import build_tiny_llama, make_batch, max_weight_diff
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.launcher.processes import free_port
-from tinkerq.recipes.families import MOE_FAMILIES, build_family
+from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, build_family, build_model
 from tinkerq.settings import Settings, SettingsError
+from tinkerq.worker.loading import support
 from tinkerq.worker.loading.models import load_skeleton
 from tinkerq.worker.sharding.experts import check_expert_parallel
 
@@ -52,8 +53,20 @@ def _check(ranks: list[dict], world: int) -> None:
         assert sum(r[path]["local"] for r in ranks) == ranks[0][path]["whole"]  # no expert held twice or skipped
 
 
+# The MoE families an expert-parallel group serves (worker/loading/support.py refuses the others at group start).
+EP_FAMILIES = [f for f in MOE_FAMILIES if support.refusal(FAMILIES[f][0], "expert_parallel") is None]
+
+
+def test_a_family_whose_expert_parallel_path_is_not_proven_is_refused_at_group_start():
+    refused = [f for f in MOE_FAMILIES if f not in EP_FAMILIES]
+    assert refused == ["kimi_linear"]
+    with pytest.raises(ValidationError, match=r"expert parallelism of KimiLinearForCausalLM is not served: .+; start "
+                                              r"the shard group without --expert-parallel"):
+        check_expert_parallel(build_model("kimi_linear"), 2)
+
+
 def test_every_moe_family_matches_the_whole_model_on_two_ranks(tmp_path):
-    models = [str(build_family(f, tmp_path / f, seed=3)) for f in MOE_FAMILIES]
+    models = [str(build_family(f, tmp_path / f, seed=3)) for f in EP_FAMILIES]
     ranks = _spawn(2, models, tmp_path)
     _check(ranks, 2)
     for path in models:  # both ranks computed expert rows for the other's tokens too
@@ -96,7 +109,7 @@ def test_lora_tenants_on_an_expert_parallel_base_equal_the_whole_model(tmp_path)
     Qwen3-MoE on 4 ranks with every token routed into rank 0's experts and the layers checkpointed (the other ranks
     receive no rows, and still join every collective). Outputs, every factor's whole gradient and the factors after
     an AdamW step equal the same tenants on the whole model loaded by ``from_pretrained``."""
-    models = [str(build_family(f, tmp_path / f, seed=3)) for f in MOE_FAMILIES]
+    models = [str(build_family(f, tmp_path / f, seed=3)) for f in EP_FAMILIES]
     (tmp_path / "two").mkdir()
     (tmp_path / "skew").mkdir()
     runs = [(_spawn_lora(2, models, tmp_path / "two"), models),

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from tinkerq.errors import ValidationError
 
-PATHS = ("full", "lora", "sampling")
+# "expert_parallel": a shard group started with --expert-parallel (its routed experts split over the ranks).
+PATHS = ("full", "lora", "sampling", "expert_parallel")
 
 # Dense classes proven by the suite (tests/test_families_*.py, tests/test_sampling_*.py, tests/test_loss_head.py,
 # the demo model's Llama): full sessions, LoRA on every flag and sampling.
@@ -72,6 +73,11 @@ REFUSED: dict[tuple[str, str], Refusal] = {
         "layer, not per sequence, so sequences of different lengths cannot share a decode batch",
         "training (full and LoRA), forward and compute_logprobs are served; sample with another model",
     ),
+    ("KimiLinearForCausalLM", "expert_parallel"): Refusal(
+        "split over an expert-parallel group its logprobs were 0.07 off the whole model's (measured on the tiny "
+        "model, tests/test_expert_parallel.py)",
+        "start the shard group without --expert-parallel (FSDP2 alone), or a single worker",
+    ),
     ("MiniMaxForCausalLM", "sampling"): Refusal(
         "its lightning-attention state lives outside the cache's layers (MiniMaxCache.linear_cache), where the "
         "sampling engine cannot keep it per sequence",
@@ -79,7 +85,8 @@ REFUSED: dict[tuple[str, str], Refusal] = {
     ),
 }
 
-_WHAT = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling"}
+_WHAT = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling",
+         "expert_parallel": "expert parallelism"}
 
 
 def refusal(class_name: str, path: str) -> Refusal | None:

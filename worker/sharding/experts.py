@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tinkerq.errors import ServerError, ValidationError
 from tinkerq.worker.checkpoints.quant_formats import QuantizedTensor
-from tinkerq.worker.loading import quantized_base
+from tinkerq.worker.loading import quantized_base, support
 from tinkerq.worker.lora import experts as lora_experts
 from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import adapter_key
@@ -75,6 +75,7 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 def check_expert_parallel(model: torch.nn.Module, world: int) -> list[tuple[str, torch.nn.Module]]:
     """The routed-experts modules of ``model``, or a ValidationError when it has none or their count does not
     divide over ``world`` ranks."""
+    support.check(type(model).__name__, "expert_parallel")
     modules = experts_modules(model)
     if not modules:
         raise ValidationError(f"{type(model).__name__} has no routed experts; expert parallelism is for mixture-of-"
