@@ -49,7 +49,8 @@ GENERIC: dict[str, Any] = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
     num_experts_per_token=2, moe_topk=2, top_k_experts=2, n_group=1, topk_group=1, first_k_dense_replace=1,
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-    max_position_embeddings=256, sliding_window=4, sliding_window_size=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    max_position_embeddings=256, sliding_window=4, sliding_window_size=4, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
     output_router_logits=False,
     # DeepSeek sparse attention (DSA): the indexer keeps the top 4 columns, so the sparse choice matters at toy length
     index_topk=4, index_head_dim=8, index_n_heads=16,

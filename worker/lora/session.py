@@ -294,7 +294,7 @@ def write_merged(model: PreTrainedModel, adapter: FrozenAdapter, directory: Path
             state[key] = value.to(state[key].dtype)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
-    untie = head_name in adapter.pairs and model.config.tie_word_embeddings
+    untie = head_name in adapter.pairs and getattr(model.config, "tie_word_embeddings", False)
     if untie:
         model.config.tie_word_embeddings = False
     try:
