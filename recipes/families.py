@@ -63,9 +63,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 # Today's lineup (tinker-cookbook 0.6.1's model list: docs/families.md), by the config's model_type, whose tiny
 # config is recipes/moe_classes.py's generic one for the class (the class checks of tests/test_moe_classes.py run on
-# the same config): Inkling-2 (its text model), DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention), Kimi-Linear,
-# Qwen3-Next.
+# the same config): Inkling and Inkling-2 (their text models), DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention),
+# Kimi-Linear, Qwen3-Next.
 GENERIC_TINY: dict[str, str] = {
+    "inkling": "InklingForCausalLM",
     "inkling2": "Inkling2ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",

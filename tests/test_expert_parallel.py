@@ -59,7 +59,7 @@ EP_FAMILIES = [f for f in MOE_FAMILIES if support.refusal(FAMILIES[f][0], "exper
 
 def test_a_family_whose_expert_parallel_path_is_not_proven_is_refused_at_group_start():
     refused = [f for f in MOE_FAMILIES if f not in EP_FAMILIES]
-    assert refused == ["kimi_linear"]
+    assert refused == ["inkling", "kimi_linear"]
     with pytest.raises(ValidationError, match=r"expert parallelism of KimiLinearForCausalLM is not served: .+; start "
                                               r"the shard group without --expert-parallel"):
         check_expert_parallel(build_model("kimi_linear"), 2)

@@ -103,10 +103,12 @@ def merged_weights(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, 
         out[f"{module_name}.weight"] = weight + delta
     for module_name, deltas in per_experts.items():
         m = modules[module_name]
-        t = (lambda w: w.transpose(1, 2)) if m.is_transposed else (lambda w: w)
+        # Stacked shared experts (Inkling's) carry no transformers markers: gate_proj and up_proj (E, I, H) apart.
+        separate = isinstance(getattr(m, "gate_proj", None), torch.Tensor) and m.gate_proj.dim() == 3
+        t = (lambda w: w.transpose(1, 2)) if getattr(m, "is_transposed", False) else (lambda w: w)
         if "w2" in deltas:
             out[f"{module_name}.down_proj"] = m.down_proj + t(deltas["w2"])
-        if getattr(m, "has_separate_gate_up", False):  # gate_proj and up_proj apart (Inkling's shared experts)
+        if separate:
             for proj, param in (("w1", "gate_proj"), ("w3", "up_proj")):
                 if proj in deltas:
                     out[f"{module_name}.{param}"] = getattr(m, param) + t(deltas[proj])

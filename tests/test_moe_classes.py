@@ -28,6 +28,7 @@ from tinkerq.worker.lora import routing
 from tinkerq.worker.lora.adapter import adaptable, find_targets
 from tinkerq.worker.lora.session import LoraBase, LoraSession
 from tinkerq.worker.sampling import run_jobs
+from tinkerq.worker.sharding.experts import check_expert_parallel
 from tinkerq.worker.training.logprobs import LogprobComputer
 from tinkerq.worker.training.session import TrainingSession
 from tinkerq.worker.training.sessions import SessionFactory
@@ -56,8 +57,7 @@ REFUSED_PATHS = sorted((n, path) for (n, path) in support.REFUSED if n in built_
 
 # The layout of experts modules transformers ships without its markers, as their source lays them out: the
 # reference below reads markers, the test states them (tinkerq reads the structure and probes it).
-_UNMARKED = {"Llama4TextExperts": dict(is_transposed=True, has_gate=True, is_concatenated=True),
-             "InklingSharedExperts": dict(is_transposed=False, has_gate=True, has_separate_gate_up=True)}
+_UNMARKED = {"Llama4TextExperts": dict(is_transposed=True, has_gate=True, is_concatenated=True)}
 
 
 def _lora_flags(name: str, model: torch.nn.Module) -> dict[str, bool]:
@@ -177,12 +177,15 @@ def test_a_refused_path_is_one_user_error_at_creation(name: str, path: str) -> N
     model = build_moe_class(name)
     factory = SessionFactory(Settings(), model, "/nonexistent", LogprobComputer(model, "torch"), base_model="tiny",
                              worker_id="w", shards=None, evictable=lambda *_: None)
-    what = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling"}[path]
+    what = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling",
+            "expert_parallel": "expert parallelism"}[path]
     message = rf"{what} of {name} is not served: .+; .+"
     slots: dict[str, Any] = {}
     with pytest.raises(ValidationError, match=message):
         if path == "sampling":  # checked before the session is looked at
             factory.admit_sampler(cast(Any, None), slots)
+        elif path == "expert_parallel":  # a shard group's start (worker/sharding/experts.py)
+            check_expert_parallel(model, 2)
         else:
             factory.make("m", types.LoraConfig(rank=2) if path == "lora" else None, slots, lambda _: None)
     assert not slots and factory.lora_base is None  # nothing was made
@@ -196,7 +199,10 @@ def test_every_path_of_the_lineups_classes_is_served_or_refused_with_a_reason() 
     assert support.refusal("GPT2LMHeadModel", "full") is not None  # a class never proven: refused whole
     for name in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "InklingForCausalLM", "Inkling2ForCausalLM",
                  "KimiLinearForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "NemotronHForCausalLM"):
-        assert support.served(name) == {"full": "served", "lora": "served", "sampling": "served"}, name
+        paths = support.served(name)
+        assert {p: paths[p] for p in ("full", "lora", "sampling")} == dict.fromkeys(("full", "lora", "sampling"),
+                                                                                     "served"), name
+        assert (paths["expert_parallel"] == "served") == (name not in ("InklingForCausalLM", "KimiLinearForCausalLM"))
     assert support.served("DeepseekV4ForCausalLM")["lora"] == "served"
 
 

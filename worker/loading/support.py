@@ -73,6 +73,11 @@ REFUSED: dict[tuple[str, str], Refusal] = {
         "layer, not per sequence, so sequences of different lengths cannot share a decode batch",
         "training (full and LoRA), forward and compute_logprobs are served; sample with another model",
     ),
+    ("InklingForCausalLM", "expert_parallel"): Refusal(
+        "its shared experts run every expert on every token, beside the routed ones: expert parallelism splits routed "
+        "experts only, and this layer's shared experts are not split or placed by it",
+        "start the shard group without --expert-parallel (FSDP2 alone), or a single worker",
+    ),
     ("KimiLinearForCausalLM", "expert_parallel"): Refusal(
         "split over an expert-parallel group its logprobs were 0.07 off the whole model's (measured on the tiny "
         "model, tests/test_expert_parallel.py)",
