@@ -54,15 +54,19 @@ def _check(ranks: list[dict], world: int) -> None:
 
 
 # The MoE families an expert-parallel group serves (worker/loading/support.py refuses the others at group start).
-EP_FAMILIES = [f for f in MOE_FAMILIES if support.refusal(FAMILIES[f][0], "expert_parallel") is None]
+EP_FAMILIES = [f for f in MOE_FAMILIES if all(support.refusal(FAMILIES[f][0], p) is None
+                                               for p in ("shard_group", "expert_parallel"))]
 
 
 def test_a_family_whose_expert_parallel_path_is_not_proven_is_refused_at_group_start():
     refused = [f for f in MOE_FAMILIES if f not in EP_FAMILIES]
     assert refused == ["inkling", "kimi_linear"]
-    with pytest.raises(ValidationError, match=r"expert parallelism of KimiLinearForCausalLM is not served: .+; start "
-                                              r"the shard group without --expert-parallel"):
+    with pytest.raises(ValidationError, match=r"a shard group of KimiLinearForCausalLM is not served: .+; serve it "
+                                              r"on a single worker"):
         check_expert_parallel(build_model("kimi_linear"), 2)
+    with pytest.raises(ValidationError, match=r"expert parallelism of InklingForCausalLM is not served: .+; start "
+                                              r"the shard group without --expert-parallel"):
+        check_expert_parallel(build_model("inkling"), 2)
 
 
 def test_every_moe_family_matches_the_whole_model_on_two_ranks(tmp_path):

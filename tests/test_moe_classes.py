@@ -178,13 +178,13 @@ def test_a_refused_path_is_one_user_error_at_creation(name: str, path: str) -> N
     factory = SessionFactory(Settings(), model, "/nonexistent", LogprobComputer(model, "torch"), base_model="tiny",
                              worker_id="w", shards=None, evictable=lambda *_: None)
     what = {"full": "full-parameter training", "lora": "LoRA training", "sampling": "sampling",
-            "expert_parallel": "expert parallelism"}[path]
+            "shard_group": "a shard group", "expert_parallel": "expert parallelism"}[path]
     message = rf"{what} of {name} is not served: .+; .+"
     slots: dict[str, Any] = {}
     with pytest.raises(ValidationError, match=message):
         if path == "sampling":  # checked before the session is looked at
             factory.admit_sampler(cast(Any, None), slots)
-        elif path == "expert_parallel":  # a shard group's start (worker/sharding/experts.py)
+        elif path in ("shard_group", "expert_parallel"):  # a shard group's start (worker/sharding/experts.py)
             check_expert_parallel(model, 2)
         else:
             factory.make("m", types.LoraConfig(rank=2) if path == "lora" else None, slots, lambda _: None)
@@ -202,7 +202,8 @@ def test_every_path_of_the_lineups_classes_is_served_or_refused_with_a_reason() 
         paths = support.served(name)
         assert {p: paths[p] for p in ("full", "lora", "sampling")} == dict.fromkeys(("full", "lora", "sampling"),
                                                                                      "served"), name
-        assert (paths["expert_parallel"] == "served") == (name not in ("InklingForCausalLM", "KimiLinearForCausalLM"))
+        assert (paths["expert_parallel"] == "served") == (name != "InklingForCausalLM")
+        assert (paths["shard_group"] == "served") == (name != "KimiLinearForCausalLM")
     assert support.served("DeepseekV4ForCausalLM")["lora"] == "served"
 
 

@@ -20,6 +20,7 @@ from tinkerq.launcher.processes import free_port
 from tinkerq.recipes.families import FAMILIES, build_family
 from tinkerq.recipes.published import LAYOUTS, build_published
 from tinkerq.worker.checkpoints.reader import ModelLoadError
+from tinkerq.worker.loading import support
 from tinkerq.worker.loading.models import load_skeleton
 from tinkerq.worker.memory.estimates import ModelShape, streamed_load_bytes
 
@@ -32,8 +33,12 @@ def _spawn(fn, world: int, *args) -> list[dict]:
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
+# The families a shard group serves (worker/loading/support.py refuses the others when the shards are filled).
+SHARDED = [f for f in FAMILIES if support.refusal(FAMILIES[f][0], "shard_group") is None]
+
+
 def test_streamed_shards_are_the_whole_models_and_train_alike(tmp_path):
-    models = [build_family(f, tmp_path / f, seed=3) for f in FAMILIES]
+    models = [build_family(f, tmp_path / f, seed=3) for f in SHARDED]
     models += [build_published(name, tmp_path / name, seed=5) for name in LAYOUTS]
     ranks = _spawn(streaming_ranks.compare, 2, [str(m) for m in models], str(tmp_path))
     for rank, found in enumerate(ranks):
@@ -47,6 +52,18 @@ def test_streamed_shards_are_the_whole_models_and_train_alike(tmp_path):
             assert f["local_elements"] < f["elements"], (rank, name)  # a shard, not the whole model
     for path in ranks[0]:  # the two ranks' shards together are the whole model: no row read twice or skipped
         assert ranks[0][path]["local_elements"] + ranks[1][path]["local_elements"] == ranks[0][path]["elements"]
+
+
+def test_a_class_whose_streamed_load_is_not_proven_is_refused_before_any_weight_is_read(tmp_path):
+    from tinkerq.worker.sharding.streaming import fill_shards
+
+    assert [f for f in FAMILIES if f not in SHARDED] == ["kimi_linear"]
+    path = str(build_family("kimi_linear", tmp_path / "kimi_linear"))
+    skeleton = load_skeleton(path)
+    with pytest.raises(ModelLoadError, match=r"a shard group of KimiLinearForCausalLM is not served: .+; serve it on "
+                                             r"a single worker \(without --shards\)"):
+        fill_shards(skeleton, skeleton, skeleton, path, device="cpu", dtype=torch.float32)
+    assert all(p.device.type == "meta" for p in skeleton.parameters())  # nothing allocated, nothing read
 
 
 # Models of ~400 MiB in float32 whose largest weight is the output projection (Llama) or one layer's fused experts

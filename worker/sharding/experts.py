@@ -75,7 +75,8 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 def check_expert_parallel(model: torch.nn.Module, world: int) -> list[tuple[str, torch.nn.Module]]:
     """The routed-experts modules of ``model``, or a ValidationError when it has none or their count does not
     divide over ``world`` ranks."""
-    support.check(type(model).__name__, "expert_parallel")
+    for path in ("shard_group", "expert_parallel"):  # an expert-parallel group is a shard group
+        support.check(type(model).__name__, path)
     modules = experts_modules(model)
     if not modules:
         raise ValidationError(f"{type(model).__name__} has no routed experts; expert parallelism is for mixture-of-"

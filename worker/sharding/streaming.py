@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from tinkerq.allocator import GLIBC
 from tinkerq.worker.checkpoints.reader import LazyTensors, ModelLoadError, open_checkpoint
-from tinkerq.worker.loading import quantized_base
+from tinkerq.worker.loading import quantized_base, support
 
 log = logging.getLogger("tinkerq.shards")
 
@@ -43,6 +43,9 @@ def fill_shards(root: torch.nn.Module, model: PreTrainedModel, skeleton: PreTrai
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
+    refused = support.message(type(model).__name__, "shard_group")  # a class whose streamed load is not proven
+    if refused is not None:
+        raise ModelLoadError(refused)
     directory = Path(model_dir)  # load_skeleton made sure it holds safetensors files
     allocate(root, model, device)
     names = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
