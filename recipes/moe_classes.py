@@ -258,9 +258,10 @@ def table(junit_xml: str) -> str:
             outcome = " ".join(sorted({outcome, cells[name].get(checks[test], outcome)}, key=len, reverse=True))
             outcome = outcome.replace("one user error passes", "one user error; train_mlp=False passes")
         cells[name][checks[test]] = outcome
+    columns = {"full": "full", "lora": "LoRA", "sampling": "sampling"}  # (shard-group refusals: docs/families.md)
     for (name, path), _refusal in support.REFUSED.items():  # refused at creation (its own test), never served
-        if name in cells:
-            cells[name][{"full": "full", "lora": "LoRA", "sampling": "sampling"}[path]] = "refused at creation"
+        if name in cells and path in columns:
+            cells[name][columns[path]] = "refused at creation"
     lines = ["| class | LoRA (attn, mlp + routed experts, unembed) | sampling (LoRA snapshot) | full fine-tuning |",
              "|---|---|---|---|"]
     lines += [f"| {name} | {row.get('LoRA', '-')} | {row.get('sampling', '-')} | {row.get('full', '-')} |"
