@@ -234,35 +234,45 @@ def test_the_lineup_ships_and_every_model_is_planned():
 
 
 def test_the_lineup_configs_have_the_shapes_tinker_trains():
-    """Each lineup config builds the checkpoint's shape: the LoRA parameters per rank that find_targets counts on it,
+    """Each lineup config builds the checkpoint's shape: the LoRA parameters per rank that find_targets counts on it
+    with Tinker's defaults (attention, MLP, output: every lineup model takes them, none is planned with a flag off),
     attention, MLP and output apart, equal tinker-cookbook's counts for that checkpoint, where tinkerq adapts what
     Tinker adapts. The exceptions are tinkerq's adapter, not the config: Nemotron-3-Super's latent MoE projections
-    (fc1/fc2_latent_proj, 2 x (4096 + 1024) per MoE layer) and Inkling's fused shared experts are not adapted, and
-    Inkling-2's head is built unpadded (200,058 rows of 201,024)."""
-    from tinkerq.worker.lora.adapter import find_targets, parameters_per_rank
+    (fc1/fc2_latent_proj, 2 x (4096 + 1024) per MoE layer) are not adapted, Inkling's two dense layers take separate
+    gate and up adapters (H more each: below), and Inkling-2's head is built unpadded (200,058 rows of 201,024)."""
+    from tinkerq.worker.lora.adapter import parameters_per_rank
 
     assert set(COOKBOOK_PER_RANK) == set(planner.LINEUP)
-    differ = {}
+    differ, targets = {}, {}
     for name, (mlp, attn, unembed) in COOKBOOK_PER_RANK.items():
         model = planner._load(name, "bfloat16")[2]
-        config, _ = planner.lora_targets(model)
-        per = parameters_per_rank(find_targets(model, config))
-        counted = {"mlp": per["mlp"] if config.train_mlp else None, "attn": per["attn"], "unembed": per["unembed"]}
-        cookbook = {"mlp": mlp if config.train_mlp else None, "attn": attn, "unembed": unembed}
-        differ[name] = {k: (counted[k], cookbook[k]) for k in counted if counted[k] != cookbook[k]}
+        assert planner.lora_targets(model)[1] == "", name  # no note: Tinker's defaults
+        targets[name] = find_targets(model, types.LoraConfig(rank=1))
+        counted = parameters_per_rank(targets[name])
+        cookbook = {"mlp": mlp, "attn": attn, "unembed": unembed}
+        differ[name] = {k: (counted[k], cookbook[k]) for k in cookbook if counted[k] != cookbook[k]}
     print(differ)
     assert {n: d for n, d in differ.items() if d} == {
         "nemotron-3-super-120b-a12b": {"mlp": (111_349_760 - 40 * 2 * (4096 + 1024), 111_349_760)},
+        "inkling-small": {"mlp": (64_503_808 + 2 * 4096, 64_503_808)},
         "inkling-2-small": {"attn": (2_421_248, 2_347_008), "unembed": (4608 + 200_058, 4608 + 201_024)},
+        "inkling": {"mlp": (154_705_920 + 2 * 6144, 154_705_920)},
     }
-    # Inkling's MLP: the count of the config's shape, by hand (tinkerq refuses its shared experts): 2 dense layers
-    # (fused gate/up, 2 x I wide, and down), then shared-outer routed experts (H + E x I per projection) and 2
-    # shared experts (H + 2 x I per projection) in every other layer.
+    # Inkling's MLP, by hand. From layer 2 on, the shared-outer routed experts (H + E x I per projection) and the 2
+    # stacked shared experts, which tinkerq adapts shared-outer too since 10bf69a (H + 2 x I per projection): tinkerq's
+    # count of them is Tinker's layout exactly. Layers 0-1 are dense of width D: tinker-cookbook's count is that of a
+    # fused gate/up projection (H + 2 x D, then down D + H), tinkerq adapts transformers' separate gate_proj and
+    # up_proj (H + D each): H more per dense layer, the whole of the difference above.
     for name, hidden, layers, dense, inter in (("inkling", 6144, 66, 24576, 3072),
                                                 ("inkling-small", 4096, 42, 16384, 2048)):
-        by_hand = 2 * (hidden + 2 * dense + dense + hidden) + (layers - 2) * 3 * (
-            (hidden + 256 * inter) + (hidden + 2 * inter))
-        assert by_hand == COOKBOOK_PER_RANK[name][0], name
+        mlp = [t for t in targets[name] if t.component == "mlp"]
+        experts = sum(t.parameters_per_rank() for t in mlp if ".mlp.experts." in t.name or ".shared_experts." in t.name)
+        assert experts == (layers - 2) * 3 * ((hidden + 256 * inter) + (hidden + 2 * inter)), name
+        dense_layers = sum(t.parameters_per_rank() for t in mlp) - experts
+        assert dense_layers == 2 * 3 * (hidden + dense), name  # gate_proj, up_proj, down_proj of layers 0 and 1
+        fused = 2 * ((hidden + 2 * dense) + (dense + hidden))
+        assert experts + fused == COOKBOOK_PER_RANK[name][0], name
+        assert dense_layers - fused == 2 * hidden, name
 
 
 TINY_MLA = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
@@ -308,19 +318,40 @@ def test_a_vision_language_config_is_planned_as_its_text_model(tmp_path: Path):
         assert not any("vision" in n or "audio" in n for n, _ in model.named_parameters())
 
 
-def test_lora_is_planned_without_the_mlp_where_tinkerq_refuses_it(tmp_path: Path):
-    """Inkling's fused shared experts are not adaptable by tinkerq (a user error asks for train_mlp=False): its
-    LoRA column is the adapter a user can create, attention and output only, and the plan says so in every
-    output; a model tinkerq adapts whole has no note."""
-    from tinkerq.worker.lora.adapter import find_targets
+# Tiny configs of classes whose routed experts tinkerq refuses to adapt (tests/test_moe_classes.py REFUSED; sizes as
+# recipes/moe_classes.py builds them): DBRX's experts stacked 2-D (E * I, H), JetMoe's parallel experts (in its
+# attention too: it has no attention tinkerq adapts).
+TINY_DBRX = {"model_type": "dbrx", "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 256, "vocab_size": 128,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}}
+TINY_JETMOE = {"model_type": "jetmoe", "hidden_size": 32, "num_hidden_layers": 2, "num_key_value_heads": 2,
+               "kv_channels": 8, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "vocab_size": 128}
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "inkling_mm_model", "text_config": TINY_INKLING}))
+
+@pytest.mark.parametrize("config, refused, attn", [(TINY_DBRX, "DbrxExpertGLU", True),
+                                                   (TINY_JETMOE, "JetMoeParallelExperts", False)],
+                         ids=["dbrx", "jetmoe"])
+def test_lora_is_planned_without_the_mlp_where_tinkerq_refuses_it(tmp_path: Path, config: dict, refused: str,
+                                                                   attn: bool):
+    """Where tinkerq refuses train_mlp (a user error asks for train_mlp=False), the LoRA column is the adapter a
+    user can create: train_mlp=False, and train_attn=False too where the model has no attention tinkerq adapts
+    (JetMoe: the plan failed on find_targets' train_attn error before); the plan says so in every output. No lineup
+    model needs it since Inkling's shared experts are adapted (10bf69a): a model tinkerq adapts whole has no note."""
+    from tinkerq.errors import ValidationError
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
     plan = planner.plan(str(tmp_path), devices=2, device_gb=1, headroom_gb=0)
     model = planner._load(str(tmp_path), plan.dtype)[2]
-    config, note = planner.lora_targets(model)
-    assert not config.train_mlp and config.train_attn and config.train_unembed
-    assert plan.notes == [note] and "train_mlp=False" in note and "InklingSharedExperts" in note
-    assert plan.lora_parameters == 32 * sum(t.parameters_per_rank() for t in find_targets(model, config))
+    with pytest.raises(ValidationError, match=rf"\({refused}\) holds fused expert parameters .* set train_mlp=False"):
+        find_targets(model, types.LoraConfig(rank=1))  # Tinker's defaults
+    lora, note = planner.lora_targets(model)
+    assert (lora.train_mlp, lora.train_attn, lora.train_unembed) == (False, attn, True)
+    targets = find_targets(model, lora)
+    assert {t.component for t in targets} == ({"attn", "unembed"} if attn else {"unembed"})
+    assert plan.notes == [note] and "train_mlp=False" in note and refused in note
+    assert ("train_attn=False" in note) is not attn
+    assert plan.lora_parameters == 32 * sum(t.parameters_per_rank() for t in targets) > 0
     assert note in planner.render(plan)
     table = planner.render_markdown([plan])
     assert f"| {tmp_path.name} (1) |" in table and f"(1) {tmp_path.name}: {note}." in table
@@ -721,8 +752,9 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
 
 
 # Today's lineup models whose rank-32 LoRA group needs more than one node of 8 H200s (the LoRA shards it needs on
-# them): planned from their bfloat16 checkpoints, whose bases no layout keeps on 8 x 139 GiB.
-BEYOND_ONE_NODE = {"inkling-2-small": 10, "glm-5.3": 12, "inkling": 15}
+# them): planned from their bfloat16 checkpoints, whose bases no layout keeps on 8 x 139 GiB. Inkling's is its whole
+# adapter (the shared experts adapted since 10bf69a: 15 shards without the MLP before).
+BEYOND_ONE_NODE = {"inkling-2-small": 10, "glm-5.3": 12, "inkling": 16}
 
 
 def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():

@@ -138,10 +138,12 @@ def _load(spec: str, dtype: str) -> tuple[str, dict[str, Any], torch.nn.Module]:
 
 def lora_targets(model: torch.nn.Module) -> tuple[types.LoraConfig, str]:
     """The rank-1 LoRA config a plan counts: Tinker's defaults (attention, MLP, output) where tinkerq adapts them;
-    where it refuses the MLP (Inkling's fused shared experts: docs/families.md) the adapter a user can create,
-    train_mlp=False, with a note saying why ("" otherwise)."""
+    where it refuses the MLP (routed experts in a layout it cannot adapt: DBRX's, JetMoe's, LongCat-Flash's;
+    docs/families.md) the adapter a user can create, with a note saying why ("" otherwise): train_mlp=False, and
+    train_attn=False too where the model has no attention tinkerq adapts (JetMoe's and LongCat-Flash's, whose
+    find_targets would refuse train_attn next)."""
     from tinkerq.errors import ValidationError
-    from tinkerq.worker.lora.adapter import find_targets
+    from tinkerq.worker.lora.adapter import adaptable, find_targets
 
     try:
         find_targets(model, types.LoraConfig(rank=1))
@@ -149,10 +151,13 @@ def lora_targets(model: torch.nn.Module) -> tuple[types.LoraConfig, str]:
     except ValidationError as exc:
         if "set train_mlp=False" not in str(exc):
             raise
-        config = types.LoraConfig(rank=1, train_mlp=False)
-        find_targets(model, config)
-        return config, (f"LoRA planned with train_mlp=False (attention and output only): tinkerq refuses this "
-                        f"model's MLP ({str(exc).split(':')[0].removeprefix('[user error] ')})")
+        why = str(exc).split(":")[0].removeprefix("[user error] ")
+    attn = any(part.component == "attn" for part in adaptable(model))
+    config = types.LoraConfig(rank=1, train_mlp=False, train_attn=attn)
+    find_targets(model, config)
+    planned = "train_mlp=False (attention and output only)" if attn else \
+        "train_mlp=False and train_attn=False (the output projection only: no attention tinkerq adapts)"
+    return config, f"LoRA planned with {planned}: tinkerq refuses this model's MLP ({why})"
 
 
 def lora_parameters(model: torch.nn.Module, rank: int) -> int:
