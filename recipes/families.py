@@ -74,8 +74,11 @@ GENERIC_TINY: dict[str, str] = {
     "qwen3_next": "Qwen3NextForCausalLM",
 }
 FAMILIES.update({family: (cls, "", {}) for family, cls in GENERIC_TINY.items()})
+# Kimi-K2.5 / K2.6: DeepSeek-V3's text model inside a vision-language checkpoint (``kimi_k25``) that transformers has
+# no causal-LM class for; the worker serves its text model (worker/loading/models.py, text_model_class).
+FAMILIES["kimi_k25"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config", FAMILIES["deepseek_v3"][2])
 
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "nemotron_h", *GENERIC_TINY)
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "nemotron_h", *GENERIC_TINY, "kimi_k25")
 
 # Reduced-depth, real-width shapes for the GPU benchmark (benchmarks/families.py --shape real-small): the
 # widths, heads and expert counts of the named checkpoints, with 4 layers. (DeepSeek-V3 is left out: one of its
@@ -169,9 +172,13 @@ def _nonzero_biases(model: Any, seed: int) -> None:
 # Qwen3.5 checkpoints are vision-language ones (Qwen3_5[Moe]ForConditionalGeneration, the text model under
 # model.language_model.*); AutoModelForCausalLM loads their text model. A tiny vision tower keeps that layout.
 _VISION_LANGUAGE = {"qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config"),
-                    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig")}
+                    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig"),
+                    "kimi_k25": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config")}
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                     temporal_patch_size=1, spatial_merge_size=1)
+# Kimi-K2.5's MoonViT tower and projector, tiny (its config's own field names)
+_TINY_VISION_OF = {"kimi_k25": (dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                     patch_size=2), dict(projection_hidden_size=16))}
 
 
 def build_family(family: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -186,8 +193,9 @@ def build_family(family: str, out_dir: Path, seed: int = 0, **overrides: Any) ->
     if family in _VISION_LANGUAGE:
         model_cls, config_cls = _VISION_LANGUAGE[family]
         text = family_config(family, **overrides).to_dict()
-        config = getattr(transformers, config_cls)(text_config=text, vision_config=_TINY_VISION,
-                                                   tie_word_embeddings=text.get("tie_word_embeddings", False))
+        vision, extra = _TINY_VISION_OF.get(family, (_TINY_VISION, {}))
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision,
+                                                   tie_word_embeddings=text.get("tie_word_embeddings", False), **extra)
         torch.manual_seed(seed)
         model = getattr(transformers, model_cls)(config)
         _nonzero_biases(model, seed)

@@ -37,8 +37,9 @@ PEFT_LOADABLE = {"llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"}  # ever
 # 0.5.8's dependencies: scripts/cookbook-venv): its build_hf_model cannot load their base model there, so their
 # merge is checked by tinkerq's own merged=True export only (tests/test_families_fleet.py, test_moe_classes.py's
 # merged reference). test_the_cookbooks_transformers_lacks_these_classes keeps the list true.
-COOKBOOK_LACKS = {"inkling2": "Inkling2ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                  "kimi_linear": "KimiLinearForCausalLM"}
+COOKBOOK_LACKS = {"inkling": "InklingForCausalLM", "inkling2": "Inkling2ForCausalLM",
+                  "deepseek_v32": "DeepseekV32ForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
+                  "kimi_k25": "Kimi_K25ForConditionalGeneration"}
 COOKBOOK_FAMILIES = [f for f in FAMILIES if f not in COOKBOOK_LACKS]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import start_named_worker
 from tests.helpers import make_batch, reference_logprobs
@@ -60,8 +60,10 @@ def family_worker(request, families_dir, redis_url, checkpoint_dir, tmp_path):
 def test_family_full_lora_and_sampling_through_a_worker(family_worker, redis_url, gateway_url, api_key, monkeypatch):
     from tinkerq.producer import ServiceClient
 
-    _, name, model_dir = family_worker
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    family, name, model_dir = family_worker
+    # transformers' own class for the checkpoint (Kimi-K2.5's is a vision-language one, fed text only here)
+    auto = AutoModelForImageTextToText if family == "kimi_k25" else AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(4)
     service = ServiceClient(broker_url=redis_url)
     try:

@@ -37,7 +37,8 @@ from tinkerq.worker.training.sessions import SessionFactory
 pytestmark = pytest.mark.timeout(120)
 ADAM = types.AdamParams(learning_rate=1e-2)
 # The families whose models have persistent buffers (their routers' e_score_correction_bias)
-WITH_BUFFERS = ("deepseek_v3", "nemotron_h", "inkling", "inkling2", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
+WITH_BUFFERS = ("deepseek_v3", "nemotron_h", "inkling", "inkling2", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
+                "kimi_k25")
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -52,8 +52,11 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
         else:
             if checkpoint is not None:
                 drop_extra_layers(checkpoint, dict.fromkeys(checkpoint.headers))  # says so; transformers ignores them
-            AutoConfig.from_pretrained(directory, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
+            config = AutoConfig.from_pretrained(directory, local_files_only=True)
+            if text_model_class(config) is not None:
+                model = _load_text_model(directory, config, DTYPES[dtype])
+            else:
+                model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
     except ModelLoadError:
         raise
     except (MemoryError, torch.OutOfMemoryError):  # the machine's limit, not the checkpoint's fault
@@ -63,6 +66,34 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "float32") ->
     cast(Any, model).to(device)  # transformers types .to as a decorated method mypy cannot call with a device
     _prepare(model)
     return model
+
+
+def text_model_class(config: Any) -> Any:
+    """The causal-LM class of a vision-language checkpoint's text model, where transformers has no causal-LM class
+    for the checkpoint itself (Kimi-K2.5/2.6: ``kimi_k25``, a DeepSeek-V3 text model beside a vision tower; Qwen3.5's
+    checkpoints need none of this, transformers maps them to their text model itself); None for any other config."""
+    text = getattr(config, "text_config", None)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or text is None:
+        return None
+    return cast(Any, MODEL_FOR_CAUSAL_LM_MAPPING).get(type(text), None)
+
+
+def _load_text_model(directory: Path, config: Any, dtype: torch.dtype) -> PreTrainedModel:
+    """The text model of a vision-language checkpoint (:func:`text_model_class`), as its causal-LM class: the
+    checkpoint loaded whole by its own class (so its key conversion applies), its language model and output
+    projection kept, the vision tower dropped. Sessions serve text; what they save is the text model's directory."""
+    from transformers import AutoModelForImageTextToText
+
+    whole: Any = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    language, head = whole.model.language_model, whole.get_output_embeddings()
+    with torch.device("meta"):  # no second copy of the weights: the loaded modules replace the meta ones
+        model = text_model_class(config)(config.text_config)
+    setattr(model, model.base_model_prefix, language)
+    model.set_output_embeddings(head)
+    model.generation_config = whole.generation_config
+    del whole
+    log.info("model: %s's text model (%s), its vision tower left out", type(config).__name__, type(model).__name__)
+    return cast(PreTrainedModel, model)
 
 
 def load_skeleton(path: str, *, dtype: str = "float32") -> PreTrainedModel:
@@ -79,6 +110,10 @@ def load_skeleton(path: str, *, dtype: str = "float32") -> PreTrainedModel:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the reader dequantizes (LazyTensors); transformers' quantizers stay out
+        if text_model_class(config) is not None:
+            raise ModelLoadError(f"{type(config).__name__} is a vision-language checkpoint whose text model a shard "
+                                 f"group cannot stream from its files yet; serve it on a single worker (without "
+                                 f"--shards)")
         if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ModelLoadError(f"{type(config).__name__} is not a causal LM transformers knows; pass a causal "
                                  f"language model")
