@@ -54,6 +54,8 @@ GENERIC: dict[str, Any] = dict(
     output_router_logits=False,
     # DeepSeek sparse attention (DSA): the indexer keeps the top 4 columns, so the sparse choice matters at toy length
     index_topk=4, index_head_dim=8, index_n_heads=16,
+    # Inkling's sliding-window layers have heads of their own (and a relative-position bias over rel_extent columns)
+    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, rel_extent=16,
 )
 
 # Per class, the fields a generic rule cannot set.
