@@ -173,12 +173,19 @@ def _nonzero_biases(model: Any, seed: int) -> None:
 # model.language_model.*); AutoModelForCausalLM loads their text model. A tiny vision tower keeps that layout.
 _VISION_LANGUAGE = {"qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config"),
                     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig"),
-                    "kimi_k25": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config")}
+                    "kimi_k25": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config"),
+                    "inkling2": ("Inkling2ForConditionalGeneration", "Inkling2Config")}
+# The families whose checkpoints transformers maps to no causal-LM class (a vision-language class only): a worker
+# serves their text model (worker/loading/models.py, text_model_class); a shard group refuses them at start.
+TEXT_OF_VISION_LANGUAGE = ("kimi_k25", "inkling2")
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                     temporal_patch_size=1, spatial_merge_size=1)
 # Kimi-K2.5's MoonViT tower and projector, tiny (its config's own field names)
 _TINY_VISION_OF = {"kimi_k25": (dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                     patch_size=2), dict(projection_hidden_size=16))}
+                                     patch_size=2), dict(projection_hidden_size=16)),
+                   "inkling2": (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     patch_size=2, posemb_grid_size=4, projection_hidden_dim=32, text_hidden_size=32),
+                                {})}
 
 
 def build_family(family: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:

@@ -23,7 +23,7 @@ from tests.helpers import build_tiny_llama, make_batch, max_weight_diff
 from tinkerq import types
 from tinkerq.errors import ValidationError
 from tinkerq.launcher.processes import free_port
-from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, build_family, build_model
+from tinkerq.recipes.families import FAMILIES, MOE_FAMILIES, TEXT_OF_VISION_LANGUAGE, build_family, build_model
 from tinkerq.settings import Settings, SettingsError
 from tinkerq.worker.loading import support
 from tinkerq.worker.loading.models import load_skeleton
@@ -54,15 +54,16 @@ def _check(ranks: list[dict], world: int) -> None:
 
 
 # The MoE families an expert-parallel group serves (worker/loading/support.py refuses the others at group start).
-# (kimi_k25's vision-language checkpoint: refused when a shard group's ranks build the model,
+# (the vision-language checkpoints of TEXT_OF_VISION_LANGUAGE: refused when a shard group's ranks build the model,
 # tests/test_streaming_load.py)
 EP_FAMILIES = [f for f in MOE_FAMILIES if all(support.refusal(FAMILIES[f][0], p) is None
-                                               for p in ("shard_group", "expert_parallel")) and f != "kimi_k25"]
+                                               for p in ("shard_group", "expert_parallel"))
+               and f not in TEXT_OF_VISION_LANGUAGE]
 
 
 def test_a_family_whose_expert_parallel_path_is_not_proven_is_refused_at_group_start():
     refused = [f for f in MOE_FAMILIES if f not in EP_FAMILIES]
-    assert refused == ["inkling", "kimi_linear", "kimi_k25"]
+    assert refused == ["inkling", "inkling2", "kimi_linear", "kimi_k25"]
     with pytest.raises(ValidationError, match=r"a shard group of KimiLinearForCausalLM is not served: .+; serve it "
                                               r"on a single worker"):
         check_expert_parallel(build_model("kimi_linear"), 2)

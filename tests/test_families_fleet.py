@@ -16,7 +16,7 @@ from tests.helpers import make_batch, reference_logprobs
 from tests.test_gateway import sdk_batch, start_gateway
 from tinkerq import types
 from tinkerq.errors import ValidationError
-from tinkerq.recipes.families import FAMILIES, build_family
+from tinkerq.recipes.families import FAMILIES, TEXT_OF_VISION_LANGUAGE, build_family
 
 pytestmark = pytest.mark.timeout(180)
 tinker = pytest.importorskip("tinker")
@@ -61,8 +61,8 @@ def test_family_full_lora_and_sampling_through_a_worker(family_worker, redis_url
     from tinkerq.producer import ServiceClient
 
     family, name, model_dir = family_worker
-    # transformers' own class for the checkpoint (Kimi-K2.5's is a vision-language one, fed text only here)
-    auto = AutoModelForImageTextToText if family == "kimi_k25" else AutoModelForCausalLM
+    # transformers' own class for the checkpoint (a vision-language one for some, fed text only here)
+    auto = AutoModelForImageTextToText if family in TEXT_OF_VISION_LANGUAGE else AutoModelForCausalLM
     hf = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(4)
     service = ServiceClient(broker_url=redis_url)

@@ -17,7 +17,7 @@ import transformers
 
 from tests import streaming_ranks
 from tinkerq.launcher.processes import free_port
-from tinkerq.recipes.families import FAMILIES, build_family
+from tinkerq.recipes.families import FAMILIES, TEXT_OF_VISION_LANGUAGE, build_family
 from tinkerq.recipes.published import LAYOUTS, build_published
 from tinkerq.worker.checkpoints.reader import ModelLoadError
 from tinkerq.worker.loading import support
@@ -34,8 +34,10 @@ def _spawn(fn, world: int, *args) -> list[dict]:
 
 
 # The families a shard group serves (worker/loading/support.py refuses the others when the shards are filled).
-# kimi_k25's checkpoint is a vision-language one: a shard group refuses it when the ranks build the model (below).
-SHARDED = [f for f in FAMILIES if support.refusal(FAMILIES[f][0], "shard_group") is None and f != "kimi_k25"]
+# kimi_k25's and inkling2's checkpoints are vision-language ones: a shard group refuses them when the ranks build the
+# model (below).
+SHARDED = [f for f in FAMILIES if support.refusal(FAMILIES[f][0], "shard_group") is None
+           and f not in TEXT_OF_VISION_LANGUAGE]
 
 
 def test_streamed_shards_are_the_whole_models_and_train_alike(tmp_path):
@@ -58,7 +60,7 @@ def test_streamed_shards_are_the_whole_models_and_train_alike(tmp_path):
 def test_a_class_whose_streamed_load_is_not_proven_is_refused_before_any_weight_is_read(tmp_path):
     from tinkerq.worker.sharding.streaming import fill_shards
 
-    assert [f for f in FAMILIES if f not in SHARDED] == ["kimi_linear", "kimi_k25"]
+    assert [f for f in FAMILIES if f not in SHARDED] == ["inkling2", "kimi_linear", "kimi_k25"]
     with pytest.raises(ModelLoadError, match=r"Kimi_K25Config is a vision-language checkpoint whose text model a "
                                              r"shard group cannot stream .+; serve it on a single worker"):
         load_skeleton(str(build_family("kimi_k25", tmp_path / "kimi_k25")))
