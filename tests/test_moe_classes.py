@@ -202,9 +202,16 @@ def test_every_path_of_the_lineups_classes_is_served_or_refused_with_a_reason() 
         paths = support.served(name)
         assert {p: paths[p] for p in ("full", "lora", "sampling")} == dict.fromkeys(("full", "lora", "sampling"),
                                                                                      "served"), name
-        assert (paths["expert_parallel"] == "served") == (name != "InklingForCausalLM")
-        assert (paths["shard_group"] == "served") == (name != "KimiLinearForCausalLM")
+        # Inkling-2's and Kimi-Linear's checkpoints are not served on a shard group (a vision-language checkpoint; a
+        # streamed load that differed), nor Inkling's shared experts split by expert
+        sharded = name not in ("Inkling2ForCausalLM", "KimiLinearForCausalLM")
+        assert (paths["shard_group"] == "served") == sharded, name
+        assert (paths["expert_parallel"] == "served") == (sharded and name != "InklingForCausalLM"), name
     assert support.served("DeepseekV4ForCausalLM")["lora"] == "served"
+    # A class proven on one worker but never on a shard group: refused there, at the group's start.
+    with pytest.raises(ValidationError, match=r"a shard group of MixtralForCausalLM is not served: tinkerq has not "
+                                              r"proven this class on a shard group .+; serve it on a single worker"):
+        check_expert_parallel(build_moe_class("MixtralForCausalLM"), 2)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

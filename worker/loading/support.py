@@ -49,6 +49,16 @@ _MOE = frozenset({
 
 PROVEN = _DENSE | _MOE
 
+# The classes proven on a shard group (a streamed load equal to from_pretrained, then sharded training and sampling:
+# tests/test_streaming_load.py, tests/test_sharding.py, tests/test_expert_parallel.py run the families of
+# recipes/families.py and the published layouts of recipes/published.py). Any other class: a single worker.
+_SHARD_GROUPS = frozenset({
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "GptOssForCausalLM", "DeepseekV3ForCausalLM", "NemotronHForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM",
+    "Phi3ForCausalLM", "Olmo2ForCausalLM", "InklingForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    "Qwen3NextForCausalLM",
+})
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -105,6 +115,14 @@ def refusal(class_name: str, path: str) -> Refusal | None:
             "not guessed)",
             "serve one of the classes listed in docs/families.md, or add this class to tinkerq's checks "
             "(recipes/moe_classes.py, worker/loading/support.py) and run tests/test_moe_classes.py",
+        )
+    if path == "expert_parallel" and (group := refusal(class_name, "shard_group")) is not None:
+        return group  # an expert-parallel group is a shard group
+    if path == "shard_group" and class_name not in _SHARD_GROUPS and (class_name, path) not in REFUSED:
+        return Refusal(
+            "tinkerq has not proven this class on a shard group (its streamed load and sharded passes are checked per "
+            "class: tests/test_streaming_load.py)",
+            "serve it on a single worker (without --shards), or add it to those checks",
         )
     return REFUSED.get((class_name, path))
 
