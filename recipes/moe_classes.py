@@ -85,6 +85,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "BailingHybridForCausalLM": dict(num_expert_group=1, first_k_dense_replace=1, layer_group_size=2,
                                      linear_head_dim=8, linear_num_heads=4, num_nextn_predict_layers=0),
     "KimiLinearForCausalLM": dict(num_expert_group=1, linear_head_dim=8, linear_num_heads=4),
+    # compression every 2 and 4 tokens (defaults 4 and 128: the heavy one would never close a window at toy length),
+    # the grouped output projection small
+    "DeepseekV4ForCausalLM": dict(compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                                  o_groups=2, o_lora_rank=8),
 }
 
 # Classes that are not built, and why (a class listed here must still be enumerated: tests check both ways).

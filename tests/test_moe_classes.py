@@ -305,3 +305,20 @@ def test_the_fused_loss_head_is_used_only_where_it_gives_the_models_own_logits(n
         torch.testing.assert_close(fused, own, atol=1e-5, rtol=1e-5)
     else:
         assert not torch.allclose(fused, own, atol=1e-5)  # the fallback is needed, not merely cautious
+
+
+def test_deepseek_v4_rows_run_in_lockstep_groups_and_equal_the_forward() -> None:
+    """DeepSeek-V4's compressed-attention cache counts its windows once per layer, not per row: each job's rows get a
+    group of their own (one prefill, one length; the layer itself expands the prompt's row to the job's samples), two
+    jobs of one prompt length and one of another run beside each other, and every sampled logprob equals a plain
+    forward, the windows compressing every 2 and 4 tokens."""
+    from tinkerq.worker.sampling import cache_rows
+
+    model = build_moe_class("DeepseekV4ForCausalLM")
+    assert cache_rows.lockstep(model) and not cache_rows.lockstep(build_moe_class("DeepseekV3ForCausalLM"))
+    jobs = [make_job(model, prompt_of(9, 1), 3, 9, key="v4", temperature=1.0, seed=1),
+            make_job(model, prompt_of(6, 2), 2, 5, key="v4", temperature=0.0),
+            make_job(model, prompt_of(9, 3), 1, 7, key="v4", temperature=1.0, seed=3)]
+    results = run_jobs(None, jobs, timeout=120)
+    for job, seqs in zip(jobs, results, strict=True):
+        assert_matches_forward(model, job, seqs, [])

@@ -79,11 +79,6 @@ REFUSED: dict[tuple[str, str], Refusal] = {
     ("DogeForCausalLM", "full"): _BATCH_DEPENDENT,
     ("DogeForCausalLM", "lora"): _BATCH_DEPENDENT,
     ("DogeForCausalLM", "sampling"): _BATCH_DEPENDENT,
-    ("DeepseekV4ForCausalLM", "sampling"): Refusal(
-        "its attention cache (DeepseekV4HCACache) compresses every `compress_rate` tokens with one window count per "
-        "layer, not per sequence, so sequences of different lengths cannot share a decode batch",
-        "training (full and LoRA), forward and compute_logprobs are served; sample with another model",
-    ),
     ("InklingForCausalLM", "expert_parallel"): Refusal(
         "its shared experts run every expert on every token, beside the routed ones: expert parallelism splits routed "
         "experts only, and this layer's shared experts are not split or placed by it",

@@ -12,6 +12,8 @@ continue theirs at their first decode. MoE / MLP blocks (DummyLayer) hold nothin
 its compressed latent as keys (B, 1, T, kv_lora_rank) and the rope key as values (B, 1, T, rope_dim), and
 re-expands them through ``kv_b_proj`` at every forward (so a hook on that projection applies at every step).
 A sparse-attention layer (DeepSeek-V3.2's and GLM-5's DSA) adds its indexer's keys (B, T, D), padded like the keys.
+DeepSeek-V4's compressed-attention layers keep their rows themselves (:class:`InLayer`): their groups run one
+prefill's rows in lockstep.
 Any other layer class is refused at prefill rather than batched wrongly (and the classes whose caches are known not
 to batch are refused when their sampler is made: worker/loading/support.py).
 """
@@ -67,6 +69,7 @@ class Kind:
     selected (dropping leading columns that are padding in all of them) or concatenated."""
 
     size = 0  # tensors per layer
+    lockstep = False  # rows of different lengths cannot share the layer (InLayer)
 
     def put(self, layer: Any, state: State, width: int) -> None:
         pass
@@ -143,6 +146,27 @@ class Indexed(KeyValues):
         return [*super().cat([s[:2] for s in states]), None if index is None else pad_cat(index, 1, True, 0.0)]
 
 
+class InLayer(Kind):
+    """A cache layer whose rows only it can hold (DeepSeek-V4's compressed-attention layers: a sliding window plus
+    compressor buffers, overlap state and emitted entries counted once per layer, not per row). Its rows stay in the
+    layer itself, which selects them (``reorder_cache``); rows of different lengths cannot share it, so its group holds
+    one prefill's rows in lockstep and never takes newcomers (:attr:`Group.lockstep`)."""
+
+    size = 1
+    lockstep = True
+
+    def read(self, layer: Any) -> State:
+        return [layer]  # the layer itself stands for its rows
+
+    def select(self, state: State, idx: torch.Tensor, width: int) -> State:
+        layer: Any = state[0]
+        layer.reorder_cache(idx)  # every tensor of its rows, index_select'ed along the batch
+        return [layer]
+
+    def cat(self, states: list[State]) -> State:
+        raise AssertionError("rows of a lockstep cache are never concatenated")
+
+
 class Recurrent(Kind):
     """Linear attention / Mamba: per state index a conv state and a recurrent state, one per row (no sequence
     dim, so no padding); ``state`` is [conv_0, recurrent_0, conv_1, ...], None where the layer has none."""
@@ -209,6 +233,28 @@ def _last_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.narrow(2, x.shape[2] - keep, keep)
 
 
+# Cache layer classes whose rows stay in the layer (InLayer), by name: importing their modeling module to compare
+# classes would load it for every model.
+_IN_LAYER = frozenset({"DeepseekV4HCACache", "DeepseekV4CSACache"})
+
+
+def lockstep(model: Any) -> bool:
+    """Whether ``model``'s cache holds rows only in lockstep (an InLayer kind): read from the cache layers its config
+    makes (transformers' DynamicCache(config=...)), without a forward; cached on the model."""
+    known = getattr(model, "_tinkerq_lockstep", None)
+    if isinstance(known, bool):
+        return known
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # a model whose cache is its own class (MiniMax's): the prefill's layers decide, as before
+        layers = []
+    found = any(type(layer).__name__ in _IN_LAYER for layer in layers)
+    model._tinkerq_lockstep = found
+    return found
+
+
 def kind_of(layer: Any) -> Kind:
     """The kind of a cache layer the model built. Exact classes: a subclass may hold more (an indexer's keys,
     quantised or offloaded tensors), which these kinds would silently drop."""
@@ -219,6 +265,8 @@ def kind_of(layer: Any) -> Kind:
         return KeyValues()
     if cls is DynamicIndexedLayer and layer.indexer_position_ids is None:
         return Indexed()
+    if cls.__name__ in _IN_LAYER:
+        return InLayer()
     if cls is DynamicSlidingWindowLayer and not layer.record_past:
         return Window()
     if cls is LinearAttentionLayer and not layer.record_past:

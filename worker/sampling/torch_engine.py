@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tinkerq import types
-from tinkerq.worker.sampling import forwards
+from tinkerq.worker.sampling import cache_rows, forwards
 from tinkerq.worker.sampling.cache_rows import Group, Rows
 from tinkerq.worker.sampling.engine import EngineClosed, SampleJob
 from tinkerq.worker.sampling.prompt_scores import PromptScores, sample_topk
@@ -165,7 +165,10 @@ class TorchEngine:
             while self._waiting and (running == 0 or running + self._waiting[0].job.num_samples <= self.max_rows):
                 job = self._waiting.popleft()
                 running += job.job.num_samples
-                admitted.setdefault(job.job.model_key, []).append(job)
+                # A model whose cache holds rows only in lockstep (DeepSeek-V4) gives each job a group of its own:
+                # its rows share one prefill and one length, and no other rows join them.
+                key = (job.job.model_key, id(job)) if cache_rows.lockstep(job.job.model) else job.job.model_key
+                admitted.setdefault(key, []).append(job)
         try:
             for key, newcomers in admitted.items():
                 if key not in self._groups:
