@@ -349,12 +349,15 @@ def test_lora_is_planned_without_the_mlp_where_tinkerq_refuses_it(tmp_path: Path
     assert (lora.train_mlp, lora.train_attn, lora.train_unembed) == (False, attn, True)
     targets = find_targets(model, lora)
     assert {t.component for t in targets} == ({"attn", "unembed"} if attn else {"unembed"})
-    assert plan.notes == [note] and "train_mlp=False" in note and refused in note
+    # The adapter's note, then the worker's refusals of a shard group of this class, if any (worker/loading/support.py).
+    assert plan.notes == list(dict.fromkeys(n for n in (note, planner.group_refusal(config, model, False),
+                                                        planner.group_refusal(config, model, True)) if n))
+    assert "train_mlp=False" in note and refused in note
     assert ("train_attn=False" in note) is not attn
     assert plan.lora_parameters == 32 * sum(t.parameters_per_rank() for t in targets) > 0
     assert note in planner.render(plan)
     table = planner.render_markdown([plan])
-    assert f"| {tmp_path.name} (1) |" in table and f"(1) {tmp_path.name}: {note}." in table
+    assert f"| {tmp_path.name} (1) |" in table and f"(1) {tmp_path.name}: {'; '.join(plan.notes)}." in table
     assert planner.plan("qwen3.6-27b", devices=8, device_gb=80).notes == []
 
 
@@ -752,38 +755,50 @@ def test_expert_parallel_plans_gather_moe_layers_without_their_experts_and_every
 
 
 # Today's lineup models whose rank-32 LoRA group needs more than one node of 8 H200s (the LoRA shards it needs on
-# them): planned from their bfloat16 checkpoints, whose bases no layout keeps on 8 x 139 GiB. Inkling's is its whole
-# adapter (the shared experts adapted since 10bf69a: 15 shards without the MLP before).
-BEYOND_ONE_NODE = {"inkling-2-small": 10, "glm-5.3": 12, "inkling": 16}
+# them): planned from its bfloat16 checkpoint, whose base no layout keeps on 8 x 139 GiB.
+BEYOND_ONE_NODE = {"glm-5.3": 12}
+# Today's lineup models the worker serves in no layout of such a node: vision-language checkpoints (Inkling's
+# inkling_mm_model, Inkling-2's inkling2, Kimi-K2.6's kimi_k25) whose text model a shard group cannot stream
+# (worker/loading/models.py load_skeleton refuses the group), each larger than one device for a single worker.
+NOT_SERVED = ("inkling-small", "inkling-2-small", "inkling", "kimi-k2.6")
 
 
 def test_the_whole_lineup_takes_rank_32_lora_on_one_node_of_h200s():
     """Issue 30's bar, on today's lineup: `tinkerq plan --lineup --devices 8 --device-memory 141` (the command
     itself, its defaults: the planner picks each model's layout) shows rank-32 LoRA on one node (a tenant at least,
-    datums of 2,048 tokens at least, host RAM per rank within one device) for every model but the three of
-    BEYOND_ONE_NODE, and full fine-tuning of every model up to Nemotron-3-Super's 121B parameters within 16 devices.
-    DeepSeek-V3.1 and Kimi-K2.6 need both: their checkpoints' experts kept as stored (block FP8, INT4), split by
-    expert with each tenant's expert factors; the plan names those flags."""
+    datums of 2,048 tokens at least, host RAM per rank within one device) for every model but GLM-5.3
+    (BEYOND_ONE_NODE) and the four the worker serves on no layout here (NOT_SERVED: their shard groups refused), and
+    full fine-tuning of every model up to Nemotron-3-Super's 121B parameters within 16 devices. DeepSeek-V3.1 and
+    Kimi-K2-Thinking need both: their checkpoints' experts kept as stored (block FP8, INT4), split by expert with
+    each tenant's expert factors; the plan names those flags."""
     device = 141 * planner.GiB
     out = subprocess.run([sys.executable, "-m", "tinkerq.launcher.main", "plan", "--lineup", "--devices", "8",
                           "--device-memory", "141", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     plans = {p["model"]: p for p in json.loads(out.stdout)}
     assert list(plans) == list(planner.LINEUP)
-    assert {n: p["lora"]["shards"] for n, p in plans.items() if not p["lora"]["fits"]} == BEYOND_ONE_NODE
+    assert {n: p["lora"]["shards"] for n, p in plans.items() if not p["lora"]["fits"]} == {
+        **BEYOND_ONE_NODE, **dict.fromkeys(NOT_SERVED)}
     for name, p in plans.items():
         if p["parameters"] <= 121e9:
             assert planner.plan(name, devices=16, device_gb=141).full.fits, name
-        if name in BEYOND_ONE_NODE:
+        if name in NOT_SERVED:
+            for kind in ("full", "lora"):
+                assert p[kind]["group_refused"] and p[kind]["flags"] == "(not served: one device too small)", name
+        if name in BEYOND_ONE_NODE or name in NOT_SERVED:
             continue
         lora = p["lora"]
         assert lora["fits"] and lora["tenants"] >= 1 and lora["longest_datum"] >= 2048, (name, lora)
         assert lora["host_bytes"] <= device, name
         assert lora["sampling_tenants_all_devices"] >= 1, name  # RL: a tenant sampling from its snapshot too
-    for name, shards in (("deepseek-v3.1", 7), ("kimi-k2.6", 6)):
-        assert plans[name]["lora"]["flags"] == f"--shards {shards} --expert-parallel --quantized-base keep", name
+    assert plans["deepseek-v3.1"]["lora"]["flags"] == "--shards 7 --expert-parallel --quantized-base keep"
+    # Kimi-K2.6's text model is Kimi-K2-Thinking's (a DeepSeek-V3): as its own checkpoint (deepseek_v3, not inside
+    # a kimi_k25 one), a shard group serves it.
+    kimi = planner.plan("kimi-k2-thinking", devices=8, device_gb=141)
+    assert kimi.lora.flags == "--shards 6 --expert-parallel --quantized-base keep"
+    assert kimi.lora.tenants_all_devices == 3
     assert plans["qwen3.6-27b"]["full"]["flags"] == "--shards 3"  # a dense model: FSDP2 alone
-    for name in ("deepseek-v3.1", "kimi-k2.6"):  # neither part alone takes them onto one node
+    for name in ("deepseek-v3.1", "kimi-k2-thinking"):  # neither part alone takes them onto one node
         assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=True,
                                 quantized_base="dequantize").lora.fits, name
         assert not planner.plan(name, devices=8, device_gb=141, expert_parallel=False,
@@ -823,3 +838,115 @@ def test_auto_takes_the_layout_needing_the_fewest_devices():
     assert at8.lora.shards == auto.lora.shards == 7 and at8.lora.at == 8 and at8.lora.total < auto.lora.total
     with pytest.raises(planner.PlanError, match="auto, on or off"):
         planner.plan("llama-3.1-8b", **node, expert_parallel="sometimes")
+
+
+# -- layouts the worker refuses (worker/loading/support.py, worker/loading/models.py load_skeleton) ----------------
+
+
+def test_the_lineups_vision_language_checkpoints_are_never_planned_on_a_shard_group():
+    """Inkling, Inkling-Small and Kimi-K2.6 are vision-language checkpoints (inkling_mm_model, kimi_k25) whose text
+    model a shard group cannot stream: the worker refuses any shard group of them when it starts (load_skeleton). No
+    plan of theirs names --shards or --expert-parallel, at 80 or 141 GiB, with expert parallelism auto or asked for;
+    each says it cannot be served on the node, with the worker's reason and what a single worker would need."""
+    for name in ("inkling", "inkling-small", "kimi-k2.6"):
+        config, model = planner.read_config(name)[1], planner._load(name, "bfloat16")[2]
+        reason = planner.refusal(config, model, "shard_group")
+        assert reason is not None and "vision-language checkpoint" in reason, name
+        assert "serve it on a single worker (without --shards)" in reason
+        for device_gb in (80, 141):
+            for ep in ("auto", "on"):
+                p = planner.plan(name, devices=8, device_gb=device_gb, expert_parallel=ep)
+                text = planner.render(p)
+                for kind in (p.full, p.lora):
+                    assert "--shards" not in kind.flags and "--expert-parallel" not in kind.flags, (name, kind.flags)
+                    assert kind.shards is None and not kind.fits and kind.group_refused == reason, name
+                assert not p.expert_parallel and p.lora.tenants == p.lora.tenants_all_devices == 0
+                assert reason in p.notes and reason in text, name
+                assert f"not served on 8 x {device_gb:.1f} GiB: the worker refuses the shard group" in text
+                flags = next(line for line in text.splitlines() if line.startswith("tinkerq worker flags"))
+                assert flags.count("(not served: one device too small)") == 2, flags
+                if name != "kimi-k2.6":  # Inkling's plans never say --expert-parallel, anywhere
+                    assert "--expert-parallel" not in text, name
+                row = planner.render_markdown([p]).splitlines()[4]
+                assert row.startswith(f"| {name} (1) |") and row.endswith("| not served; not served |"), row
+    kimi = planner.plan("kimi-k2.6", devices=8, device_gb=141)  # its LoRA base kept as stored: the least of one device
+    assert "frozen base as stored (shared)" in kimi.lora.parts and kimi.lora.at == 1
+    assert kimi.notes[-1].endswith(
+        f"(a full session {planner._size(kimi.full.total)}; LoRA with one tenant {planner._size(kimi.lora.total)} "
+        f"(its base kept as stored: --quantized-base keep))")
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k25", "inkling_mm_model", "inkling2"])
+def test_the_planners_shard_group_refusal_is_the_workers(tmp_path: Path, model_type: str):
+    """The planner refuses a shard group where worker/loading/models.py load_skeleton does, in its words: a
+    vision-language checkpoint whose text model transformers has no causal-LM class for at its top (its
+    text_model_class). A tiny one that fits one device is planned on one process, the refusal said; on devices too
+    small for it, it is not served."""
+    from tinkerq.worker.loading.models import ModelLoadError, load_skeleton
+
+    text = {"kimi_k25": {"model_type": "kimi_k2", **TINY_MLA}, "inkling_mm_model": TINY_INKLING,
+            "inkling2": {"model_type": "inkling2_text", "moe_intermediate_size": 16, **{
+                k: v for k, v in TINY_INKLING.items() if k not in (
+                    "model_type", "local_layer_ids", "dense_mlp_idx", "dense_intermediate_size",
+                    "intermediate_size", "n_shared_experts")}}}[model_type]
+    towers = {"vision_config": {"text_hidden_size": 32}} if model_type == "inkling2" else {}
+    config = {"model_type": model_type, "text_config": text, **towers}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))  # the group never reads it
+    with pytest.raises(ModelLoadError) as info:
+        load_skeleton(str(tmp_path))
+    reason = planner.refusal(config, planner.meta_model(config, "float32"), "shard_group")
+    assert reason is not None and str(info.value) == f"[user error] {reason}"
+    fits = planner.plan(str(tmp_path), devices=4, device_gb=1, headroom_gb=0, workload=WORKLOAD)
+    assert (fits.full.flags, fits.lora.flags) == ("(one process, no flags)",) * 2 and reason in fits.notes
+    assert fits.lora.group_refused == reason and "at 1 (no shard group served)" in planner.render(fits)
+    small = planner.plan(str(tmp_path), devices=4, device_gb=0.001, headroom_gb=0, workload=WORKLOAD)
+    assert small.full.shards is small.lora.shards is None and "not served on 4 x 1.0 MiB" in planner.render(small)
+
+
+def test_a_layout_the_class_refuses_is_skipped_with_its_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A text-only Inkling checkpoint (InklingForCausalLM itself, whose shard groups are served) with experts wide
+    enough that expert parallelism would take fewer devices: the worker refuses expert parallelism of this class
+    (its shared experts), so --expert-parallel auto plans FSDP2 groups and says why; asked for, it is not served and
+    the plan says what works instead. Without the refusal the same plan would name --expert-parallel."""
+    from tinkerq.worker.loading import support
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_INKLING, "n_routed_experts": 64, "intermediate_size": 64}))
+    node = dict(devices=4, device_gb=12 / 1024, headroom_gb=0, workload=WORKLOAD, dtype="float32")
+    reason = support.message("InklingForCausalLM", "expert_parallel")
+    assert reason is not None and "start the shard group without --expert-parallel (FSDP2 alone)" in reason
+    auto = planner.plan(str(tmp_path), **node)
+    assert (auto.full.flags, auto.lora.flags) == ("--shards 4", "--shards 2") and not auto.expert_parallel
+    assert auto.notes == [reason] and reason in planner.render(auto) and reason in planner.render_markdown([auto])
+    asked = planner.plan(str(tmp_path), **node, expert_parallel="on")
+    assert asked.lora.shards is None and asked.lora.flags == "(not served: one device too small)"
+    assert asked.notes[0] == reason and asked.notes[1].startswith("not served on 4 x 12.0 MiB")
+    assert planner.plan(str(tmp_path), **node, expert_parallel="off").notes == []
+    with monkeypatch.context() as m:  # the same model, were expert parallelism served: the planner would pick it
+        m.delitem(support.REFUSED, ("InklingForCausalLM", "expert_parallel"))
+        served = planner.plan(str(tmp_path), **node)
+        assert served.full.flags == "--shards 4 --expert-parallel"
+        assert served.lora.flags == "--shards 2 --expert-parallel"
+
+
+@pytest.mark.parametrize("name, paths", [("KimiLinearForCausalLM", ("shard_group",)),
+                                         ("DogeForCausalLM", ("full", "lora"))])
+def test_a_refused_path_shows_its_reason_in_the_plan(tmp_path: Path, name: str, paths: tuple[str, ...]):
+    """Kimi-Linear's shard groups and Doge's every session are refused by the worker (worker/loading/support.py):
+    their plans name no group (Kimi-Linear: one process, or not served where one device is too small) or no layout
+    at all (Doge: "not served"), and the refusal's line is in every output."""
+    from tinkerq.recipes.moe_classes import moe_config
+    from tinkerq.worker.loading import support
+
+    (tmp_path / "config.json").write_text(json.dumps(moe_config(name).to_dict()))
+    p = planner.plan(str(tmp_path), devices=4, device_gb=0.001, headroom_gb=0, workload=WORKLOAD, dtype="float32")
+    for path in paths:
+        reason = support.message(name, path)
+        assert reason is not None and reason in p.notes
+        assert reason in planner.render(p) and reason in planner.render_markdown([p])
+        assert reason in json.dumps(planner.to_json(p))
+    for kind in (p.full, p.lora):
+        assert kind.shards is None and not kind.fits and "--shards" not in kind.flags
+        assert kind.flags == ("(not served)" if "full" in paths else "(not served: one device too small)")

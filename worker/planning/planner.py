@@ -14,6 +14,10 @@ The lineup's config.json files are written by hand from the published configs or
 only; nothing is downloaded; docs/planning.md#the-lineup names the source of each). Kimi-K2's card says
 ``model_type: kimi_k2`` with custom code: its architecture is DeepSeek-V3's, so its file says ``deepseek_v3``, which
 transformers knows. A vision-language checkpoint (Kimi-K2.6, Inkling, Qwen3.5) is planned as its text model.
+
+A plan never names a layout the worker refuses for the model (:func:`refusal`: worker/loading/support.py per class,
+and a shard group of a vision-language checkpoint whose text model its ranks cannot stream, as load_skeleton refuses
+it): such a layout is planned on one process, and where none the worker serves fits, the plan says so and why.
 """
 
 from __future__ import annotations
@@ -98,32 +102,42 @@ def read_config(spec: str) -> tuple[str, dict[str, Any]]:
     return name, config
 
 
-def meta_model(config: dict[str, Any], dtype: str = "bfloat16") -> torch.nn.Module:
-    """The causal LM of ``config`` on the meta device, its parameters in ``dtype`` (no memory, no weights).
-
-    A ``quantization_config`` is left out: the model is planned as a worker serves it, dequantized to ``dtype``
-    on load (:func:`quantized_checkpoint` says what the checkpoint itself holds)."""
+def hf_config(config: dict[str, Any]) -> Any:
+    """The transformers config of ``config`` (a config.json's dict), as a worker's ``AutoConfig`` reads the file: a
+    vision-language checkpoint's top-level config, its ``text_config`` inside; without a ``quantization_config``."""
     import transformers
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     if isinstance(fields.get("text_config"), dict):  # a multimodal config may keep it with its text model
         fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "quantization_config"}
     model_type = fields.pop("model_type")
     try:
-        hf_config = AutoConfig.for_model(model_type, **fields)
+        return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as exc:
         raise PlanError(f"unknown architecture {model_type!r}: transformers {transformers.__version__} has no "
                         f"config for it ({str(exc).splitlines()[0]})") from None
+
+
+def meta_model(config: dict[str, Any], dtype: str = "bfloat16") -> torch.nn.Module:
+    """The causal LM of ``config`` on the meta device, its parameters in ``dtype`` (no memory, no weights).
+
+    A ``quantization_config`` is left out: the model is planned as a worker serves it, dequantized to ``dtype``
+    on load (:func:`quantized_checkpoint` says what the checkpoint itself holds)."""
+    import transformers
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+
+    model_type = config["model_type"]
+    model_config = hf_config(config)
     # A vision-language (or audio) checkpoint whose top-level config has no causal LM of its own (Kimi-K2.6's
     # kimi_k25, Inkling's inkling_mm_model, Inkling-2's inkling2): the text model is planned, its towers left out.
-    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(hf_config, "get_text_config"):
-        text = hf_config.get_text_config()
-        if text is not hf_config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
-            hf_config = text
+    if type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(model_config, "get_text_config"):
+        text = model_config.get_text_config()
+        if text is not model_config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            model_config = text
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[dtype])
+            return AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[dtype])
     except (ValueError, KeyError, TypeError) as exc:
         raise PlanError(f"transformers {transformers.__version__} cannot build a causal LM of "
                         f"{model_type!r} from this config: {str(exc).splitlines()[0]}") from None
@@ -134,6 +148,35 @@ def _load(spec: str, dtype: str) -> tuple[str, dict[str, Any], torch.nn.Module]:
     """(name, config, meta model) of ``spec``, kept for the next plan of the same model (other device sizes)."""
     name, config = read_config(spec)
     return name, config, meta_model(config, dtype)
+
+
+# -- what a worker serves of it (worker/loading/support.py) -------------------------------------------------------
+
+
+def refusal(config: dict[str, Any], model: torch.nn.Module, path: str) -> str | None:
+    """The user error a worker gives for ``path`` (one of worker/loading/support.py's PATHS) of this model, or None
+    where it serves it. The class is the one a worker loads (``model``: :func:`meta_model` builds a vision-language
+    checkpoint's text model, as worker/loading/models.py load_causal_lm does). A shard group, expert-parallel or
+    not, is refused besides where worker/loading/models.py load_skeleton refuses the checkpoint itself: one whose
+    text model its ranks cannot stream (its ``text_model_class``: Kimi-K2.5/2.6's ``kimi_k25``, Inkling's
+    ``inkling_mm_model``, Inkling-2's ``inkling2``); the line is load_skeleton's (tests/test_planner.py checks they
+    are the same)."""
+    from tinkerq.worker.loading import support
+    from tinkerq.worker.loading.models import text_model_class
+
+    if path in ("shard_group", "expert_parallel"):
+        top = hf_config(config)
+        if text_model_class(top) is not None:
+            return (f"{type(top).__name__} is a vision-language checkpoint whose text model a shard group cannot "
+                    f"stream from its files yet; serve it on a single worker (without --shards)")
+    return support.message(type(model).__name__, path)
+
+
+def group_refusal(config: dict[str, Any], model: torch.nn.Module, expert_parallel: bool) -> str | None:
+    """Why a worker refuses a shard group of this model (with --expert-parallel where ``expert_parallel``), or None
+    where it serves one: the planner plans such a layout on one process only."""
+    return refusal(config, model, "shard_group") or (
+        refusal(config, model, "expert_parallel") if expert_parallel else None)
 
 
 def lora_targets(model: torch.nn.Module) -> tuple[types.LoraConfig, str]:
@@ -302,7 +345,7 @@ class Workload:
 @dataclass
 class KindPlan:
     kind: str  # "full" | "lora"
-    shards: int | None  # the fewest that fit (None: no count up to MAX_SHARDS does)
+    shards: int | None  # the fewest that fit (None: no count up to MAX_SHARDS does, or none the worker serves)
     fits: bool  # within --devices
     at: int  # the shard count the parts are given for: ``shards``, else --devices
     parts: dict[str, int]  # per shard, at ``at``
@@ -317,6 +360,12 @@ class KindPlan:
     longest_datum: int = 0  # tokens of the longest datum whose activations fit on --devices shards (0: none)
     checkpointing: bool = False  # the activations at ``at`` are planned with each decoder layer checkpointed
     flags: str = ""  # how to start the group planned: `tinkerq worker` flags (--shards, --expert-parallel, ...)
+    # The worker's refusal of this kind of session on this model (worker/loading/support.py "full" / "lora"): not
+    # served in any layout (shards None, no tenants); "" where served.
+    refused: str = ""
+    # The worker's refusal of a shard group of this layout (:func:`group_refusal`): planned on one process only
+    # (shards 1 or None, "all devices" figures on one); "" where a group is served.
+    group_refused: str = ""
 
 
 @dataclass
@@ -394,11 +443,25 @@ def _worker_flags(shards: int | None, expert_parallel: bool, kept: bool) -> str:
     return " ".join(flags) or "(one process, no flags)"
 
 
+def _served(kind: KindPlan, refused: str | None, grouped: str | None) -> KindPlan:
+    """``kind`` as the worker serves it: with its shard group's refusal (it was planned on one process: not served
+    where one device is too small), or, where the worker refuses this kind of session on the model, not served at
+    all (no shards, tenants or datums; its figures stay, for what they would be)."""
+    kind = replace(kind, group_refused=grouped or "")
+    if refused:
+        return replace(kind, shards=None, fits=False, tenants=0, tenants_all_devices=0, sampling_tenants=0,
+                       sampling_tenants_all_devices=0, longest_datum=0, flags="(not served)", refused=refused)
+    if grouped and kind.shards is None:
+        return replace(kind, flags="(not served: one device too small)")
+    return kind
+
+
 def _fewest_devices(kind: KindPlan) -> tuple:
     """The order in which the planner prefers one layout's plan of a kind over another's: it fits, on the fewest
-    shards, with the most tenants (LoRA), then the longest datum."""
+    shards, with the most tenants (LoRA), then the longest datum; among layouts the worker serves nowhere here (a
+    refused group, one device too small), the one needing the least of one device."""
     return (not kind.fits, kind.shards if kind.shards is not None else MAX_SHARDS + 1, -kind.tenants,
-            -kind.tenants_all_devices, -kind.longest_datum)
+            -kind.tenants_all_devices, -kind.longest_datum, kind.total if kind.shards is None else 0)
 
 
 def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", headroom_gb: float = 2.0,
@@ -417,6 +480,10 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
     "auto" (the defaults of both): every layout the model allows is planned (a MoE model with and without expert
     parallelism, a quantized checkpoint's LoRA base dequantized and kept), and each column takes the one needing the
     fewest devices (then: the most tenants, the longest datum); its ``flags`` say how to start that group.
+    Only layouts the worker serves are planned so: one whose shard group it refuses for this model (:func:`refusal`:
+    worker/loading/support.py's table for the class it loads, and a vision-language checkpoint whose text model a
+    shard group cannot stream) is planned on one process, and a kind of session it refuses is not served; the plan's
+    notes give each refusal's line, and say so where no layout it serves fits (never a refused group's flags).
     ``at_shards``: the parts given at that many shards instead of at the fewest that fit (the CLI's --at-shards)."""
     ep = expert_parallel if isinstance(expert_parallel, str) else ("on" if expert_parallel else "off")
     if ep not in ("auto", "on", "off"):
@@ -427,19 +494,38 @@ def plan(spec: str, *, devices: int, device_gb: float, dtype: str = "auto", head
         raise PlanError(f"--at-shards {at_shards}: between 1 and {MAX_SHARDS}")
     kwargs = dict(devices=devices, device_gb=device_gb, dtype=dtype, headroom_gb=headroom_gb, workload=workload,
                   activation_checkpointing=activation_checkpointing, at_shards=at_shards)
-    options = []
+    options, refusals = [], []
     for split in ((False, True) if ep == "auto" else (ep == "on",)):
         for base in (("dequantize", "keep") if quantized_base == "auto" else (quantized_base,)):
             p = _plan(spec, quantized_base=base, expert_parallel=split, **kwargs)  # type: ignore[arg-type]
+            # Each refusal that shaped a layout is said, whichever layout is shown (an expert-parallel group refused
+            # and planned on one process is the same plan as the one without: skipped below).
+            refusals += [k.refused or k.group_refused for k in (p.full, p.lora)]
             if (split and not p.expert_parallel and ep == "auto") or (
                     base == "keep" and p.quantized is None and quantized_base == "auto"):
                 continue  # a dense model split by expert, or an unquantized one kept: the same plan again
             options.append(p)
-    if len(options) == 1:
-        return options[0]
     full = min(options, key=lambda p: _fewest_devices(p.full)).full
     lora = min(options, key=lambda p: _fewest_devices(p.lora))
-    return replace(lora, full=full, chosen=True)
+    notes = [*lora.notes, *refusals, _not_served(lora.devices, lora.device_bytes, lora.usable_bytes, full, lora.lora)]
+    return replace(lora, full=full, chosen=len(options) > 1, notes=[n for n in dict.fromkeys(notes) if n])
+
+
+def _not_served(devices: int, device_bytes: int, usable: int, *kinds: KindPlan) -> str:
+    """The plan's line for columns the worker serves on no layout here: their shard groups refused and one device
+    too small for a single worker (what that worker would need of its device); "" where there are none."""
+    needs = [f"{'a full session' if k.kind == 'full' else 'LoRA with one tenant'} {_size(k.total)}"
+             + (" (its base kept as stored: --quantized-base keep)" if "frozen base as stored (shared)" in k.parts
+                else "")
+             for k in kinds if k.group_refused and k.shards is None and not k.refused]
+    if not needs:
+        return ""
+    return (f"not served on {devices} x {_size(device_bytes)}: the worker refuses the shard group it would need, "
+            f"and a single worker needs more than one device's {_size(usable)} usable ({'; '.join(needs)})")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:,.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):,.1f} MiB"
 
 
 def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb: float, workload: Workload | None,
@@ -479,6 +565,13 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         return parts(True), True
 
     ep = expert_parallel and shape.top_k > 0  # a dense model: nothing to split by expert
+    # A layout whose shard group the worker refuses is planned on one process (nothing split): the fewest shards
+    # are 1 or none, and the "all devices" figures are on one.
+    grouped = group_refusal(config, model, ep)
+    if grouped:
+        ep, at_shards = False, None
+    span = 1 if grouped else devices  # the most devices a group of this layout spans
+    limit = 1 if grouped else MAX_SHARDS
 
     def longest_datum(fixed: int, expert_ranks: int = 1) -> int:
         """The most tokens one datum may have for its activations to fit beside ``fixed`` bytes (a datum is never
@@ -497,14 +590,14 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
     def full_at(n: int) -> tuple[dict[str, int], bool]:
         return checkpointed(lambda on: full_parts(shape, n, workload, chunk, on, expert_parallel=ep))
 
-    n_full = shards_needed(lambda n: sum(full_at(n)[0].values()), usable, limit=MAX_SHARDS)
-    at = at_shards or (n_full if n_full is not None and n_full <= devices else devices)
+    n_full = shards_needed(lambda n: sum(full_at(n)[0].values()), usable, limit=limit)
+    at = at_shards or (n_full if n_full is not None and n_full <= devices else span)
     parts, on = full_at(at)
-    every = full_parts(shape, devices, workload, chunk, expert_parallel=ep)
+    every = full_parts(shape, span, workload, chunk, expert_parallel=ep)
     full = KindPlan("full", n_full, n_full is not None and n_full <= devices, at, parts, sum(parts.values()),
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0,
                     longest_datum=longest_datum(sum(every.values()) - every["activations"],
-                                                devices if ep and devices > 1 else 1), checkpointing=on,
+                                                span if ep and span > 1 else 1), checkpointing=on,
                     flags=_worker_flags(n_full, ep, kept=False))
 
     adapter_parameters = lora_parameters(model, workload.lora_rank)
@@ -529,19 +622,19 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
         parts = lora_parts(shape, n, workload, chunk, activation_checkpointing != "off", expert_parallel=ep)
         return max(0, (usable - sum(parts.values())) // (adapter_at(n) + (snapshot if sampling else 0)))
 
-    n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter_at(n), usable, limit=MAX_SHARDS)
-    at = at_shards or (n_lora if n_lora is not None and n_lora <= devices else devices)
+    n_lora = shards_needed(lambda n: sum(lora_at(n)[0].values()) + adapter_at(n), usable, limit=limit)
+    at = at_shards or (n_lora if n_lora is not None and n_lora <= devices else span)
     parts, on = lora_at(at)
-    every = lora_parts(shape, devices, workload, chunk, expert_parallel=ep)
+    every = lora_parts(shape, span, workload, chunk, expert_parallel=ep)
     adapter = adapter_at(at)
     lora = KindPlan("lora", n_lora, n_lora is not None and n_lora <= devices, at, parts, sum(parts.values()) + adapter,
                     host_bytes=streamed_load_bytes(shape) if at > 1 else 0, adapter_bytes=adapter,
                     tenants=tenants(at),
-                    tenants_all_devices=tenants(devices), snapshot_bytes=snapshot,
+                    tenants_all_devices=tenants(span), snapshot_bytes=snapshot,
                     sampling_tenants=tenants(at, sampling=True),
-                    sampling_tenants_all_devices=tenants(devices, sampling=True),
-                    longest_datum=longest_datum(sum(every.values()) + adapter_at(devices) - every["activations"],
-                                                devices if ep and devices > 1 else 1),
+                    sampling_tenants_all_devices=tenants(span, sampling=True),
+                    longest_datum=longest_datum(sum(every.values()) + adapter_at(span) - every["activations"],
+                                                span if ep and span > 1 else 1),
                     checkpointing=on, flags=_worker_flags(n_lora, ep, kept=False))
     quantized = quantized_checkpoint(config, model)
     if quantized_base == "keep" and quantized is not None and ep and quantized.expert_parameters:
@@ -586,6 +679,8 @@ def _plan(spec: str, *, devices: int, device_gb: float, dtype: str, headroom_gb:
                         sampling_tenants=sampling, sampling_tenants_all_devices=sampling,
                         longest_datum=longest_datum(fixed + adapter - parts["activations"]), checkpointing=on,
                         flags=_worker_flags(1 if fits else None, False, kept=True))
+    full = _served(full, refusal(config, model, "full"), grouped)
+    lora = _served(lora, refusal(config, model, "lora"), grouped)
     architecture = (config.get("architectures") or [type(model).__name__])[0]
     note = lora_targets(model)[1]
     return Plan(name, architecture, dtype, shape.parameters, shape.param_bytes, devices, device_bytes, usable,
@@ -605,6 +700,10 @@ def _count(n: int) -> str:
 
 
 def _shards(kind: KindPlan) -> str:
+    if kind.refused:
+        return "not served"
+    if kind.shards is None and kind.group_refused:
+        return "not served (one device too small)"
     if kind.shards is None:
         return f">{MAX_SHARDS} (never fits)"
     return f"{kind.shards}" + ("" if kind.fits else " (more than --devices)")
@@ -651,13 +750,20 @@ def render(p: Plan) -> str:
                  "  adapter per tenant (on every shard)", "-", gb(p.lora.adapter_bytes)))
     rows.append((f"  total, {unit} (LoRA: one tenant)", gb(p.full.total), gb(p.lora.total)))
     split = " expert-parallel" if p.expert_parallel and p.devices > 1 else ""  # how the group of all would be made
+    every = f"{p.devices}{split}"
+    if p.lora.group_refused and p.devices > 1:  # the worker serves no group of it: "all devices" is one
+        every = "1 (no shard group served)"
     rows.append(("LoRA tenants that fit", "-", f"{p.lora.tenants:,} at {p.lora.at} shard(s); "
-                                               f"{p.lora.tenants_all_devices:,} at {p.devices}{split}"))
+                                               f"{p.lora.tenants_all_devices:,} at {every}"))
     rows.append(("  with a sampler each (RL; a snapshot on rank 0: " + gb(p.lora.snapshot_bytes) + f" {unit})", "-",
                  f"{p.lora.sampling_tenants:,} at {p.lora.at} shard(s); "
-                 f"{p.lora.sampling_tenants_all_devices:,} at {p.devices}{split}"))
-    rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}",
-                 f"{p.lora.longest_datum:,} (one tenant)"))
+                 f"{p.lora.sampling_tenants_all_devices:,} at {every}"))
+
+    def on_one(kind: KindPlan) -> str:
+        return " on 1 (no shard group served)" if kind.group_refused and p.devices > 1 else ""
+
+    rows.append((f"longest datum that fits on {p.devices}, tokens", f"{p.full.longest_datum:,}{on_one(p.full)}",
+                 f"{p.lora.longest_datum:,} (one tenant){on_one(p.lora)}"))
     rows.append((f"host RAM per rank, {unit}", gb(p.full.host_bytes), gb(p.lora.host_bytes)))
     rows.append(("decoder layers checkpointed", "yes" if p.full.checkpointing else "no",
                  "yes" if p.lora.checkpointing else "no"))
@@ -686,7 +792,9 @@ def render(p: Plan) -> str:
 
 
 def _md_flags(kind: KindPlan) -> str:
-    return f"`{kind.flags}`" if kind.flags.startswith("--") else "-"
+    if kind.flags.startswith("--"):
+        return f"`{kind.flags}`"
+    return "not served" if kind.flags.startswith("(not served") else "-"  # "-": one process, no flags
 
 
 def render_markdown(plans: list[Plan]) -> str:
