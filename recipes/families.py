@@ -64,11 +64,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 # Today's lineup (tinker-cookbook 0.6.1's model list: docs/families.md), by the config's model_type, whose tiny
 # config is recipes/moe_classes.py's generic one for the class (the class checks of tests/test_moe_classes.py run on
 # the same config): Inkling and Inkling-2 (their text models), DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention),
-# Kimi-Linear, Qwen3-Next.
+# DeepSeek-V4 (compressed attention), Kimi-Linear, Qwen3-Next.
 GENERIC_TINY: dict[str, str] = {
     "inkling": "InklingForCausalLM",
     "inkling2": "Inkling2ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
@@ -158,7 +159,14 @@ def _nonzero_biases(model: Any, seed: int) -> None:
             elif p.dim() >= 2 and float(p.abs().max()) == 0.0:  # an all-zero matrix (a router's weight)
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
         saved = model.state_dict(keep_vars=True).keys()  # parameters and persistent buffers
+        experts = getattr(model.config, "n_routed_experts", None)
         for name, b in model.named_buffers():
+            if name.endswith("tid2eid") and isinstance(experts, int) and not b.any():
+                # DeepSeek-V4's hash routing table (token id -> its top-k experts, read from the checkpoint; all
+                # zeros as built): each token a distinct draw of experts, so the hash layers route like a real one
+                b.copy_(torch.stack([torch.randperm(experts, generator=generator)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
+                continue
             if name not in saved or not b.is_floating_point() or b.numel() == 0 or "mask" in name:
                 continue
             # 0.05: enough to move routing (a dropped DeepSeek-V3 bias moves logprobs by ~0.05); at 0.1 seed 0 puts a

@@ -63,7 +63,7 @@ EP_FAMILIES = [f for f in MOE_FAMILIES if all(support.refusal(FAMILIES[f][0], p)
 
 def test_a_family_whose_expert_parallel_path_is_not_proven_is_refused_at_group_start():
     refused = [f for f in MOE_FAMILIES if f not in EP_FAMILIES]
-    assert refused == ["inkling", "inkling2", "kimi_linear", "kimi_k25"]
+    assert refused == ["inkling", "inkling2", "deepseek_v4", "kimi_linear", "kimi_k25"]
     with pytest.raises(ValidationError, match=r"a shard group of KimiLinearForCausalLM is not served: .+; serve it "
                                               r"on a single worker"):
         check_expert_parallel(build_model("kimi_linear"), 2)

@@ -38,7 +38,8 @@ PEFT_LOADABLE = {"llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"}  # ever
 # merge is checked by tinkerq's own merged=True export only (tests/test_families_fleet.py, test_moe_classes.py's
 # merged reference). test_the_cookbooks_transformers_lacks_these_classes keeps the list true.
 COOKBOOK_LACKS = {"inkling": "InklingForCausalLM", "inkling2": "Inkling2ForCausalLM",
-                  "deepseek_v32": "DeepseekV32ForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
+                  "deepseek_v32": "DeepseekV32ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+                  "kimi_linear": "KimiLinearForCausalLM",
                   "kimi_k25": "Kimi_K25ForConditionalGeneration"}
 COOKBOOK_FAMILIES = [f for f in FAMILIES if f not in COOKBOOK_LACKS]
 

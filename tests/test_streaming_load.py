@@ -60,7 +60,7 @@ def test_streamed_shards_are_the_whole_models_and_train_alike(tmp_path):
 def test_a_class_whose_streamed_load_is_not_proven_is_refused_before_any_weight_is_read(tmp_path):
     from tinkerq.worker.sharding.streaming import fill_shards
 
-    assert [f for f in FAMILIES if f not in SHARDED] == ["inkling2", "kimi_linear", "kimi_k25"]
+    assert [f for f in FAMILIES if f not in SHARDED] == ["inkling2", "deepseek_v4", "kimi_linear", "kimi_k25"]
     with pytest.raises(ModelLoadError, match=r"Kimi_K25Config is a vision-language checkpoint whose text model a "
                                              r"shard group cannot stream .+; serve it on a single worker"):
         load_skeleton(str(build_family("kimi_k25", tmp_path / "kimi_k25")))
