@@ -25,6 +25,7 @@ from tinkerq.settings import Settings
 from tinkerq.worker.core.lifecycle import Lifecycle
 from tinkerq.worker.core.metrics import stats_step
 from tinkerq.worker.core.service import WorkerService
+from tinkerq.worker.loading import support
 from tinkerq.worker.loading.dtypes import served_dtype
 from tinkerq.worker.loading.models import configure_torch, load_causal_lm
 from tinkerq.worker.loading.quantized_base import KEEP, keep_checkpoint_quantized
@@ -126,6 +127,10 @@ def assemble(model_path: str, settings: Settings, *, name: str | None = None) ->
         service.metrics.shard_group_up.set(1)
     log.info("serving %s (%.1fM parameters, %s on %s) as worker %s; loss head: %s", base_model,
              service.num_parameters / 1e6, settings.dtype, settings.device, worker_id, service.logprobs.backend)
+    for path in ("full", "lora", "sampling"):  # said once at start: each such session is refused when it is made
+        refused = support.message(type(service.model).__name__, path)
+        if refused is not None:
+            log.warning("%s", refused)
     return AssembledWorker(connection, service, registration, worker_id, sampling)
 
 
