@@ -10,6 +10,7 @@ The SDK, gateway and producer paths against a real worker are in tests/test_sdk_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -295,21 +296,28 @@ def test_a_lora_session_steps_as_peft_with_the_reference(model_dir, tmp_path):
             s = LoraSession("b" * 32, base, types.LoraConfig(rank=4, seed=99), base_model="tiny", optimizer=DIMUON)
             assert s.load_state(Path(state))["optimizer_steps"] == 2
             ours = dict(s.adapter.named_pairs())
-        data = make_batch(rng, 3)
-        s.run_loss(data, "cross_entropy", None, backward=True)
-        ce_loss(oracle, data).backward()
-        grads = {n: p.grad.detach().numpy() for n, p in params.items()}
-        metrics = s.optim_step(hyper).metrics
-        norm, _ = ref.step(grads, hyper)
-        oracle.zero_grad()
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(torch.from_numpy(ref.weights[n]))
+        metrics, norm = _step_both(s, oracle, params, ref, hyper, make_batch(rng, 3), ce_loss)
         assert metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
         assert metrics["learning_rate:mean"] == pytest.approx(2e-2 * 8 ** 0.175) and metrics["step:max"] == step + 1
         for n, w in ref.weights.items():
             np.testing.assert_allclose(ours[n].detach().numpy(), w, rtol=0, atol=1e-5, err_msg=f"step {step}: {n}")
     assert all(np.abs(ref.weights[n]).max() > 0 for n in ref.weights if n.endswith("lora_B.weight"))  # it trained
+
+
+def _step_both(session: Any, oracle: torch.nn.Module, params: dict[str, torch.nn.Parameter], ref: Reference,
+               hyper: types.DimuonParams, data: list, loss: Any) -> tuple[dict[str, float], float]:
+    """One forward_backward + Dimuon step of ``session`` and of ``ref`` on the oracle's gradients of ``loss``; the
+    oracle's ``params`` then take the reference's weights. Returns the session's metrics and the reference's norm."""
+    session.run_loss(data, "cross_entropy", None, backward=True)
+    loss(oracle, data).backward()
+    grads = {n: p.grad.detach().numpy() for n, p in params.items()}
+    metrics = session.optim_step(hyper).metrics
+    norm, _ = ref.step(grads, hyper)
+    oracle.zero_grad()
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(torch.from_numpy(ref.weights[n]))
+    return metrics, norm
 
 
 def test_a_full_session_steps_as_the_plain_model_with_the_reference(model_dir):
@@ -324,16 +332,7 @@ def test_a_full_session_steps_as_the_plain_model_with_the_reference(model_dir):
     hyper = types.DimuonParams(learning_rate=1e-2, grad_clip_norm=2.0, beta1=0.9)
     rng = np.random.default_rng(2)
     for _ in range(2):
-        data = make_batch(rng, 3)
-        session.run_loss(data, "cross_entropy", None, backward=True)
-        reference_loss(model, data).backward()
-        grads = {n: p.grad.detach().numpy() for n, p in plain.items()}
-        metrics = session.optim_step(hyper).metrics
-        norm, _ = ref.step(grads, hyper)
-        model.zero_grad()
-        with torch.no_grad():
-            for n, p in plain.items():
-                p.copy_(torch.from_numpy(ref.weights[n]))
+        metrics, norm = _step_both(session, model, plain, ref, hyper, make_batch(rng, 3), reference_loss)
         assert metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5) and metrics["learning_rate:mean"] == 1e-2
     ours = dict(session.model.named_parameters())
     assert any(p.dim() == 1 for p in ours.values())
